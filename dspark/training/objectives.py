@@ -1,0 +1,104 @@
+"""DSpark / DFlash training objectives and metrics (SPEC.md 3).
+
+All inputs are per prediction: N blocks x g drafted positions.
+  w_k    = eval_mask_k * exp(-k / decay_gamma)                      (k 0-based)
+  L_ce   = sum w_k CE(logits_k, label_k) / sum w_k
+  L_l1   = sum w_k ||q_k - p_k||_1 / sum w_k                         (q = softmax(draft), p = teacher)
+  c*_k   = clamp(1 - 0.5 ||q_k - p_k||_1, 0, 1), detached
+  L_conf = sum w_k BCEWithLogits(conf_logit_k, c*_k) / sum w_k
+  L      = w_ce L_ce + w_l1 L_l1 + w_conf L_conf
+  tau_prob = 1 + sum_k prod_{j<=k} c*_j   (expected accepted length incl. bonus; mean over blocks)
+
+`normalizer` lets the caller divide by a sum of weights taken over more than this call's rows (all DDP
+ranks), so that a data-parallel run optimises exactly the same objective as one process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    ce: float = 0.1
+    l1: float = 0.9
+    conf: float = 1.0
+
+
+def position_weights(eval_mask: torch.Tensor, decay_gamma: float | None) -> torch.Tensor:
+    """eval_mask [N, g] -> w [N, g] float = eval_mask * exp(-k / decay_gamma) (no decay when None)."""
+    g = eval_mask.shape[-1]
+    k = torch.arange(g, device=eval_mask.device, dtype=torch.float32)
+    decay = torch.ones_like(k) if decay_gamma is None else torch.exp(-k / decay_gamma)
+    return eval_mask.float() * decay
+
+
+def l1_distance(draft_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """[N, g, V] x2 -> ||softmax(d) - softmax(t)||_1 over V, [N, g] (fp32)."""
+    q = draft_logits.float().softmax(-1)
+    p = teacher_logits.float().softmax(-1)
+    return (q - p).abs().sum(-1)
+
+
+def acceptance_targets(l1: torch.Tensor) -> torch.Tensor:
+    """c*_k = clamp(1 - 0.5 * L1, 0, 1), detached. [N, g] -> [N, g]."""
+    return (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
+
+
+def tau_prob(c_star: torch.Tensor, eval_mask: torch.Tensor) -> torch.Tensor:
+    """Mean over blocks with at least one valid position of 1 + sum_k prod_{j<=k} c*_j (invalid -> 0)."""
+    c = c_star * eval_mask.float()
+    per_block = 1.0 + c.cumprod(-1).sum(-1)  # [N]
+    valid = eval_mask[:, 0]
+    if not bool(valid.any()):
+        return torch.zeros((), device=c.device)
+    return per_block[valid].mean()
+
+
+def draft_losses(
+    draft_logits: torch.Tensor,
+    labels: torch.Tensor,
+    eval_mask: torch.Tensor,
+    teacher_logits: torch.Tensor | None,
+    conf_logits: torch.Tensor | None,
+    *,
+    decay_gamma: float | None,
+    weights: LossWeights,
+    normalizer: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Loss parts and metrics.
+
+    draft_logits [N, g, V] (Markov-corrected for DSpark), labels [N, g], eval_mask [N, g] bool,
+    teacher_logits [N, g, V] or None (CE only), conf_logits [N, g] or None.
+    Returns {"loss", "ce", "l1", "conf", "tau_prob", "agree_count" [g], "agree_total" [g]}: top-1
+    agreement with the teacher per position is agree_count / agree_total. Loss parts that are switched
+    off (weight 0 or inputs None) are absent.
+    """
+    w = position_weights(eval_mask, decay_gamma)  # [N, g]
+    denom = (w.sum() if normalizer is None else normalizer).clamp_min(1e-8)
+    out: dict[str, torch.Tensor] = {}
+    loss = torch.zeros((), device=draft_logits.device)
+    if weights.ce:
+        ce = F.cross_entropy(draft_logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+        out["ce"] = (w * ce.view_as(w)).sum() / denom
+        loss = loss + weights.ce * out["ce"]
+    if teacher_logits is not None:
+        l1 = l1_distance(draft_logits, teacher_logits)  # [N, g]
+        c_star = acceptance_targets(l1)
+        if weights.l1:
+            out["l1"] = (w * l1).sum() / denom
+            loss = loss + weights.l1 * out["l1"]
+        if conf_logits is not None and weights.conf:
+            bce = F.binary_cross_entropy_with_logits(conf_logits.float(), c_star, reduction="none")
+            out["conf"] = (w * bce).sum() / denom
+            loss = loss + weights.conf * out["conf"]
+        with torch.no_grad():
+            out["tau_prob"] = tau_prob(c_star, eval_mask)
+            hit = draft_logits.argmax(-1) == teacher_logits.argmax(-1)  # [N, g]
+            m = eval_mask.float()
+            out["agree_count"] = (hit.float() * m).sum(0)  # [g]
+            out["agree_total"] = m.sum(0)  # [g]
+    out["loss"] = loss
+    return out
