@@ -1,0 +1,147 @@
+"""Builds the run's pieces from the Hydra config, validating every key before any heavy work starts."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from dspark.targets.hf_target import FrozenTarget, load_hf_target
+
+TARGET_KINDS = ("tiny_v4", "hf")
+DRAFT_KINDS = ("dspark_v4",)
+DATA_SOURCES = ("sharegpt", "jsonl", "regenerated")
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the key."""
+
+
+def require(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+# ---- target ---------------------------------------------------------------------------------------
+def build_target(cfg: DictConfig) -> FrozenTarget:
+    t = cfg.target
+    require(t.kind in TARGET_KINDS, "target.kind", f"{t.kind!r} is not one of {TARGET_KINDS}")
+    require(hasattr(torch, str(t.dtype)), "target.dtype", f"unknown torch dtype {t.dtype!r}")
+    layer_ids = list(cfg.draft.target_layer_ids)
+    if t.kind == "tiny_v4":
+        from dspark.targets.tiny_v4 import TINY_V4_DIR
+
+        return load_hf_target(str(t.path or TINY_V4_DIR), layer_ids, str(t.dtype))
+    require(t.path not in (None, "???"), "target.path", "set it to a local HF model folder")
+    return load_hf_target(str(t.path), layer_ids, str(t.dtype))
+
+
+def resolve_mask_token_id(cfg: DictConfig, target: FrozenTarget) -> int:
+    mid = cfg.draft.mask_token_id
+    if mid is None:
+        tok = target.tokenizer
+        mid = tok.convert_tokens_to_ids("<|mask|>") if tok is not None else None
+        require(mid is not None and mid != getattr(tok, "unk_token_id", None), "draft.mask_token_id",
+                "null, and the target tokenizer has no <|mask|> token: set an explicit id")
+    require(0 <= int(mid) < target.vocab_size, "draft.mask_token_id",
+            f"{mid} outside the target vocabulary [0, {target.vocab_size})")
+    return int(mid)
+
+
+# ---- draft ----------------------------------------------------------------------------------------
+def build_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
+    d = cfg.draft
+    require(d.kind in DRAFT_KINDS, "draft.kind", f"{d.kind!r} is not one of {DRAFT_KINDS}")
+    require(int(d.block_size) >= 1, "draft.block_size", f"must be >= 1, got {d.block_size}")
+    require(d.layout in ("anchor", "mask"), "draft.layout", f"{d.layout!r} is not 'anchor' or 'mask'")
+    arch = OmegaConf.to_container(d.arch, resolve=True) if d.arch is not None else {}
+    hidden = arch.get("hidden_size", target.hidden_size)
+    require(hidden == target.hidden_size, "draft.arch.hidden_size",
+            f"{hidden} does not match the target hidden size {target.hidden_size} "
+            "(the draft shares the target's embedding and LM head)")
+    mask_id = resolve_mask_token_id(cfg, target)
+    if d.kind == "dspark_v4":
+        from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft, init_draft_layers_from_target
+
+        require(target.hc_mult > 0, "draft.kind", "dspark_v4 needs a DeepSeek-V4 target (config has no hc_mult)")
+        keys = dict(
+            num_layers=int(d.num_layers), block_size=int(d.block_size), mask_token_id=mask_id,
+            target_layer_ids=list(d.target_layer_ids), markov_rank=int(d.markov_rank),
+            markov_head_type=str(d.markov_head_type), sliding_window=int(d.sliding_window),
+        )
+        keys.update(arch)
+        try:
+            dcfg = DSparkV4Config.from_hf_config(target.model.config, **keys)
+            dcfg.validate()
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"draft: {e}") from e
+        draft = DSparkV4Draft(dcfg)
+        if d.init_from_target:
+            n = len(target.layers)
+            init_draft_layers_from_target(draft, target.model, list(range(n - dcfg.num_layers, n)))
+    draft.share_target_weights(target.embed_weight, target.lm_head_weight)
+    return draft
+
+
+def draft_window(cfg: DictConfig) -> int | None:
+    w = cfg.draft.get("sliding_window")
+    return None if w is None else int(w)
+
+
+# ---- data -----------------------------------------------------------------------------------------
+def load_records(data: DictConfig):
+    require(data.source in DATA_SOURCES, "data.source", f"{data.source!r} is not one of {DATA_SOURCES}")
+    if data.source == "sharegpt":
+        from dspark.data.sharegpt import iter_sharegpt
+
+        return lambda: iter_sharegpt(data.path, limit=data.limit)
+    require(data.path is not None and Path(str(data.path)).is_file(), "data.path",
+            f"{data.path!r} is not a file")
+    from dspark.data.jsonl import read_conversations
+
+    return lambda: read_conversations(str(data.path), limit=data.limit)
+
+
+def build_dataset(cfg: DictConfig, tokenizer):
+    from dspark.data.dataset import cached_chat_dataset
+
+    data = cfg.data
+    require(int(data.max_length) > int(cfg.draft.block_size) + 1, "data.max_length",
+            f"{data.max_length} is too short for block_size {cfg.draft.block_size}")
+    records_fn = load_records(data)
+    source = f"{data.source}:{data.path}:{data.limit}:{data.min_loss_tokens}"
+    return cached_chat_dataset(source, records_fn, tokenizer, int(data.max_length),
+                               min_loss_tokens=int(data.min_loss_tokens))
+
+
+def build_datamodule(cfg: DictConfig, tokenizer, dataset=None):
+    from dspark.training.data_module import ChatDataModule
+
+    tr = cfg.train
+    for key in ("batch_size", "num_anchors", "max_steps", "accumulate_grad_batches"):
+        require(int(tr[key]) >= 1, f"train.{key}", f"must be >= 1, got {tr[key]}")
+    dataset = dataset if dataset is not None else build_dataset(cfg, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return ChatDataModule(
+        dataset, pad_id=int(pad), batch_size=int(tr.batch_size), num_anchors=int(tr.num_anchors),
+        total_batches=int(tr.max_steps) * int(tr.accumulate_grad_batches),
+        val_examples=int(cfg.data.val_examples), val_batch_size=int(tr.val_batch_size),
+        seed=int(cfg.seed), num_workers=int(cfg.data.num_workers),
+    )
+
+
+# ---- module ---------------------------------------------------------------------------------------
+def build_module(cfg: DictConfig, draft, target: FrozenTarget):
+    from dspark.training.module import DraftLightningModule, OptimConfig
+    from dspark.training.objectives import LossWeights
+
+    tr = cfg.train
+    lw = LossWeights(**OmegaConf.to_container(tr.loss_weights))
+    optim = OptimConfig(lr=float(tr.lr), weight_decay=float(tr.weight_decay), betas=tuple(tr.betas),
+                        warmup_ratio=float(tr.warmup_ratio), min_lr_ratio=float(tr.min_lr_ratio),
+                        max_steps=int(tr.max_steps))
+    return DraftLightningModule(
+        draft, target, num_drafts=int(cfg.draft.block_size), mask_token_id=resolve_mask_token_id(cfg, target),
+        layout=str(cfg.draft.layout), window=draft_window(cfg), decay_gamma=tr.decay_gamma,
+        loss_weights=lw, optim=optim,
+    )

@@ -1,0 +1,159 @@
+"""DataModule: tokenized chat examples -> padded batches with sampled anchors, resumable mid-run.
+
+Training is step based: the train loader is ONE long Lightning epoch of `total_batches` batches that
+walks over the data for as many passes as needed (a fresh permutation per pass). The batch order and
+every example's anchors are pure functions of (seed, pass, index), so a resumed run sees exactly the
+batches it would have seen without the interruption: the DataModule's checkpoint state is the number
+of batches already consumed.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Iterator
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from dspark.training.blocks import sample_anchors
+
+
+def _seed_for(*parts: int) -> int:
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class AnchoredExamples(Dataset):
+    """Rows {input_ids, loss_mask} -> tensors plus anchors sampled deterministically per (pass, index)."""
+
+    def __init__(self, rows, num_anchors: int, seed: int):
+        self.rows = rows
+        self.num_anchors = num_anchors
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+        data_pass, idx = key
+        row = self.rows[int(idx)]
+        ids = torch.tensor(row["input_ids"], dtype=torch.long)  # [S]
+        lm = torch.tensor(row["loss_mask"], dtype=torch.long)  # [S]
+        gen = torch.Generator().manual_seed(_seed_for(self.seed, data_pass, int(idx)))
+        anchors, keep = sample_anchors(lm, self.num_anchors, gen)
+        return {"input_ids": ids, "loss_mask": lm, "anchors": anchors, "keep": keep}
+
+
+def collate(items: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pads to the longest sequence. -> input_ids/attention_mask/loss_mask [B,S], anchors/keep [B,A]."""
+    S = max(x["input_ids"].numel() for x in items)
+    B = len(items)
+    ids = torch.full((B, S), pad_id, dtype=torch.long)
+    am = torch.zeros(B, S, dtype=torch.long)
+    lm = torch.zeros(B, S, dtype=torch.long)
+    for i, x in enumerate(items):
+        n = x["input_ids"].numel()
+        ids[i, :n] = x["input_ids"]
+        am[i, :n] = 1
+        lm[i, :n] = x["loss_mask"]
+    return {
+        "input_ids": ids,
+        "attention_mask": am,
+        "loss_mask": lm,
+        "anchors": torch.stack([x["anchors"] for x in items]),
+        "keep": torch.stack([x["keep"] for x in items]),
+    }
+
+
+class ResumableBatchSampler(Sampler[list[tuple[int, int]]]):
+    """Yields this rank's share of each global batch as [(pass, index), ...].
+
+    Global batch b of the run covers data pass b // batches_per_pass; passes are fresh permutations
+    (seed, pass). `start` skips batches already consumed (resume). len() is the full run length so that
+    Lightning's progress counters stay consistent after a restart.
+    """
+
+    def __init__(self, num_examples: int, batch_size: int, total_batches: int, seed: int,
+                 rank: int = 0, world_size: int = 1, shuffle: bool = True):
+        self.global_batch = batch_size * world_size
+        self.batches_per_pass = num_examples // self.global_batch
+        if self.batches_per_pass == 0:
+            raise ValueError(
+                f"data: {num_examples} training examples cannot fill one global batch of "
+                f"{batch_size} x {world_size} ranks; lower train.batch_size or add data"
+            )
+        self.num_examples, self.batch_size = num_examples, batch_size
+        self.total_batches, self.seed, self.shuffle = total_batches, seed, shuffle
+        self.rank, self.start = rank, 0
+
+    def __len__(self) -> int:
+        return self.total_batches
+
+    def _order(self, data_pass: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_examples)
+        gen = torch.Generator().manual_seed(_seed_for(self.seed, data_pass))
+        return torch.randperm(self.num_examples, generator=gen)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        start, self.start = self.start, 0
+        order, order_pass = None, -1
+        for b in range(start, self.total_batches):
+            data_pass, within = divmod(b, self.batches_per_pass)
+            if data_pass != order_pass:
+                order, order_pass = self._order(data_pass), data_pass
+            g0 = within * self.global_batch + self.rank * self.batch_size
+            yield [(data_pass, int(i)) for i in order[g0 : g0 + self.batch_size]]
+
+
+class ChatDataModule(L.LightningDataModule):
+    """Train / held-out split of a tokenized dataset with columns input_ids, loss_mask."""
+
+    def __init__(self, dataset, *, pad_id: int, batch_size: int, num_anchors: int, total_batches: int,
+                 val_examples: int, val_batch_size: int | None = None, seed: int = 0, num_workers: int = 0):
+        super().__init__()
+        n = len(dataset)
+        if val_examples <= 0 or val_examples >= n:
+            raise ValueError(f"data.val_examples={val_examples} must be in [1, {n - 1}] for {n} examples")
+        self.train_rows = dataset.select(range(0, n - val_examples))
+        self.val_rows = dataset.select(range(n - val_examples, n))
+        self.pad_id, self.batch_size, self.num_anchors = pad_id, batch_size, num_anchors
+        self.total_batches, self.seed, self.num_workers = total_batches, seed, num_workers
+        self.val_batch_size = val_batch_size or batch_size
+        self._resume_batches = 0
+
+    def _ranks(self) -> tuple[int, int]:
+        t = self.trainer
+        return (t.global_rank, t.world_size) if t is not None else (0, 1)
+
+    def _loader(self, rows, batch_sampler) -> DataLoader:
+        return DataLoader(
+            AnchoredExamples(rows, self.num_anchors, self.seed),
+            batch_sampler=batch_sampler,
+            collate_fn=functools.partial(collate, pad_id=self.pad_id),
+            num_workers=self.num_workers,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        rank, world = self._ranks()
+        sampler = ResumableBatchSampler(len(self.train_rows), self.batch_size, self.total_batches,
+                                        self.seed, rank, world)
+        sampler.start = self._resume_batches
+        return self._loader(self.train_rows, sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        rank, world = self._ranks()
+        idx = list(range(rank, len(self.val_rows), world))  # fixed anchors: pass 0
+        batches = [[(0, i) for i in idx[k : k + self.val_batch_size]]
+                   for k in range(0, len(idx), self.val_batch_size)]
+        return self._loader(self.val_rows, batches)
+
+    # ---- resume -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        t = self.trainer
+        consumed = t.global_step * t.accumulate_grad_batches if t is not None else 0
+        return {"batches_consumed": int(consumed)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume_batches = int(state.get("batches_consumed", 0))
