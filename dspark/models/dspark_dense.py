@@ -1,0 +1,223 @@
+"""Dense DSpark / DFlash draft (SPEC.md 5): Qwen3-style decoder layers over a block of tokens.
+
+    main_x = hidden_norm(fc(concat of target layer outputs))                 [B, S, H]
+    per layer: context k = RoPE_ctxpos(k_norm(k_proj(main_x))), v = v_proj(main_x)   (no input norm)
+               block tokens: pre-norm GQA attention over [context ; block] + SwiGLU MLP
+    h = last layer output (pre-norm); U = lm_head(norm(h)) with the target's LM head
+DSpark adds the Markov head and a confidence head (Linear(H + r -> 1) with bias on the NORMED hidden,
+as in DeepSpec's dense drafts). DFlash (`markov_rank: 0`) has neither and is trained with CE only.
+Parameter names follow vLLM's Qwen3 DSpark / DFlash drafts (fc, hidden_norm, layers.{i}.self_attn.*,
+layers.{i}.mlp.*, norm, markov_head.*, confidence_head.proj).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.models.heads import MARKOV_HEAD_KINDS, ConfidenceHead, MarkovHead
+from dspark.ops.attention import masked_attention
+
+
+@dataclass(kw_only=True)
+class DSparkDenseConfig:
+    hidden_size: int
+    vocab_size: int
+    num_layers: int = 1
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int] = field(default_factory=list)
+    markov_rank: int = 0  # 0 = DFlash (no Markov head, no confidence head)
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = True
+    sliding_window: int | None = None  # DeepSpec dense drafts see the whole context
+    initializer_range: float = 0.02
+
+    def validate(self) -> "DSparkDenseConfig":
+        for key in ("hidden_size", "vocab_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+                    "head_dim", "intermediate_size", "block_size"):
+            if int(getattr(self, key)) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one target layer")
+        if self.markov_rank < 0:
+            raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}")
+        if self.markov_head_type not in MARKOV_HEAD_KINDS:
+            raise ValueError(f"markov_head_type must be one of {MARKOV_HEAD_KINDS}, got {self.markov_head_type!r}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or null, got {self.sliding_window}")
+        return self
+
+    @classmethod
+    def from_hf_config(cls, hf, **draft_keys) -> "DSparkDenseConfig":
+        """Attention / MLP sizes from a dense HF config (Llama, Qwen2/3, SmolLM2, ...), draft keys given."""
+        heads = int(hf.num_attention_heads)
+        base = dict(
+            hidden_size=int(hf.hidden_size), vocab_size=int(hf.vocab_size), num_attention_heads=heads,
+            num_key_value_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(hf, "head_dim", None) or hf.hidden_size // heads),
+            intermediate_size=int(hf.intermediate_size), rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
+            rope_theta=float(_rope_theta(hf)),
+        )
+        base.update(draft_keys)
+        return cls(**base)
+
+
+def _rope_theta(hf) -> float:
+    rp = getattr(hf, "rope_parameters", None) or {}
+    if isinstance(rp, dict) and "rope_theta" in rp:
+        return rp["rope_theta"]
+    return getattr(hf, "rope_theta", 10000.0)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Half-split (Llama/Qwen) rotary embedding. x [B, heads, T, D], positions [B, T]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))  # [D/2]
+    ang = positions.float()[:, None, :, None] * inv_freq  # [B, 1, T, D/2]
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)  # [B, 1, T, D]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+class DenseAttention(nn.Module):
+    def __init__(self, cfg: DSparkDenseConfig):
+        super().__init__()
+        H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.nh, self.nkv, self.hd, self.theta = nh, nkv, hd, cfg.rope_theta
+        self.q_proj = nn.Linear(H, nh * hd, bias=False)
+        self.k_proj = nn.Linear(H, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(H, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, H, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(*x.shape[:2], n, self.hd).transpose(1, 2)  # [B, T, n*hd] -> [B, n, T, hd]
+
+    def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> k, v [B, nkv, T, hd]; k gets k_norm and RoPE at its positions, v neither."""
+        k = rope(self.k_norm(self._heads(self.k_proj(x), self.nkv)), positions, self.theta)
+        return k, self._heads(self.v_proj(x), self.nkv)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv, mask: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] (normed block hidden), ctx_kv (k, v) [B, nkv, S, hd], mask [B, T, S+T] -> [B, T, H]."""
+        q = rope(self.q_norm(self._heads(self.q_proj(x), self.nh)), positions, self.theta)
+        k_blk, v_blk = self.kv(x, positions)
+        k = torch.cat([ctx_kv[0], k_blk], dim=2)
+        v = torch.cat([ctx_kv[1], v_blk], dim=2)
+        o = masked_attention(q, k, v, mask, scale=self.hd ** -0.5)  # [B, nh, T, hd]
+        return self.o_proj(o.transpose(1, 2).flatten(2))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, cfg: DSparkDenseConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DenseDraftLayer(nn.Module):
+    def __init__(self, cfg: DSparkDenseConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DenseAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DenseMLP(cfg)
+
+    def forward(self, x, positions, ctx_kv, mask):
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_kv, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DSparkDenseDraft(nn.Module):
+    def __init__(self, cfg: DSparkDenseConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.sliding_window = cfg.sliding_window
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DenseDraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.markov_head = None
+        self.confidence_head = None
+        if cfg.markov_rank > 0:
+            self.markov_head = MarkovHead(cfg.vocab_size, cfg.vocab_size, cfg.markov_rank, H, cfg.markov_head_type)
+            if cfg.confidence_head:
+                self.confidence_head = ConfidenceHead(H + cfg.markov_rank, bias=True)
+        self._init_weights()
+        self._embed_weight = self._lm_head_weight = None
+
+    def _init_weights(self) -> None:
+        for name, p in self.named_parameters():
+            if name.startswith(("markov_head.", "confidence_head.")):
+                continue  # the heads initialise themselves
+            if p.dim() == 2:
+                nn.init.normal_(p, std=self.cfg.initializer_range)
+
+    def share_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        """The target's embedding and LM head (frozen), held as plain attributes: never saved or trained."""
+        self._embed_weight, self._lm_head_weight = embed_weight, lm_head_weight
+
+    def _shared(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._embed_weight is None:
+            raise RuntimeError("call share_target_weights(embed, lm_head) before running the draft")
+        return self._embed_weight, self._lm_head_weight
+
+    # ---- interface (docs/CONTRACTS.md) ----------------------------------------------------------------
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [B, S, n*H] -> main_x [B, S, H]."""
+        return self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
+
+    def context_kv(self, main_x: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) [B, nkv, S, hd] from main_x (no input_layernorm on the context)."""
+        return [layer.self_attn.kv(main_x, positions) for layer in self.layers]
+
+    def backbone(self, block_ids, block_positions, ctx, attn_mask) -> torch.Tensor:
+        """block_ids/positions [B, T], attn_mask [B, T, S+T] -> pre-norm hidden [B, T, H]."""
+        embed, _ = self._shared()
+        x = F.embedding(block_ids, embed).to(self.fc.weight.dtype)  # [B, T, H]
+        for layer, kv in zip(self.layers, ctx):
+            x = layer(x, block_positions, kv, attn_mask)
+        return x
+
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        _, lm_head = self._shared()
+        return F.linear(self.norm(h).to(lm_head.dtype), lm_head)  # [..., V]
+
+    def confidence_logit(self, h: torch.Tensor, feat: torch.Tensor | None) -> torch.Tensor:
+        return self.confidence_head(self.norm(h), feat)
