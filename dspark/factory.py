@@ -9,7 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 from dspark.targets.hf_target import FrozenTarget, load_hf_target
 
 TARGET_KINDS = ("tiny_v4", "hf")
-DRAFT_KINDS = ("dspark_v4",)
+DRAFT_KINDS = ("dspark_v4", "dspark_dense")
 DATA_SOURCES = ("sharegpt", "jsonl", "regenerated")
 
 
@@ -60,32 +60,36 @@ def build_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
             f"{hidden} does not match the target hidden size {target.hidden_size} "
             "(the draft shares the target's embedding and LM head)")
     mask_id = resolve_mask_token_id(cfg, target)
+    keys = dict(
+        num_layers=int(d.num_layers), block_size=int(d.block_size), mask_token_id=mask_id,
+        target_layer_ids=list(d.target_layer_ids), markov_rank=int(d.markov_rank),
+        markov_head_type=str(d.markov_head_type),
+        sliding_window=None if d.sliding_window is None else int(d.sliding_window),
+    )
+    keys.update(arch)
     if d.kind == "dspark_v4":
-        from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft, init_draft_layers_from_target
+        from dspark.models.dspark_v4 import DSparkV4Config as Config, DSparkV4Draft as Draft
 
         require(target.hc_mult > 0, "draft.kind", "dspark_v4 needs a DeepSeek-V4 target (config has no hc_mult)")
-        keys = dict(
-            num_layers=int(d.num_layers), block_size=int(d.block_size), mask_token_id=mask_id,
-            target_layer_ids=list(d.target_layer_ids), markov_rank=int(d.markov_rank),
-            markov_head_type=str(d.markov_head_type), sliding_window=int(d.sliding_window),
-        )
-        keys.update(arch)
-        try:
-            dcfg = DSparkV4Config.from_hf_config(target.model.config, **keys)
-            dcfg.validate()
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"draft: {e}") from e
-        draft = DSparkV4Draft(dcfg)
-        if d.init_from_target:
-            n = len(target.layers)
-            init_draft_layers_from_target(draft, target.model, list(range(n - dcfg.num_layers, n)))
+        require(keys["sliding_window"] is not None, "draft.sliding_window", "dspark_v4 needs a window (V4: 128)")
+    else:
+        from dspark.models.dspark_dense import DSparkDenseConfig as Config, DSparkDenseDraft as Draft
+
+        require(target.hc_mult == 0, "draft.kind", "dspark_dense needs a dense target; use dspark_v4 for DeepSeek-V4")
+    try:
+        dcfg = Config.from_hf_config(target.model.config, **keys)
+        dcfg.validate()
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"draft: {e}") from e
+    draft = Draft(dcfg)
+    if d.init_from_target:
+        require(d.kind == "dspark_v4", "draft.init_from_target", "only implemented for dspark_v4 drafts")
+        from dspark.models.dspark_v4 import init_draft_layers_from_target
+
+        n = len(target.layers)
+        init_draft_layers_from_target(draft, target.model, list(range(n - dcfg.num_layers, n)))
     draft.share_target_weights(target.embed_weight, target.lm_head_weight)
     return draft
-
-
-def draft_window(cfg: DictConfig) -> int | None:
-    w = cfg.draft.get("sliding_window")
-    return None if w is None else int(w)
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -142,6 +146,6 @@ def build_module(cfg: DictConfig, draft, target: FrozenTarget):
                         max_steps=int(tr.max_steps))
     return DraftLightningModule(
         draft, target, num_drafts=int(cfg.draft.block_size), mask_token_id=resolve_mask_token_id(cfg, target),
-        layout=str(cfg.draft.layout), window=draft_window(cfg), decay_gamma=tr.decay_gamma,
+        layout=str(cfg.draft.layout), window=draft.cfg.sliding_window, decay_gamma=tr.decay_gamma,
         loss_weights=lw, optim=optim,
     )
