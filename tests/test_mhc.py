@@ -56,7 +56,10 @@ def _spec_hc_pre(x_tok, fn, base, scale, hc, iters):
     m = _spec_mix(x_tok, fn)
     pre = [_sigmoid(m[j] * scale[0].item() + base[j].item()) + EPS for j in range(hc)]
     post = [2 * _sigmoid(m[hc + j] * scale[1].item() + base[hc + j].item()) for j in range(hc)]
-    logits = [[m[2 * hc + j * hc + k] * scale[2].item() + base[2 * hc + j * hc + k].item() for k in range(hc)] for j in range(hc)]
+    logits = [
+        [m[2 * hc + j * hc + k] * scale[2].item() + base[2 * hc + j * hc + k].item() for k in range(hc)]
+        for j in range(hc)
+    ]
     comb = _spec_sinkhorn(logits, hc, iters)
     y = [sum(pre[j] * x_tok[j][d].item() for j in range(hc)) for d in range(len(x_tok[0]))]
     return y, post, comb
@@ -158,7 +161,9 @@ def test_matches_transformers_hyper_connection_and_head():
 
     g = torch.Generator().manual_seed(8)
     head = DeepseekV4HyperHead(cfg)
-    hfn, hbase, hscale = torch.randn(hc, hc * hidden, generator=g), torch.randn(hc, generator=g), torch.rand(1, generator=g) + 0.5
+    hfn = torch.randn(hc, hc * hidden, generator=g)
+    hbase = torch.randn(hc, generator=g)
+    hscale = torch.rand(1, generator=g) + 0.5
     with torch.no_grad():
         head.hc_fn.copy_(hfn)
         head.hc_base.copy_(hbase)

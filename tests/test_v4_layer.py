@@ -212,3 +212,23 @@ def test_init_draft_layers_from_target():
 def test_config_validation_names_the_key(key, value):
     with pytest.raises(ValueError, match=key):
         _draft_config(_hf_config(), **{key: value})
+
+
+def test_bf16_forward_close_to_fp32():
+    _, draft, embed, lm_head = _tiny_draft(seed=7)
+    b, s, t = 1, 5, 4
+    aux = torch.randn(b, s, 2 * HIDDEN)
+    ids = torch.randint(0, 64, (b, t), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(b, t, s + t, dtype=torch.bool)
+
+    def run():
+        ctx = draft.context_kv(draft.combine(aux), torch.arange(s).expand(b, s))
+        return draft.backbone(ids, torch.arange(s, s + t).expand(b, t), ctx, mask)
+
+    ref = run()
+    draft.set_dtype(torch.bfloat16)
+    draft.share_target_weights(embed.bfloat16(), lm_head.detach().bfloat16())
+    h = run()
+    assert h.dtype == torch.bfloat16 and draft.base_logits(h).dtype == torch.bfloat16
+    rel = (h.float() - ref).norm() / ref.norm()
+    assert rel < 0.05, rel

@@ -95,14 +95,16 @@ class DSparkV4Config:
             )
         if self.num_attention_heads % self.o_groups:
             raise ValueError(
-                f"DSparkV4Config.o_groups ({self.o_groups}) must divide num_attention_heads ({self.num_attention_heads})"
+                f"DSparkV4Config.o_groups ({self.o_groups}) must divide num_attention_heads "
+                f"({self.num_attention_heads})"
             )
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ValueError(
                 f"DSparkV4Config.num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts "
                 f"({self.n_routed_experts})"
             )
-        for key in ("routed_scaling_factor", "swiglu_limit", "hc_eps", "rms_norm_eps", "rope_theta", "initializer_range"):
+        floats = ("routed_scaling_factor", "swiglu_limit", "hc_eps", "rms_norm_eps", "rope_theta", "initializer_range")
+        for key in floats:
             if not float(getattr(self, key)) > 0:
                 raise ValueError(f"DSparkV4Config.{key} must be > 0, got {getattr(self, key)!r}")
         if self.scoring_func not in SCORING_FUNCS:
@@ -144,12 +146,13 @@ class DSparkV4Config:
         n_mtp_layers) when the checkpoint config carries them. rope_theta stays 10000 (draft layers are
         plain sliding-window layers without YaRN) unless given.
         """
+        rope_dim = getattr(hf_cfg, "qk_rope_head_dim", None) or hf_cfg.head_dim * hf_cfg.partial_rotary_factor
         values: dict[str, Any] = {
             "hidden_size": hf_cfg.hidden_size,
             "vocab_size": hf_cfg.vocab_size,
             "num_attention_heads": hf_cfg.num_attention_heads,
             "head_dim": hf_cfg.head_dim,
-            "rope_head_dim": int(getattr(hf_cfg, "qk_rope_head_dim", None) or hf_cfg.head_dim * hf_cfg.partial_rotary_factor),
+            "rope_head_dim": int(rope_dim),
             "q_lora_rank": hf_cfg.q_lora_rank,
             "o_groups": hf_cfg.o_groups,
             "o_lora_rank": hf_cfg.o_lora_rank,

@@ -36,7 +36,8 @@ class MarkovHead(nn.Module):
             raise ValueError(f"markov_head_type must be one of {MARKOV_HEAD_KINDS}, got {kind!r}")
         if min(vocab, draft_vocab, rank, hidden) < 1:
             raise ValueError(
-                f"MarkovHead sizes must be positive: vocab={vocab} draft_vocab={draft_vocab} rank={rank} hidden={hidden}"
+                f"MarkovHead sizes must be positive: vocab={vocab} draft_vocab={draft_vocab} "
+                f"rank={rank} hidden={hidden}"
             )
         self.kind = kind
         self.vocab = vocab

@@ -25,7 +25,9 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     if hq % hk != 0:
         raise ValueError(f"masked_attention: query heads ({hq}) must be a multiple of kv heads ({hk})")
     if tuple(mask.shape) != (b, t, length) or mask.dtype != torch.bool:
-        raise ValueError(f"masked_attention: mask must be bool [{b}, {t}, {length}], got {mask.dtype} {tuple(mask.shape)}")
+        raise ValueError(
+            f"masked_attention: mask must be bool [{b}, {t}, {length}], got {mask.dtype} {tuple(mask.shape)}"
+        )
 
 
 def _attend_chunk(
