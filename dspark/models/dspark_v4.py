@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.heads import MARKOV_HEAD_KINDS, ConfidenceHead, MarkovHead
+from dspark.models.v4_names import init_draft_layers_from_target  # re-exported for callers of this module
 from dspark.ops.attention import masked_attention
 from dspark.ops.mhc import hc_head, hc_post, hc_pre
 
@@ -574,4 +575,5 @@ __all__ = [
     "apply_rope",
     "rope_cos_sin",
     "FP32_PARAM_RE",
+    "init_draft_layers_from_target",
 ]

@@ -111,10 +111,10 @@ def init_draft_layers_from_target(
     target's last layers").
 
     draft.layers[i] <- hf_causal_lm.model.layers[source_layer_ids[i]] (default: the target's last
-    len(draft.layers) layers). Each source must match the draft sizes; values are cast to the draft
-    parameter dtypes. Returns the source ids used.
+    len(draft.layers) layers); a bare DeepseekV4Model (with `.layers`) is accepted too. Each source must
+    match the draft sizes; values are cast to the draft parameter dtypes. Returns the source ids used.
     """
-    target_layers = hf_causal_lm.model.layers
+    target_layers = getattr(hf_causal_lm, "model", hf_causal_lm).layers
     n_draft = len(draft.layers)
     if source_layer_ids is None:
         source_layer_ids = list(range(len(target_layers) - n_draft, len(target_layers)))
