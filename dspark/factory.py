@@ -49,24 +49,34 @@ def resolve_mask_token_id(cfg: DictConfig, target: FrozenTarget) -> int:
 
 
 # ---- draft ----------------------------------------------------------------------------------------
+DRAFT_FIELD_KEYS = ("num_layers", "block_size", "mask_token_id", "target_layer_ids", "markov_rank",
+                    "markov_head_type", "sliding_window")
+
+
+def draft_fields(d: DictConfig) -> dict:
+    """The draft group's architecture keys merged with its `arch` overrides: keyword arguments of the
+    draft config class (everything except kind / layout / init_from_target)."""
+    keys = {k: d[k] for k in DRAFT_FIELD_KEYS}
+    keys["target_layer_ids"] = [int(i) for i in keys["target_layer_ids"]]
+    arch = OmegaConf.to_container(d.arch, resolve=True) if d.get("arch") is not None else {}
+    clash = sorted(set(arch) & set(DRAFT_FIELD_KEYS))
+    require(not clash, "draft.arch", f"{clash} belong at the draft level, not under arch")
+    keys.update(arch)
+    return keys
+
+
 def build_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
     d = cfg.draft
     require(d.kind in DRAFT_KINDS, "draft.kind", f"{d.kind!r} is not one of {DRAFT_KINDS}")
     require(int(d.block_size) >= 1, "draft.block_size", f"must be >= 1, got {d.block_size}")
     require(d.layout in ("anchor", "mask"), "draft.layout", f"{d.layout!r} is not 'anchor' or 'mask'")
-    arch = OmegaConf.to_container(d.arch, resolve=True) if d.arch is not None else {}
-    hidden = arch.get("hidden_size", target.hidden_size)
+    hidden = (d.get("arch") or {}).get("hidden_size", target.hidden_size)
     require(hidden == target.hidden_size, "draft.arch.hidden_size",
             f"{hidden} does not match the target hidden size {target.hidden_size} "
             "(the draft shares the target's embedding and LM head)")
     mask_id = resolve_mask_token_id(cfg, target)
-    keys = dict(
-        num_layers=int(d.num_layers), block_size=int(d.block_size), mask_token_id=mask_id,
-        target_layer_ids=list(d.target_layer_ids), markov_rank=int(d.markov_rank),
-        markov_head_type=str(d.markov_head_type),
-        sliding_window=None if d.sliding_window is None else int(d.sliding_window),
-    )
-    keys.update(arch)
+    keys = draft_fields(d)
+    keys["mask_token_id"] = mask_id
     if d.kind == "dspark_v4":
         from dspark.models.dspark_v4 import DSparkV4Config as Config, DSparkV4Draft as Draft
 

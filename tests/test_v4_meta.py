@@ -6,14 +6,19 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from dspark.factory import draft_fields
 from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "draft"
 
 
+def _values(name: str) -> dict:
+    """The draft group YAML as DSparkV4Config keyword arguments (draft keys + arch), as train.py reads it."""
+    return draft_fields(OmegaConf.load(CONFIGS / f"{name}.yaml"))
+
+
 def _load(name: str) -> DSparkV4Config:
-    node = OmegaConf.load(CONFIGS / f"{name}.yaml")
-    return DSparkV4Config.from_dict(OmegaConf.to_container(node, resolve=True)).validate()
+    return DSparkV4Config.from_dict(_values(name)).validate()
 
 
 def _formula_count(c: dict) -> int:
@@ -114,7 +119,7 @@ def test_real_size_on_meta(name, expect):
     assert draft.layers[0].hc_attn_fn.dtype == torch.float32 and draft.layers[0].ffn.gate.bias.dtype == torch.float32
 
     n_params = sum(p.numel() for p in draft.parameters())
-    assert n_params == _formula_count(OmegaConf.to_container(OmegaConf.load(CONFIGS / f"{name}.yaml")))
+    assert n_params == _formula_count(_values(name))
     assert n_params == sum(t.numel() for t in draft.state_dict().values())
 
 
@@ -123,11 +128,11 @@ def test_yaml_keys_are_exactly_the_config_fields():
 
     fields = {f.name for f in dataclasses.fields(DSparkV4Config)}
     for name in ("dspark_v4_flash", "dspark_v4_pro"):
-        assert set(OmegaConf.load(CONFIGS / f"{name}.yaml").keys()) == fields, name
+        assert set(_values(name)) == fields, name
 
 
 def test_from_dict_rejects_unknown_and_missing_keys():
-    values = OmegaConf.to_container(OmegaConf.load(CONFIGS / "dspark_v4_flash.yaml"))
+    values = _values("dspark_v4_flash")
     with pytest.raises(ValueError, match="markov_rnak"):
         DSparkV4Config.from_dict({**values, "markov_rnak": 3})
     values.pop("hidden_size")
