@@ -104,16 +104,24 @@ def build_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
 
 # ---- data -----------------------------------------------------------------------------------------
 def load_records(data: DictConfig):
+    """A zero-argument callable yielding conversation records (only called on a cache miss).
+
+    Malformed jsonl lines are skipped and counted (one warning with the first line numbers) unless
+    data.strict is true, which refuses the file at the first bad line, naming it.
+    """
     require(data.source in DATA_SOURCES, "data.source", f"{data.source!r} is not one of {DATA_SOURCES}")
+    limit = None if data.limit is None else int(data.limit)
     if data.source == "sharegpt":
         from dspark.data.sharegpt import iter_sharegpt
 
-        return lambda: iter_sharegpt(data.path, limit=data.limit)
+        return lambda: iter_sharegpt(data.path, limit=limit, english_only=bool(data.english_only))
     require(data.path is not None and Path(str(data.path)).is_file(), "data.path",
             f"{data.path!r} is not a file")
-    from dspark.data.jsonl import read_conversations
+    from itertools import islice
 
-    return lambda: read_conversations(str(data.path), limit=data.limit)
+    from dspark.data.jsonl import iter_jsonl_records
+
+    return lambda: islice(iter_jsonl_records(str(data.path), strict=bool(data.strict)), limit)
 
 
 def build_dataset(cfg: DictConfig, tokenizer):
@@ -123,7 +131,10 @@ def build_dataset(cfg: DictConfig, tokenizer):
     require(int(data.max_length) > int(cfg.draft.block_size) + 1, "data.max_length",
             f"{data.max_length} is too short for block_size {cfg.draft.block_size}")
     records_fn = load_records(data)
-    source = f"{data.source}:{data.path}:{data.limit}:{data.min_loss_tokens}"
+    source = f"{data.source}:{data.path}:{data.limit}:en={data.english_only}"
+    if data.path is not None and Path(str(data.path)).is_file():  # a changed file is a new cache entry
+        st = Path(str(data.path)).stat()
+        source += f":{st.st_size}:{st.st_mtime_ns}"
     return cached_chat_dataset(source, records_fn, tokenizer, int(data.max_length),
                                min_loss_tokens=int(data.min_loss_tokens))
 
