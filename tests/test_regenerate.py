@@ -234,10 +234,11 @@ def tiny_lm():
                                         bos_token="<|im_start|>", unk_token="<unk>")
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     tokenizer.chat_template = CHATML
-    torch.manual_seed(0)
+    torch.manual_seed(1)  # with this seed and init scale, rows give varied text and one stops early
     config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+                         initializer_range=0.3)
     model = LlamaForCausalLM(config).eval()
     return model, tokenizer
 
@@ -263,8 +264,8 @@ def test_hf_generator_batched_equals_rows_alone(tiny_lm):
     alone = [gen.generate([m])[0] for m in batch]
     assert together == alone
     assert all(isinstance(c, Completion) and c.finish_reason in ("stop", "length") for c in together)
-    assert any(c for c in together), "the tiny model must produce some text"
-    assert len(set(together)) > 1
+    assert len(set(together)) == 3, "rows must differ, or the comparison proves little"
+    assert {c.finish_reason for c in together} == {"stop", "length"}, "both end paths exercised"
 
     # Independent reference for one row: plain greedy decoding with full forward passes.
     ids = tok(gen.render(batch[1]), add_special_tokens=False, return_tensors="pt").input_ids  # [1, S]

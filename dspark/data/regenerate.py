@@ -402,7 +402,7 @@ def failed_path_for(out_path: str | os.PathLike) -> Path:
     return out_path.with_name(out_path.name + ".failed.jsonl")
 
 
-def read_jsonl_state(path: Path, *, repair: bool) -> list[dict]:
+def read_jsonl_state(path: Path, *, repair: bool, fields: Sequence[str] | None = None) -> list[dict]:
     """Complete JSON lines of an output/sidecar file; a partial last line is truncated away.
 
     Writes are appends of whole lines, so only the tail can be damaged: text after the last
@@ -410,28 +410,32 @@ def read_jsonl_state(path: Path, *, repair: bool) -> list[dict]:
     Both are dropped (the file is truncated to the last good line when ``repair``) and their
     record is simply regenerated. A malformed line anywhere else means the file was edited or
     damaged otherwise, and raises ValueError naming the line instead of guessing.
+    The file is streamed; ``fields`` keeps only those keys of each row (e.g. ``("id",)``).
     """
     if not path.exists():
         return []
-    data = path.read_bytes()
-    lines = data.split(b"\n")  # the element after the last newline is the (possibly empty) tail
-    rows, good_end = [], 0
-    for lineno, line in enumerate(lines[:-1], start=1):
-        try:
-            row = json.loads(line) if line.strip() else None
-            if row is not None and not (isinstance(row, dict) and isinstance(row.get("id"), str)):
-                raise ValueError("not an object with a string 'id'")
-        except ValueError as exc:
-            if lineno == len(lines) - 1 and not lines[-1]:
-                break  # damaged last line: treat like a partial write
-            raise ValueError(f"{path}:{lineno}: malformed line before the end of the file ({exc}); "
-                             "fix or remove it by hand") from exc
-        if row is not None:
-            rows.append(row)
-        good_end += len(line) + 1
-    if good_end < len(data):
+    rows, good_end, bad = [], 0, None
+    with open(path, "rb") as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if bad is not None:  # a malformed line with more text after it
+                raise bad
+            if not line.endswith(b"\n"):
+                break  # partial tail
+            try:
+                row = json.loads(line) if line.strip() else None
+                if row is not None and not (isinstance(row, dict) and isinstance(row.get("id"), str)):
+                    raise ValueError("not an object with a string 'id'")
+            except ValueError as exc:
+                bad = ValueError(f"{path}:{lineno}: malformed line before the end of the file ({exc}); "
+                                 "fix or remove it by hand")
+                continue
+            if row is not None:
+                rows.append(row if fields is None else {k: row.get(k) for k in fields})
+            good_end += len(line)
+        size = handle.seek(0, os.SEEK_END)
+    if good_end < size:
         logger.warning("%s: %s a partial last line (%d bytes) left by an interrupted write",
-                       path, "truncating" if repair else "ignoring", len(data) - good_end)
+                       path, "truncating" if repair else "ignoring", size - good_end)
         if repair:
             with open(path, "r+b") as handle:
                 handle.truncate(good_end)
@@ -596,7 +600,7 @@ def regenerate(records: Iterable[dict], generator: Generator, out_path: str | os
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     failed_path = failed_path_for(out_path)
-    done_ids = {row["id"] for row in read_jsonl_state(out_path, repair=True)}
+    done_ids = {row["id"] for row in read_jsonl_state(out_path, repair=True, fields=("id",))}
     _compact_failed(failed_path, done_ids)
     failed_before = {row["id"] for row in read_jsonl_state(failed_path, repair=True)}
     name = getattr(generator, "name", type(generator).__name__)
