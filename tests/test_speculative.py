@@ -1,0 +1,361 @@
+"""Speculative decoding: greedy equality with plain decoding, lossless rejection sampling (chi-square),
+vLLM-style acceptance counting, and propose() == the training forward (one inference path)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import dspark.evaluation.speculative as spec
+from dspark.evaluation.metrics import AcceptanceCounter
+from dspark.evaluation.propose import Proposal, propose
+from dspark.evaluation.speculative import acceptance_counter, speculative_generate, target_generate
+from dspark.evaluation.verify import verify_greedy, verify_rejection
+from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
+from dspark.targets.hf_target import FrozenTarget
+from dspark.training.module import DraftLightningModule
+
+V, MASK = 64, 63
+
+
+# ---- tiny models ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_target() -> FrozenTarget:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)
+    return FrozenTarget(LlamaForCausalLM(cfg), [0, 1])
+
+
+def dense_draft(target: FrozenTarget, seed: int = 1, **kw) -> DSparkDenseDraft:
+    torch.manual_seed(seed)
+    keys = dict(num_layers=1, block_size=3, mask_token_id=MASK, target_layer_ids=[0, 1], markov_rank=8)
+    keys.update(kw)
+    draft = DSparkDenseDraft(DSparkDenseConfig.from_hf_config(target.model.config, **keys)).eval()
+    draft.share_target_weights(target.embed_weight, target.lm_head_weight)
+    return draft
+
+
+def prompts(n: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab - 1, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g)
+            for _ in range(n)]
+
+
+# ---- (1) greedy speculative decoding == plain greedy decoding ------------------------------------
+@pytest.mark.parametrize("layout", ["anchor", "mask"])
+@pytest.mark.parametrize("g", [1, 3])
+def test_greedy_equals_target_with_random_draft(llama_target, layout, g):
+    draft = dense_draft(llama_target)
+    for prompt in prompts(3, V, seed=g):
+        ref = target_generate(llama_target, prompt, 12)
+        out, stats = speculative_generate(llama_target, draft, prompt, max_new_tokens=12, num_drafts=g,
+                                          mask_token_id=MASK, layout=layout)
+        assert out.tolist() == ref.tolist()
+        assert stats and all(s.num_drafts == g and 0 <= s.num_accepted <= g for s in stats)
+        # the loop accounts for every token: 1 prefill token + (n + 1) per step, truncated at the end
+        assert 1 + sum(s.num_accepted + 1 for s in stats) >= len(out) > sum(s.num_accepted + 1 for s in stats)
+
+
+def _oracle_propose(reference: list[int], corrupt: bool):
+    """A propose() that drafts the target's own greedy continuation (all accepted); with `corrupt`, every
+    other call gets one wrong token, cycling through the positions, to exercise partial acceptance."""
+    calls = [0]
+
+    def fake(draft, aux, x0, a, *, num_drafts, **_):
+        assert reference[a] == x0, "the loop's anchor must be the target's greedy token at position a"
+        toks = list(reference[a + 1 : a + 1 + num_drafts])
+        if corrupt and calls[0] % 2 == 1:
+            k = (calls[0] // 2) % num_drafts
+            toks[k] = (toks[k] + 1) % V
+        calls[0] += 1
+        t = torch.tensor(toks)
+        return Proposal(tokens=t, q_probs=torch.nn.functional.one_hot(t, V).float(), conf=None,
+                        logits=torch.zeros(num_drafts, V))
+
+    return fake
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+@pytest.mark.parametrize("g", [1, 3])
+def test_greedy_equals_target_with_oracle_draft(llama_target, monkeypatch, g, corrupt):
+    for prompt in prompts(3, V, seed=10 + g):
+        n_new = 13
+        cont = target_generate(llama_target, prompt, n_new + g + 2)
+        reference = prompt.tolist() + cont.tolist()
+        monkeypatch.setattr(spec, "propose", _oracle_propose(reference, corrupt))
+        out, stats = speculative_generate(llama_target, None, prompt, max_new_tokens=n_new, num_drafts=g,
+                                          mask_token_id=MASK)
+        assert out.tolist() == cont[:n_new].tolist()  # truncated exactly at max_new_tokens
+        accepted = [s.num_accepted for s in stats]
+        if not corrupt:
+            assert all(n == g for n in accepted)  # every draft accepted, bonus tokens emitted
+            assert len(stats) == math.ceil((n_new - 1) / (g + 1))
+        else:
+            assert min(accepted) < g and max(accepted) == g  # rejections and full acceptances
+            assert g == 1 or any(0 < n < g for n in accepted)  # partial acceptances too
+
+
+def test_eos_stops_both_decoders_at_the_same_token(llama_target):
+    draft = dense_draft(llama_target)
+    prompt = prompts(1, V, seed=3)[0]
+    ref = target_generate(llama_target, prompt, 16).tolist()
+    eos = ref[5]
+    cut = ref.index(eos) + 1
+    plain = target_generate(llama_target, prompt, 16, eos_token_id=eos)
+    out, _ = speculative_generate(llama_target, draft, prompt, max_new_tokens=16, num_drafts=3,
+                                  mask_token_id=MASK, eos_token_id=[eos])
+    assert plain.tolist() == ref[:cut] and out.tolist() == ref[:cut]
+
+
+def test_sampling_with_the_target_as_draft_accepts_everything(llama_target, monkeypatch):
+    """At T > 0, a draft whose q is exactly the target's distribution is always fully accepted: checks the
+    loop's row alignment and temperature handling on the rejection path."""
+    scored: list[torch.Tensor] = []
+    real_score = spec.score
+
+    def recording_score(target, ids):
+        scored.append(ids)
+        return real_score(target, ids)
+
+    def target_as_draft(draft, aux, x0, a, *, num_drafts, temperature, generator, **_):
+        seq = scored[-1][:a].tolist() + [x0]
+        toks, rows = [], []
+        for _ in range(num_drafts):
+            _, logits = real_score(llama_target, torch.tensor(seq))
+            p = torch.softmax(logits[-1] / temperature, -1)
+            y = int(torch.multinomial(p, 1, generator=generator))
+            toks.append(y)
+            rows.append(p)
+            seq.append(y)
+        return Proposal(tokens=torch.tensor(toks), q_probs=torch.stack(rows), conf=None,
+                        logits=torch.zeros(num_drafts, V))
+
+    monkeypatch.setattr(spec, "score", recording_score)
+    monkeypatch.setattr(spec, "propose", target_as_draft)
+    gen = torch.Generator().manual_seed(0)
+    out, stats = speculative_generate(llama_target, None, torch.tensor([1, 2, 3]), max_new_tokens=10,
+                                      num_drafts=2, mask_token_id=MASK, temperature=0.8, generator=gen)
+    assert len(out) == 10 and all(s.num_accepted == 2 for s in stats)
+
+
+# ---- (2) rejection sampling is lossless ----------------------------------------------------------
+def chi2_sf(x: float, df: int) -> float:
+    """Survival function of the chi-square distribution: 1 - P(df/2, x/2) (regularized gamma, series)."""
+    s, z = df / 2.0, x / 2.0
+    if z <= 0:
+        return 1.0
+    term = total = 1.0 / s
+    n = 0
+    while term > total * 1e-15:
+        n += 1
+        term *= z / (s + n)
+        total += term
+    lower = math.exp(s * math.log(z) - z - math.lgamma(s)) * total
+    return max(0.0, 1.0 - lower)
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum()
+    expected = probs.double() * n
+    assert float(expected.min()) >= 5, "test design: too few expected counts for the chi-square test"
+    stat = float(((counts.double() - expected) ** 2 / expected).sum())
+    return chi2_sf(stat, counts.numel() - 1)
+
+
+def test_chi2_helper_matches_tables():
+    assert chi2_sf(18.467, 4) == pytest.approx(0.001, rel=1e-3)  # 99.9% quantile, df 4
+    assert chi2_sf(51.179, 24) == pytest.approx(0.001, rel=1e-3)  # df 24
+    assert chi2_sf(3.841, 1) == pytest.approx(0.05, rel=1e-3)
+
+
+def _random_dist(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.softmax(torch.randn(*shape, generator=g) * 1.2, -1) * 0.8 + 0.2 / shape[-1]
+
+
+def _always_accept(draft_tokens, q_probs, target_probs, generator):
+    return draft_tokens.numel(), int(torch.multinomial(target_probs[-1], 1, generator=generator))
+
+
+def _resample_from_p(draft_tokens, q_probs, target_probs, generator):
+    """Wrong on rejection: samples from p instead of the residual max(p - q, 0)."""
+    for k, y in enumerate(draft_tokens.tolist()):
+        if float(torch.rand((), generator=generator)) * float(q_probs[k, y]) >= float(target_probs[k, y]):
+            return k, int(torch.multinomial(target_probs[k], 1, generator=generator))
+    return draft_tokens.numel(), int(torch.multinomial(target_probs[-1], 1, generator=generator))
+
+
+def _first_token_counts(verifier, p: torch.Tensor, q: torch.Tensor, trials: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    drafts = torch.multinomial(q, trials, replacement=True, generator=gen)  # [trials]
+    rows = torch.stack([p, p])  # [g+1, V]; row 1 is only used for the bonus
+    counts = torch.zeros(p.numel())
+    for y in drafts.tolist():
+        n, nxt = verifier(torch.tensor([y]), q.view(1, -1), rows, gen)
+        counts[y if n == 1 else nxt] += 1
+    return counts
+
+
+def test_rejection_sampling_first_token_follows_the_target():
+    g = torch.Generator().manual_seed(0)
+    p, q = _random_dist(g, 5), _random_dist(g, 5)
+    assert chi2_pvalue(_first_token_counts(verify_rejection, p, q, 20000, seed=1), p) > 1e-3
+    # the test has power: wrong verifiers are rejected
+    assert chi2_pvalue(_first_token_counts(_always_accept, p, q, 20000, seed=1), p) < 1e-3
+    assert chi2_pvalue(_first_token_counts(_resample_from_p, p, q, 20000, seed=1), p) < 1e-3
+
+
+def _two_token_counts(verifier, p0, p1, q0, q1, trials: int, seed: int) -> torch.Tensor:
+    """Joint counts of the first two emitted tokens. p1[a] / q1[a]: target / draft distributions of the
+    second token given the first is a (the draft is Markov: q1 depends on its own first sample)."""
+    gen = torch.Generator().manual_seed(seed)
+    Vn = p0.numel()
+    counts = torch.zeros(Vn, Vn)
+    for _ in range(trials):
+        y0 = int(torch.multinomial(q0, 1, generator=gen))
+        y1 = int(torch.multinomial(q1[y0], 1, generator=gen))
+        rows = torch.stack([p0, p1[y0], p0])  # [3, V]; p_2 (bonus) is irrelevant for the first two tokens
+        n, nxt = verifier(torch.tensor([y0, y1]), torch.stack([q0, q1[y0]]), rows, gen)
+        if n == 0:  # one token emitted; the next verify step drafts the second from q1[first]
+            first = nxt
+            y = int(torch.multinomial(q1[first], 1, generator=gen))
+            n2, nxt2 = verifier(torch.tensor([y]), q1[first].view(1, -1), torch.stack([p1[first], p0]), gen)
+            second = y if n2 == 1 else nxt2
+        else:
+            first, second = y0, (y1 if n == 2 else nxt)
+        counts[first, second] += 1
+    return counts.flatten()
+
+
+def test_rejection_sampling_two_positions_joint_follows_the_target():
+    g = torch.Generator().manual_seed(2)
+    p0, q0 = _random_dist(g, 5), _random_dist(g, 5)
+    p1, q1 = _random_dist(g, 5, 5), _random_dist(g, 5, 5)
+    joint = (p0[:, None] * p1).flatten()  # [25]
+    assert chi2_pvalue(_two_token_counts(verify_rejection, p0, p1, q0, q1, 12000, seed=3), joint) > 1e-3
+    assert chi2_pvalue(_two_token_counts(_always_accept, p0, p1, q0, q1, 12000, seed=3), joint) < 1e-3
+
+
+def test_verify_greedy_and_rejection_edge_cases():
+    logits = torch.tensor([[0.0, 5, 0], [3, 0, 0], [0, 0, 1]])  # argmax 1, 0, 2
+    assert verify_greedy(torch.tensor([1, 0]), logits) == (2, 2)  # all accepted + bonus
+    assert verify_greedy(torch.tensor([1, 2]), logits) == (1, 0)  # mismatch at k=1 -> target's token
+    assert verify_greedy(torch.tensor([0, 0]), logits) == (0, 1)  # later matches do not count
+    with pytest.raises(ValueError, match=r"\[g\+1, V\]"):
+        verify_greedy(torch.tensor([1, 0]), logits[:2])
+    # q one-hot on p's argmax and p one-hot: rejection sampling reduces to greedy
+    p = torch.nn.functional.one_hot(logits.argmax(-1), 3).float()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.tensor([[0.0, 1, 0], [0, 0, 1]])  # drafts 1 then 2, both with certainty
+    assert verify_rejection(torch.tensor([1, 2]), q, p, gen) == (1, 0)  # residual at k=1 is p_1 itself
+    with pytest.raises(ValueError, match="q = 0"):
+        verify_rejection(torch.tensor([0]), torch.tensor([[0.0, 1, 0]]), p[:2], gen)
+
+
+# ---- (3) acceptance counting as vLLM --------------------------------------------------------------
+def test_acceptance_counter_hand_computed():
+    c = AcceptanceCounter()
+    for n in (3, 0, 1, 3):  # 4 steps of 3 drafts
+        c.update(3, n)
+    r = c.report()
+    assert r["num_drafts"] == 4 and r["num_draft_tokens"] == 12 and r["num_accepted_tokens"] == 7
+    assert r["accepted_per_pos"] == [3, 2, 2]
+    assert r["mean_acceptance_length"] == pytest.approx(1 + 7 / 4)
+    assert r["draft_acceptance_rate"] == pytest.approx(7 / 12)
+    assert r["per_position_rate"] == pytest.approx([0.75, 0.5, 0.5])
+    assert r["per_position_conditional_rate"] == pytest.approx([0.75, 2 / 3, 1.0])
+
+    other = AcceptanceCounter()
+    other.update(4, 4)  # longer draft: the per-position list grows
+    other.update(4, 0)
+    m = AcceptanceCounter.merged([c, other]).report()
+    assert m["num_drafts"] == 6 and m["num_accepted_tokens"] == 11 and m["accepted_per_pos"] == [4, 3, 3, 1]
+    assert m["mean_acceptance_length"] == pytest.approx(1 + 11 / 6)
+    assert m["per_position_rate"] == pytest.approx([4 / 6, 3 / 6, 3 / 6, 1 / 6])
+
+    empty = AcceptanceCounter()
+    empty.update(2, 0)
+    assert empty.report()["per_position_conditional_rate"] == [0.0, None]  # r_1 / r_0 undefined
+    with pytest.raises(ValueError):
+        c.update(2, 3)
+
+
+def test_acceptance_counter_from_step_stats():
+    steps = [spec.StepStats(anchor_pos=5, draft_tokens=[1, 2], num_accepted=1, next_token=4, conf=None),
+             spec.StepStats(anchor_pos=7, draft_tokens=[1, 2], num_accepted=2, next_token=4, conf=None)]
+    assert acceptance_counter(steps).report()["accepted_per_pos"] == [2, 1]
+
+
+# ---- (4) propose() is the training forward ------------------------------------------------------
+@pytest.mark.parametrize("layout,window,kind", [("anchor", None, "vanilla"), ("mask", None, "rnn"),
+                                                ("anchor", 3, "gated"), ("mask", 2, "vanilla")])
+def test_propose_teacher_forced_equals_training_forward(llama_target, layout, window, kind):
+    g, S, a = 3, 12, 6
+    draft = dense_draft(llama_target, seed=5, markov_head_type=kind)
+    for p in draft.parameters():  # make the heads matter: bigger weights than the 0.02 init
+        torch.nn.init.normal_(p, std=0.3) if p.dim() == 2 else None
+    ids = torch.randint(0, MASK, (1, S), generator=torch.Generator().manual_seed(7))
+    batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones_like(ids),
+                 anchors=torch.tensor([[a]]), keep=torch.tensor([[True]]))
+    module = DraftLightningModule(draft, llama_target, num_drafts=g, mask_token_id=MASK, layout=layout,
+                                  window=window)
+    with torch.no_grad():
+        ref = module.draft_outputs(batch)
+    aux = llama_target.features(ids).aux  # [1, S, 2H]; propose reads positions 0..a-1 only
+    prop = propose(draft, aux, int(ids[0, a]), a, num_drafts=g, mask_token_id=MASK, layout=layout,
+                   window=window, forced_tokens=ids[0, a + 1 : a + 1 + g])
+    torch.testing.assert_close(prop.logits, ref.logits[0, 0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(prop.conf, torch.sigmoid(ref.conf_logits[0, 0]), atol=1e-6, rtol=1e-5)
+    # only the context before the anchor is read: garbage after it changes nothing
+    noisy = aux.clone()
+    noisy[:, a:] = torch.randn_like(noisy[:, a:])
+    again = propose(draft, noisy, int(ids[0, a]), a, num_drafts=g, mask_token_id=MASK, layout=layout,
+                    window=window, forced_tokens=ids[0, a + 1 : a + 1 + g])
+    torch.testing.assert_close(again.logits, prop.logits)
+    # free-running at T=0: y_k = argmax of the Markov-corrected logits given the previous own token
+    free = propose(draft, aux, int(ids[0, a]), a, num_drafts=g, mask_token_id=MASK, layout=layout, window=window)
+    assert free.tokens[0] == prop.logits[0].argmax()
+    assert torch.equal(free.tokens, free.logits.argmax(-1))
+    assert torch.equal(free.q_probs, torch.nn.functional.one_hot(free.tokens, V).float())
+
+
+def test_propose_sampling_and_dflash_draft(llama_target):
+    draft = dense_draft(llama_target, markov_rank=0)  # DFlash: no Markov head, no confidence head
+    aux = llama_target.features(torch.tensor([[1, 2, 3, 4]])).aux
+    gen = torch.Generator().manual_seed(0)
+    prop = propose(draft, aux, 5, 4, num_drafts=3, mask_token_id=MASK, layout="mask", temperature=0.7,
+                   generator=gen)
+    assert prop.conf is None and prop.tokens.shape == (3,) and prop.q_probs.shape == (3, V)
+    torch.testing.assert_close(prop.q_probs, torch.softmax(prop.logits / 0.7, -1))
+    assert torch.allclose(prop.q_probs.sum(-1), torch.ones(3))
+    with pytest.raises(ValueError, match="anchor_pos"):
+        propose(draft, aux, 5, 5, num_drafts=3, mask_token_id=MASK)
+    with pytest.raises(ValueError, match="layout"):
+        propose(draft, aux, 5, 4, num_drafts=3, mask_token_id=MASK, layout="causal")
+
+
+# ---- (5) DeepSeek-V4 draft on a tiny DeepSeek-V4 target -----------------------------------------
+def test_v4_draft_speculative_greedy_equals_target():
+    from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
+
+    torch.manual_seed(0)
+    hf = DeepseekV4Config(
+        vocab_size=50, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=3, num_attention_heads=2,
+        head_dim=8, partial_rotary_factor=0.5, q_lora_rank=8, o_groups=1, o_lora_rank=4, n_routed_experts=2,
+        num_experts_per_tok=1, hc_mult=2, sliding_window=4, layer_types=["sliding_attention"] * 3,
+        mlp_layer_types=["moe"] * 3, initializer_range=0.2,
+    )
+    target = FrozenTarget(DeepseekV4ForCausalLM(hf), [0, 2])
+    draft = DSparkV4Draft(DSparkV4Config.from_hf_config(
+        hf, num_layers=1, block_size=3, mask_token_id=49, target_layer_ids=[0, 2], markov_rank=4)).eval()
+    draft.share_target_weights(target.embed_weight, target.lm_head_weight)
+    window = draft.config.sliding_window
+    for prompt in prompts(2, 50, seed=4):
+        ref = target_generate(target, prompt, 10)
+        for layout in ("anchor", "mask"):
+            out, stats = speculative_generate(target, draft, prompt, max_new_tokens=10, num_drafts=3,
+                                              mask_token_id=49, layout=layout, window=window)
+            assert out.tolist() == ref.tolist()
+            assert all(s.conf is not None and len(s.conf) == 3 for s in stats)
