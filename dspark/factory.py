@@ -131,7 +131,7 @@ def build_dataset(cfg: DictConfig, tokenizer):
     require(int(data.max_length) > int(cfg.draft.block_size) + 1, "data.max_length",
             f"{data.max_length} is too short for block_size {cfg.draft.block_size}")
     records_fn = load_records(data)
-    source = f"{data.source}:{data.path}:{data.limit}:en={data.english_only}"
+    source = f"{data.source}:{data.path}:{data.limit}:en={data.english_only}:strict={data.strict}"
     if data.path is not None and Path(str(data.path)).is_file():  # a changed file is a new cache entry
         st = Path(str(data.path)).stat()
         source += f":{st.st_size}:{st.st_mtime_ns}"

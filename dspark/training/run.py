@@ -88,7 +88,7 @@ def build_loggers(cfg: DictConfig, run_dir: Path):
     return loggers
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput) -> L.Trainer:
+def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[Callback]) -> L.Trainer:
     t = OmegaConf.to_container(cfg.trainer, resolve=True)
     if str(t.get("strategy", "")).startswith("deepspeed"):
         try:
@@ -106,7 +106,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, throughput: Throughput) -> L.T
         accumulate_grad_batches=int(tr.accumulate_grad_batches),
         val_check_interval=int(tr.val_every_steps) * int(tr.accumulate_grad_batches),
         check_val_every_n_epoch=None, num_sanity_val_steps=0, use_distributed_sampler=False,
-        callbacks=[ckpt, LearningRateMonitor(logging_interval="step"), throughput],
+        callbacks=[ckpt, LearningRateMonitor(logging_interval="step"), *callbacks],
         logger=build_loggers(cfg, run_dir), plugins=plugins, default_root_dir=str(run_dir),
     )
 
@@ -126,7 +126,8 @@ def export_draft(draft: torch.nn.Module, cfg: DictConfig, out_dir: Path) -> None
     atomic_write_json(out_dir / "draft_config.json", OmegaConf.to_container(cfg.draft, resolve=True))
 
 
-def run_training(cfg: DictConfig) -> dict:
+def run_training(cfg: DictConfig, callbacks: tuple[Callback, ...] = ()) -> dict:
+    """Runs (or resumes) one training job; `callbacks` are extra Lightning callbacks (tests, tools)."""
     L.seed_everything(int(cfg.seed), workers=True)
     torch.set_float32_matmul_precision("high")
     run_dir = Path(str(cfg.run_dir))
@@ -138,7 +139,7 @@ def run_training(cfg: DictConfig) -> dict:
     datamodule = factory.build_datamodule(cfg, target.tokenizer)
     module = factory.build_module(cfg, draft, target)
     throughput = Throughput()
-    trainer = build_trainer(cfg, run_dir, throughput)
+    trainer = build_trainer(cfg, run_dir, [throughput, *callbacks])
     n_params = sum(p.numel() for p in draft.parameters())
     log.info("draft parameters: %d; run dir: %s", n_params, run_dir)
 

@@ -1,0 +1,34 @@
+"""Shared fixtures: Hydra config composition for end-to-end runs, an isolated dataset cache."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Small enough for 2 CPU cores: a handful of steps on ~100 ShareGPT conversations.
+TINY_RUN = [
+    "data.limit=160", "data.val_examples=8", "data.max_length=128",
+    "train.batch_size=4", "train.val_batch_size=8", "train.num_anchors=4",
+    "train.max_steps=6", "train.val_every_steps=3", "train.ckpt_every_steps=1",
+    "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "validate_at_start=false",
+    "draft.num_layers=1",
+]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _dataset_cache(tmp_path_factory):
+    """One tokenized-dataset cache per test session (never the user's ~/.cache)."""
+    if "DSPARK_CACHE" not in os.environ:
+        os.environ["DSPARK_CACHE"] = str(tmp_path_factory.mktemp("dspark_cache"))
+    yield
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides)

@@ -1,0 +1,132 @@
+"""End to end on the embedded default: a tiny run writes its outputs; a crashed run resumes onto the
+same loss curve; bad config fails fast naming the key; 2-process DDP equals one process."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, TINY_RUN, compose
+from dspark.factory import ConfigError
+from dspark.training.run import run_training
+
+
+def train_losses(run_dir) -> dict[int, float]:
+    """step -> train/loss from every CSV log version of a run (later versions win)."""
+    out = {}
+    for version in sorted((run_dir / "logs").glob("version_*")):
+        with open(version / "metrics.csv") as fh:
+            for row in csv.DictReader(fh):
+                if row.get("train/loss"):
+                    out[int(row["step"])] = float(row["train/loss"])
+    return out
+
+
+def test_tiny_run_writes_checkpoint_metrics_and_draft(tmp_path):
+    cfg = compose(TINY_RUN + [f"run_dir={tmp_path}", "validate_at_start=true"])
+    summary = run_training(cfg)
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    weights = load_file(tmp_path / "draft" / "model.safetensors")
+    assert "main_proj.weight" in weights and not any("embed" in k or "lm_head" in k for k in weights)
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["global_step"] == 6 == summary["global_step"]
+    for part in ("step0", "final"):
+        assert 1.0 <= saved[part]["val/tau_prob"] <= 1.0 + cfg.draft.block_size
+    assert saved["throughput"]["tokens_per_s"] > 0
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    assert all(k.startswith("draft.") for k in ckpt["state_dict"])  # the frozen target is not saved
+    assert ckpt["ChatDataModule"]["batches_consumed"] == 6
+
+
+class Crash(L.Callback):
+    def __init__(self, at_step):
+        self.at_step = at_step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.at_step:
+            raise RuntimeError("simulated crash")
+
+
+def test_resume_continues_the_same_loss_curve(tmp_path):
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    run_training(compose(TINY_RUN + [f"run_dir={straight}"]))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_training(compose(TINY_RUN + [f"run_dir={crashed}"]), callbacks=(Crash(4),))
+    ckpt = torch.load(crashed / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    assert 1 <= ckpt["global_step"] < 6
+    run_training(compose(TINY_RUN + [f"run_dir={crashed}", "resume=last"]))
+    a, b = train_losses(straight), train_losses(crashed)
+    assert sorted(a) == sorted(b) and len(a) == 6
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+    wa = load_file(straight / "draft" / "model.safetensors")
+    wb = load_file(crashed / "draft" / "model.safetensors")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("draft.target_layer_ids=[1,2,9]", "target_layer_ids"),
+        ("+draft.arch.hidden_size=96", "draft.arch.hidden_size"),
+        ("draft.mask_token_id=999999", "draft.mask_token_id"),
+        ("data.val_examples=0", "data.val_examples"),
+        ("draft.markov_head_type=lstm", "markov_head_type"),
+    ],
+)
+def test_bad_config_fails_fast_naming_the_key(tmp_path, override, key):
+    with pytest.raises((ConfigError, ValueError), match=key.replace(".", r"\.")):
+        run_training(compose(TINY_RUN + [f"run_dir={tmp_path}", override]))
+
+
+def test_unknown_experiment_is_refused():
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException, match="no_such_experiment"):
+        compose(["experiment=no_such_experiment"])
+
+
+def test_malformed_jsonl_lines_are_counted_or_refused(tmp_path, caplog):
+    data = tmp_path / "chat.jsonl"
+    good = json.dumps({"messages": [{"role": "user", "content": "Say something about the sea."},
+                                    {"role": "assistant", "content": "The sea is wide and deep and blue, " * 6}]})
+    data.write_text("\n".join([good] * 40 + ["{not json", good] + [good] * 20) + "\n")
+    base = TINY_RUN + [f"run_dir={tmp_path / 'run'}", "data.source=jsonl", f"data.path={data}",
+                       "train.max_steps=1"]
+    run_training(compose(base))
+    assert "42" in caplog.text or "line" in caplog.text  # the skipped line is reported
+    with pytest.raises(ValueError, match="42"):
+        run_training(compose(base + ["data.strict=true"]))
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_match_one_process(tmp_path):
+    """2-process DDP (gloo, CPU) on the same global batch gives the same weights as one process."""
+    common = TINY_RUN + ["train.max_steps=3", "train.val_every_steps=3", "train.ckpt_every_steps=3",
+                         "train.num_anchors=4", "data.num_workers=0"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, str(REPO / "train.py"), *common]
+    subprocess.run(cmd + [f"run_dir={one}", "train.batch_size=4"], check=True, env=env, cwd=REPO,
+                   timeout=600, capture_output=True)
+    r = subprocess.run(cmd + [f"run_dir={two}", "train.batch_size=2", "trainer=ddp", "trainer.accelerator=cpu",
+                              "trainer.devices=2", "trainer.precision=32-true",
+                              "trainer.enable_progress_bar=false"],
+                       env=env, cwd=REPO, timeout=600, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    w1 = load_file(one / "draft" / "model.safetensors")
+    w2 = load_file(two / "draft" / "model.safetensors")
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5)
+    m1, m2 = (json.loads((d / "metrics.json").read_text()) for d in (one, two))
+    assert m1["global_step"] == m2["global_step"] == 3
+    s1, s2 = m1["final"], m2["final"]
+    assert s2["val/tau_prob"] == pytest.approx(s1["val/tau_prob"], rel=1e-4)
