@@ -359,3 +359,122 @@ def test_v4_draft_speculative_greedy_equals_target():
                                               mask_token_id=49, layout=layout, window=window)
             assert out.tolist() == ref.tolist()
             assert all(s.conf is not None and len(s.conf) == 3 for s in stats)
+
+
+# ---- eval.py pipeline on a tiny dense target with a chat template -------------------------------
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tiny_hf_target_dir(path) -> None:
+    """Byte-level tokenizer (256 bytes + ChatML specials + <|mask|>) and a random tiny Llama, saved as an HF folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|mask|>"]})
+    tok.chat_template = CHATML
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+                      eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def eval_setup(tmp_path_factory):
+    """A finished 'training run' (exported draft + draft_config.json), its Lightning .ckpt, benchmark files."""
+    from omegaconf import OmegaConf
+
+    from dspark import factory
+    from dspark.io import atomic_write_json, save_safetensors_atomic
+
+    root = tmp_path_factory.mktemp("eval")
+    _tiny_hf_target_dir(root / "target")
+    draft_group = dict(kind="dspark_dense", num_layers=1, block_size=3, mask_token_id=None, target_layer_ids=[0, 1],
+                       markov_rank=8, markov_head_type="vanilla", sliding_window=None, layout="anchor",
+                       init_from_target=False, arch={})
+    cfg = OmegaConf.create({"target": {"kind": "hf", "path": str(root / "target"), "dtype": "float32"},
+                            "draft": draft_group})
+    target = factory.build_target(cfg)
+    draft = factory.build_draft(cfg, target)
+    state = {k: v.detach().clone() for k, v in draft.state_dict().items()}
+    save_safetensors_atomic(state, root / "run" / "draft" / "model.safetensors")
+    atomic_write_json(root / "run" / "draft" / "draft_config.json", draft_group)
+    import numpy as np
+
+    (root / "run" / "checkpoints").mkdir()
+    torch.save({"state_dict": {f"draft.{k}": v for k, v in state.items()}, "global_step": 3,
+                "rng": {"numpy": np.random.get_state(), "torch": torch.get_rng_state()}},
+               root / "run" / "checkpoints" / "last.ckpt")
+    data = root / "data"
+    data.mkdir()
+    (data / "chat.jsonl").write_text('{"turns": ["Hello there, how are you?", "second turn"]}\n'
+                                     '{"turns": ["Write 2+2."]}\n\n{"turns": ["Third prompt here"]}\n')
+    (data / "math.jsonl").write_text('{"turns": ["What is 7*6?"]}\n')
+    return root
+
+
+def _eval_cfg(root, *overrides):
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    base = ["target=hf", f"target.path={root / 'target'}", "target.dtype=float32", f"data_dir={root / 'data'}",
+            "benchmarks=[chat,math]", "num_prompts=2", "max_new_tokens=10"]
+    with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
+        return compose(config_name="eval", overrides=base + list(overrides))
+
+
+def test_eval_writes_vllm_style_reports(eval_setup, capsys):
+    import json
+
+    from dspark.evaluation.run_eval import run_eval
+
+    root = eval_setup
+    reports = run_eval(_eval_cfg(root, f"run_dir={root / 'run'}"))
+    chat = json.loads((root / "run" / "eval" / "chat.T0.g3.json").read_text())
+    assert chat == json.loads(json.dumps(reports["chat"]))
+    assert chat["num_prompts"] == 2 and chat["engine"] == "dspark-reference" and chat["gamma"] == 3
+    assert chat["temperature"] == 0.0 and set(chat["versions"]) >= {"torch", "transformers"}
+    assert chat["greedy_outputs_equal_target"] == "2/2"  # lossless at T=0, measured in the same run
+    assert chat["wall_time_s"]["target"] > 0 and chat["speedup_vs_target"] > 0
+    assert chat["mean_acceptance_length"] == 1 + chat["num_accepted_tokens"] / chat["num_drafts"]
+    assert chat["num_draft_tokens"] == 3 * chat["num_drafts"] and len(chat["per_position_rate"]) == 3
+    assert reports["math"]["num_prompts"] == 1
+    assert (root / "run" / "eval" / "summary.T0.g3.json").is_file()
+    assert "AL" in capsys.readouterr().out  # the stdout summary
+    # the Lightning checkpoint of the same weights gives the same greedy run
+    ck = run_eval(_eval_cfg(root, f"draft_ckpt={root / 'run' / 'checkpoints' / 'last.ckpt'}",
+                            f"out={root / 'ck_eval'}", "benchmarks=[chat]", "compare_target=false"))
+    assert ck["chat"]["accepted_per_pos"] == chat["accepted_per_pos"]
+    assert ck["chat"]["num_drafts"] == chat["num_drafts"]
+    assert (root / "ck_eval" / "chat.T0.g3.json").is_file()
+
+
+def test_eval_sampling_and_input_errors(eval_setup, tmp_path):
+    from dspark.evaluation.run_eval import read_benchmark, run_eval
+    from dspark.factory import ConfigError
+
+    root = eval_setup
+    rep = run_eval(_eval_cfg(root, f"run_dir={root / 'run'}", "temperature=1.0", "num_drafts=2",
+                             "benchmarks=[math]", f"out={tmp_path / 'o'}"))["math"]
+    assert rep["gamma"] == 2 and rep["num_draft_tokens"] == 2 * rep["num_drafts"]
+    assert "greedy_outputs_equal_target" not in rep
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["ok"]}\n{"turns": ["ok"]\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2"):
+        read_benchmark(bad)
+    bad.write_text('{"turns": ["ok"]}\n\n{"turns": []}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:3"):
+        read_benchmark(bad)
+    with pytest.raises(ConfigError, match="run_dir"):
+        run_eval(_eval_cfg(root))  # neither run_dir nor draft_ckpt
+    with pytest.raises(ConfigError, match="run_dir"):
+        run_eval(_eval_cfg(root, f"run_dir={tmp_path}"))  # no exported draft there
