@@ -167,6 +167,6 @@ def build_module(cfg: DictConfig, draft, target: FrozenTarget):
                         max_steps=int(tr.max_steps))
     return DraftLightningModule(
         draft, target, num_drafts=int(cfg.draft.block_size), mask_token_id=resolve_mask_token_id(cfg, target),
-        layout=str(cfg.draft.layout), window=draft.cfg.sliding_window, decay_gamma=tr.decay_gamma,
+        layout=str(cfg.draft.layout), window=draft.config.sliding_window, decay_gamma=tr.decay_gamma,
         loss_weights=lw, optim=optim,
     )

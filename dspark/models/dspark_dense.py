@@ -166,7 +166,7 @@ class DSparkDenseDraft(nn.Module):
     def __init__(self, cfg: DSparkDenseConfig):
         super().__init__()
         cfg.validate()
-        self.cfg = cfg
+        self.config = cfg
         H = cfg.hidden_size
         self.sliding_window = cfg.sliding_window
         self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
@@ -187,7 +187,7 @@ class DSparkDenseDraft(nn.Module):
             if name.startswith(("markov_head.", "confidence_head.")):
                 continue  # the heads initialise themselves
             if p.dim() == 2:
-                nn.init.normal_(p, std=self.cfg.initializer_range)
+                nn.init.normal_(p, std=self.config.initializer_range)
 
     def share_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """The target's embedding and LM head (frozen), held as plain attributes: never saved or trained."""
