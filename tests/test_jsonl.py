@@ -1,0 +1,83 @@
+"""JSON Lines prompt files: turns/messages shapes, malformed lines counted or refused with the line number."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from dspark.data.jsonl import JsonlFormatError, JsonlStats, iter_jsonl_records, read_jsonl_records
+
+EVAL_DIR = Path("/work/shared/data/eval")
+
+
+def _write(path, lines):
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_turns_and_messages_lines(tmp_path):
+    path = _write(tmp_path / "p.jsonl", [
+        json.dumps({"turns": ["first question", "follow-up"]}),
+        "",
+        json.dumps({"id": 7, "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "q"},
+                                          {"role": "assistant", "content": "a"}]}),
+    ])
+    recs = read_jsonl_records(path)
+    assert recs[0] == {"id": "p-1", "messages": [{"role": "user", "content": "first question"},
+                                                 {"role": "user", "content": "follow-up"}]}
+    assert recs[1]["id"] == "7"
+    assert [m["role"] for m in recs[1]["messages"]] == ["system", "user", "assistant"]
+
+
+BAD_LINES = [
+    json.dumps({"turns": ["ok 1"]}),                                   # 1
+    '{"turns": ["unterminated"',                                       # 2 invalid JSON
+    json.dumps({"turns": ["ok 2"]}),                                   # 3
+    json.dumps({"prompt": "no known key"}),                            # 4
+    json.dumps(["a", "list"]),                                         # 5
+    json.dumps({"turns": []}),                                         # 6
+    json.dumps({"turns": ["x", 3]}),                                   # 7
+    json.dumps({"messages": [{"role": "robot", "content": "beep"}]}),  # 8
+    json.dumps({"messages": [{"role": "user", "content": "ok 3"}]}),   # 9
+]
+
+
+def test_malformed_lines_are_skipped_and_reported(tmp_path, caplog):
+    path = _write(tmp_path / "bad.jsonl", BAD_LINES)
+    stats = JsonlStats()
+    with caplog.at_level(logging.WARNING, logger="dspark.data.jsonl"):
+        recs = read_jsonl_records(path, stats=stats)
+    assert [r["messages"][0]["content"] for r in recs] == ["ok 1", "ok 2", "ok 3"]
+    assert stats.records == 3 and stats.skipped == 6
+    assert stats.bad_lines == [2, 4, 5, 6, 7]  # the first five, 1-based
+    assert "skipped 6 malformed line(s)" in caplog.text and "2, 4, 5, 6, 7, ..." in caplog.text
+
+
+def test_strict_refuses_with_line_number(tmp_path):
+    path = _write(tmp_path / "bad.jsonl", BAD_LINES)
+    it = iter_jsonl_records(path, strict=True)
+    assert next(it)["messages"][0]["content"] == "ok 1"
+    with pytest.raises(JsonlFormatError, match=r"bad\.jsonl:2: malformed"):
+        next(it)
+    only_role = _write(tmp_path / "role.jsonl", [BAD_LINES[0], BAD_LINES[2], BAD_LINES[7]])
+    with pytest.raises(JsonlFormatError, match=r":3: .*messages\[0\]"):
+        read_jsonl_records(only_role, strict=True)
+
+
+def test_clean_file_logs_nothing(tmp_path, caplog):
+    path = _write(tmp_path / "ok.jsonl", [json.dumps({"turns": ["a"]})])
+    with caplog.at_level(logging.WARNING, logger="dspark.data.jsonl"):
+        assert len(read_jsonl_records(path, strict=True)) == 1
+    assert caplog.text == ""
+
+
+@pytest.mark.parametrize("name,min_turns", [("gsm8k", 1), ("humaneval", 1), ("mt-bench", 2)])
+def test_shared_eval_files(name, min_turns):
+    path = EVAL_DIR / f"{name}.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path} not present")
+    recs = read_jsonl_records(path, strict=True)
+    assert recs
+    assert all(m["role"] == "user" and m["content"] for r in recs for m in r["messages"])
+    assert max(len(r["messages"]) for r in recs) >= min_turns
