@@ -102,8 +102,8 @@ def test_malformed_jsonl_lines_are_counted_or_refused(tmp_path, caplog):
     base = TINY_RUN + [f"run_dir={tmp_path / 'run'}", "data.source=jsonl", f"data.path={data}",
                        "train.max_steps=1"]
     run_training(compose(base))
-    assert "42" in caplog.text or "line" in caplog.text  # the skipped line is reported
-    with pytest.raises(ValueError, match="42"):
+    assert "skipped 1 malformed line(s) (lines 41" in caplog.text  # counted and named, not silent
+    with pytest.raises(ValueError, match=r"chat\.jsonl:41: malformed"):
         run_training(compose(base + ["data.strict=true"]))
 
 
@@ -112,20 +112,20 @@ def test_ddp_two_processes_match_one_process(tmp_path):
     """2-process DDP (gloo, CPU) on the same global batch gives the same weights as one process."""
     common = TINY_RUN + ["train.max_steps=3", "train.val_every_steps=3", "train.ckpt_every_steps=3",
                          "train.num_anchors=4", "data.num_workers=0"]
-    one, two = tmp_path / "one", tmp_path / "two"
+    one, two, half = tmp_path / "one", tmp_path / "two", tmp_path / "half"
+    run_training(compose(common + [f"run_dir={one}", "train.batch_size=4"]))
+    run_training(compose(common + [f"run_dir={half}", "train.batch_size=2"]))  # rank 0's share alone
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, str(REPO / "train.py"), *common]
-    subprocess.run(cmd + [f"run_dir={one}", "train.batch_size=4"], check=True, env=env, cwd=REPO,
-                   timeout=600, capture_output=True)
-    r = subprocess.run(cmd + [f"run_dir={two}", "train.batch_size=2", "trainer=ddp", "trainer.accelerator=cpu",
-                              "trainer.devices=2", "trainer.precision=32-true",
-                              "trainer.enable_progress_bar=false"],
+    r = subprocess.run([sys.executable, str(REPO / "train.py"), *common, f"run_dir={two}", "train.batch_size=2",
+                        "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true",
+                        "trainer.enable_progress_bar=false"],
                        env=env, cwd=REPO, timeout=600, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    w1 = load_file(one / "draft" / "model.safetensors")
-    w2 = load_file(two / "draft" / "model.safetensors")
+    w1, w2, wh = (load_file(d / "draft" / "model.safetensors") for d in (one, two, half))
+    # Adam moves each weight by ~lr (3e-3) per step; reduction-order noise is ~1e-5.
     for k in w1:
-        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-4)
+    assert max((wh[k] - w1[k]).abs().max().item() for k in w1) > 1e-3  # the check can tell batches apart
     m1, m2 = (json.loads((d / "metrics.json").read_text()) for d in (one, two))
     assert m1["global_step"] == m2["global_step"] == 3
     s1, s2 = m1["final"], m2["final"]

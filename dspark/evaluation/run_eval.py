@@ -79,12 +79,8 @@ def _load_draft_group(path: Path) -> DictConfig:
 
 
 def _safe_torch_load(path: Path) -> dict:
-    """Lightning .ckpt with weights_only=True; only numpy's RNG-state types are allow-listed."""
-    import numpy as np
-
-    allowed = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(str(path), map_location="cpu", weights_only=True)
+    """Lightning .ckpt with weights_only=True (dspark checkpoints hold only tensors and plain types)."""
+    return torch.load(str(path), map_location="cpu", weights_only=True)
 
 
 def draft_source(cfg: DictConfig) -> tuple[DictConfig, Path, Path]:

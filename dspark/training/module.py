@@ -42,6 +42,17 @@ class DraftOutputs:
     final: torch.Tensor  # [B, S, H] target final hidden (teacher rows are gathered from it)
 
 
+def _numpy_state_to_plain(state) -> dict:
+    """numpy's RNG state with tensors instead of arrays, so checkpoints load with weights_only=True."""
+    name, keys, pos, has_gauss, cached = state
+    return {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def _numpy_state_from_plain(d: dict):
+    return (d["name"], d["keys"].numpy().astype(np.uint32), d["pos"], d["has_gauss"], d["cached_gaussian"])
+
+
 class DraftLightningModule(L.LightningModule):
     def __init__(self, draft: torch.nn.Module, target: FrozenTarget, *, num_drafts: int, mask_token_id: int,
                  layout: str = "anchor", window: int | None = None, decay_gamma: float | None = 4.0,
@@ -184,7 +195,7 @@ class DraftLightningModule(L.LightningModule):
         checkpoint["rng"] = {
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "numpy": np.random.get_state(),
+            "numpy": _numpy_state_to_plain(np.random.get_state()),
             "python": random.getstate(),
         }
 
@@ -195,5 +206,5 @@ class DraftLightningModule(L.LightningModule):
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
-        np.random.set_state(rng["numpy"])
+        np.random.set_state(_numpy_state_from_plain(rng["numpy"]))
         random.setstate(rng["python"])
