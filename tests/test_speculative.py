@@ -407,11 +407,12 @@ def eval_setup(tmp_path_factory):
     state = {k: v.detach().clone() for k, v in draft.state_dict().items()}
     save_safetensors_atomic(state, root / "run" / "draft" / "model.safetensors")
     atomic_write_json(root / "run" / "draft" / "draft_config.json", draft_group)
+    from dspark.training.module import _numpy_state_to_plain
     import numpy as np
 
     (root / "run" / "checkpoints").mkdir()
     torch.save({"state_dict": {f"draft.{k}": v for k, v in state.items()}, "global_step": 3,
-                "rng": {"numpy": np.random.get_state(), "torch": torch.get_rng_state()}},
+                "rng": {"numpy": _numpy_state_to_plain(np.random.get_state()), "torch": torch.get_rng_state()}},
                root / "run" / "checkpoints" / "last.ckpt")
     data = root / "data"
     data.mkdir()
