@@ -39,13 +39,29 @@ def _records(args):
             from dspark.data.sharegpt import iter_sharegpt  # noqa: PLC0415
         except ImportError as exc:
             raise SystemExit(f"error: --source sharegpt needs dspark.data.sharegpt ({exc})") from exc
-        return iter_sharegpt(args.sharegpt_path, None)
+        return _first_user_turns(iter_sharegpt(args.sharegpt_path, None, english_only=args.english_only),
+                                 args.max_user_turns)
     path = Path(args.source)
     if not path.is_file():
         raise SystemExit(f"error: --source must be 'sharegpt' or an existing .jsonl file, got {args.source!r}")
     from dspark.data.jsonl import iter_jsonl_records  # noqa: PLC0415
 
-    return iter_jsonl_records(path, strict=args.strict)
+    return _first_user_turns(iter_jsonl_records(path, strict=args.strict), args.max_user_turns)
+
+
+def _first_user_turns(records, max_user_turns: int | None):
+    """Cut each record after its max_user_turns-th user message (None: keep every turn)."""
+    for rec in records:
+        if max_user_turns is not None:
+            kept, users = [], 0
+            for m in rec["messages"]:
+                if m["role"] == "user":
+                    if users == max_user_turns:
+                        break
+                    users += 1
+                kept.append(m)
+            rec = {**rec, "messages": kept}
+        yield rec
 
 
 def _generator(args, sampling: SamplingParams):
@@ -82,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--sharegpt-path", default=None, help="ShareGPT JSON (default: the installed package's)")
     src.add_argument("--strict", action="store_true", help="fail on a malformed .jsonl line instead of skipping it")
     src.add_argument("--limit", type=int, default=None, help="only the first N records of the source")
+    src.add_argument("--english-only", action="store_true", help="sharegpt: skip records that are not English")
+    src.add_argument("--max-user-turns", type=int, default=None,
+                     help="regenerate only the first N user turns of each record (default: all)")
     gen = parser.add_argument_group("generator")
     gen.add_argument("--target", default=None, help="local HF model folder, or 'smollm2'")
     gen.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
