@@ -38,6 +38,7 @@ def warmup_cosine(step: int, max_steps: int, warmup_ratio: float, min_lr_ratio: 
 class DraftOutputs:
     logits: torch.Tensor  # [B, A, g, V] Markov-corrected draft logits (teacher-forced prev)
     conf_logits: torch.Tensor | None  # [B, A, g]
+    hidden: torch.Tensor  # [B, A, g, H] backbone output at the prediction rows (before the Markov head)
     blocks: Blocks
     final: torch.Tensor  # [B, S, H] target final hidden (teacher rows are gathered from it)
 
@@ -99,7 +100,7 @@ class DraftLightningModule(L.LightningModule):
             bias, feat = draft.markov_head(blocks.prev_ids, h)
             logits = logits + bias
         conf = draft.confidence_logit(h, feat) if getattr(draft, "confidence_head", None) is not None else None
-        return DraftOutputs(logits=logits, conf_logits=conf, blocks=blocks, final=feats.final)
+        return DraftOutputs(logits=logits, conf_logits=conf, hidden=h, blocks=blocks, final=feats.final)
 
     def _losses(self, batch) -> tuple[dict[str, torch.Tensor], Blocks]:
         out = self.draft_outputs(batch)
