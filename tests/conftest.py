@@ -4,7 +4,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported: see train.py
+
+import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
