@@ -1,6 +1,9 @@
 """Builds the run's pieces from the Hydra config, validating every key before any heavy work starts."""
 from __future__ import annotations
 
+import logging
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -11,6 +14,8 @@ from dspark.targets.hf_target import FrozenTarget, load_hf_target
 TARGET_KINDS = ("tiny_v4", "smollm2", "hf")
 DRAFT_KINDS = ("dspark_v4", "dspark_dense")
 DATA_SOURCES = ("sharegpt", "jsonl", "regenerated")
+
+log = logging.getLogger("dspark.factory")
 
 
 class ConfigError(ValueError):
@@ -143,20 +148,108 @@ def build_dataset(cfg: DictConfig, tokenizer):
                                min_loss_tokens=int(data.min_loss_tokens))
 
 
-def build_datamodule(cfg: DictConfig, tokenizer, dataset=None):
+def build_datamodule(cfg: DictConfig, tokenizer, dataset=None, target: FrozenTarget | None = None):
+    """Train/val DataModule; with data.feature_cache set, builds (or reuses) the offline feature cache
+    for `target` first, and the batches then carry the cached features."""
     from dspark.training.data_module import ChatDataModule
 
     tr = cfg.train
     for key in ("batch_size", "num_anchors", "max_steps", "accumulate_grad_batches"):
         require(int(tr[key]) >= 1, f"train.{key}", f"must be >= 1, got {tr[key]}")
     dataset = dataset if dataset is not None else build_dataset(cfg, tokenizer)
+    features = prepare_feature_cache(cfg, target, dataset)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return ChatDataModule(
         dataset, pad_id=int(pad), batch_size=int(tr.batch_size), num_anchors=int(tr.num_anchors),
         total_batches=int(tr.max_steps) * int(tr.accumulate_grad_batches),
         val_examples=int(cfg.data.val_examples), val_batch_size=int(tr.val_batch_size),
-        seed=int(cfg.seed), num_workers=int(cfg.data.num_workers),
+        seed=int(cfg.seed), num_workers=int(cfg.data.num_workers), features=features,
     )
+
+
+# ---- offline feature cache ------------------------------------------------------------------------
+def feature_cache_dir(cfg: DictConfig, target: FrozenTarget, dataset) -> Path | None:
+    """data.feature_cache: null -> None; auto -> <DSPARK_CACHE or ~/.cache/dspark>/features/<key>; else a folder."""
+    from dspark.data.feature_cache import CACHE_DTYPES, cache_key, dataset_fingerprint, target_identity
+
+    where = cfg.data.get("feature_cache")
+    if where in (None, "", False):
+        return None
+    name = str(cfg.data.get("feature_cache_dtype", "bfloat16"))
+    require(name in CACHE_DTYPES, "data.feature_cache_dtype", f"{name!r} is not one of {sorted(CACHE_DTYPES)}")
+    if str(where) != "auto":
+        return Path(str(where)).expanduser()
+    from dspark.data.dataset import default_cache_dir
+
+    key = cache_key(target_identity(target), dataset_fingerprint(dataset), CACHE_DTYPES[name])
+    return default_cache_dir() / "features" / key
+
+
+def _local_rank() -> int:
+    """This process's rank on its node (torchrun / Lightning's DDP launcher / SLURM); 0 when alone."""
+    for var in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def _build_device(cfg: DictConfig, target: FrozenTarget) -> torch.device:
+    """The build runs on this rank's GPU when the trainer uses one, else where the target already is."""
+    accel = str(cfg.trainer.get("accelerator", "auto"))
+    if accel in ("gpu", "cuda", "auto") and torch.cuda.is_available():
+        return torch.device("cuda", _local_rank() % torch.cuda.device_count())
+    return target.device
+
+
+def _wait_for_meta(path: Path, poll_s: float = 2.0) -> None:
+    """Other ranks wait for local rank 0's build (meta.json is written last, atomically)."""
+    from dspark.data.feature_cache import META_NAME
+
+    polls = 0
+    while not (path / META_NAME).is_file():
+        if polls % 30 == 0:
+            log.info("local rank %d: waiting for the feature cache build at %s", _local_rank(), path)
+        time.sleep(poll_s)
+        polls += 1
+
+
+def prepare_feature_cache(cfg: DictConfig, target: FrozenTarget | None, dataset):
+    """Builds (local rank 0; a resumed build skips finished shards) or reuses the feature cache, checks
+    that it belongs to this target and dataset, and returns it (None when data.feature_cache is null).
+
+    Local rank 0 of every node builds and the other ranks wait for meta.json: correct on node-local
+    disks, and on a shared filesystem concurrent builders write identical shards atomically.
+    """
+    if cfg.data.get("feature_cache") in (None, "", False):
+        return None
+    require(target is not None, "data.feature_cache", "the cache needs the target: pass target= to build_datamodule")
+    from dspark.data.feature_cache import CACHE_DTYPES, META_NAME, FeatureCache, build_feature_cache
+
+    path = feature_cache_dir(cfg, target, dataset)
+    dtype = CACHE_DTYPES[str(cfg.data.get("feature_cache_dtype", "bfloat16"))]
+    reused = (path / META_NAME).is_file()
+    t0 = time.perf_counter()
+    try:
+        if _local_rank() == 0:  # builds, or checks an existing cache against this target and dataset
+            home, device = target.device, _build_device(cfg, target)
+            target.to(device)
+            try:
+                build_feature_cache(target, dataset, path, batch_size=int(cfg.train.val_batch_size), dtype=dtype)
+            finally:
+                target.to(home)
+            cache = FeatureCache(path)
+        else:
+            _wait_for_meta(path)
+            cache = FeatureCache(path)
+            cache.check_compatible(target, dataset)
+    except ValueError as e:
+        raise ConfigError(f"data.feature_cache: {e}") from e
+    size = f"{len(cache)} examples, {cache.nbytes / 2**20:.1f} MB ({cache.meta['dtype']})"
+    if reused:
+        log.info("feature cache reused: %s, %s (built in %.1f s)", path, size, cache.meta["build_seconds"])
+    else:
+        log.info("feature cache ready: %s, %s in %.1f s", path, size, time.perf_counter() - t0)
+    return cache
 
 
 # ---- module ---------------------------------------------------------------------------------------

@@ -25,12 +25,21 @@ def _seed_for(*parts: int) -> int:
 
 
 class AnchoredExamples(Dataset):
-    """Rows {input_ids, loss_mask} -> tensors plus anchors sampled deterministically per (pass, index)."""
+    """Rows {input_ids, loss_mask} -> tensors plus anchors sampled deterministically per (pass, index).
 
-    def __init__(self, rows, num_anchors: int, seed: int):
+    With a FeatureCache, each item also carries the cached target features of its row: row `idx` of
+    `rows` is example `feature_index[idx]` of the cache (rows are usually a `select`ed slice of the
+    dataset the cache was built from).
+    """
+
+    def __init__(self, rows, num_anchors: int, seed: int, features=None, feature_index=None):
         self.rows = rows
         self.num_anchors = num_anchors
         self.seed = seed
+        self.features = features  # FeatureCache | None
+        self.feature_index = feature_index if feature_index is not None else range(len(rows))
+        if features is not None and len(self.feature_index) != len(rows):
+            raise ValueError(f"feature_index has {len(self.feature_index)} entries for {len(rows)} rows")
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -42,11 +51,33 @@ class AnchoredExamples(Dataset):
         lm = torch.tensor(row["loss_mask"], dtype=torch.long)  # [S]
         gen = torch.Generator().manual_seed(_seed_for(self.seed, data_pass, int(idx)))
         anchors, keep = sample_anchors(lm, self.num_anchors, gen)
-        return {"input_ids": ids, "loss_mask": lm, "anchors": anchors, "keep": keep}
+        item = {"input_ids": ids, "loss_mask": lm, "anchors": anchors, "keep": keep}
+        if self.features is not None:
+            item["aux"], item["final"] = self._cached_features(int(idx), ids.numel())
+        return item
+
+    def _cached_features(self, idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> aux [S, n*H], final [S, H] in the cache's dtype (the training step casts them)."""
+        j = self.feature_index[idx]
+        aux, final = self.features.get(j, dtype=None)
+        if aux.shape[0] != length or final.shape[0] != length:
+            raise ValueError(f"feature cache {self.features.path}: example {j} has {aux.shape[0]} positions but "
+                             f"its row has {length} tokens (a cache built for another dataset?)")
+        return aux, final
+
+
+def _pad_features(items: list[dict[str, torch.Tensor]], key: str, S: int) -> torch.Tensor:
+    """Per-example [S_i, D] -> zero-padded [B, S, D]."""
+    first = items[0][key]
+    out = torch.zeros(len(items), S, first.shape[-1], dtype=first.dtype)
+    for i, x in enumerate(items):
+        out[i, : x[key].shape[0]] = x[key]
+    return out
 
 
 def collate(items: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pads to the longest sequence. -> input_ids/attention_mask/loss_mask [B,S], anchors/keep [B,A]."""
+    """Right-pads to the longest sequence. -> input_ids/attention_mask/loss_mask [B,S], anchors/keep [B,A];
+    with cached features also aux [B,S,n*H] and final [B,S,H] (zero-padded)."""
     S = max(x["input_ids"].numel() for x in items)
     B = len(items)
     ids = torch.full((B, S), pad_id, dtype=torch.long)
@@ -57,13 +88,17 @@ def collate(items: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torc
         ids[i, :n] = x["input_ids"]
         am[i, :n] = 1
         lm[i, :n] = x["loss_mask"]
-    return {
+    batch = {
         "input_ids": ids,
         "attention_mask": am,
         "loss_mask": lm,
         "anchors": torch.stack([x["anchors"] for x in items]),
         "keep": torch.stack([x["keep"] for x in items]),
     }
+    if "aux" in items[0]:
+        batch["aux"] = _pad_features(items, "aux", S)  # [B, S, n*H]
+        batch["final"] = _pad_features(items, "final", S)  # [B, S, H]
+    return batch
 
 
 class ResumableBatchSampler(Sampler[list[tuple[int, int]]]):
@@ -108,16 +143,27 @@ class ResumableBatchSampler(Sampler[list[tuple[int, int]]]):
 
 
 class ChatDataModule(L.LightningDataModule):
-    """Train / held-out split of a tokenized dataset with columns input_ids, loss_mask."""
+    """Train / held-out split of a tokenized dataset with columns input_ids, loss_mask.
+
+    `features` (optional FeatureCache built from the whole `dataset`): batches then carry the cached
+    target features (aux, final) and the training step skips the target forward.
+    """
 
     def __init__(self, dataset, *, pad_id: int, batch_size: int, num_anchors: int, total_batches: int,
-                 val_examples: int, val_batch_size: int | None = None, seed: int = 0, num_workers: int = 0):
+                 val_examples: int, val_batch_size: int | None = None, seed: int = 0, num_workers: int = 0,
+                 features=None):
         super().__init__()
         n = len(dataset)
         if val_examples <= 0 or val_examples >= n:
             raise ValueError(f"data.val_examples={val_examples} must be in [1, {n - 1}] for {n} examples")
-        self.train_rows = dataset.select(range(0, n - val_examples))
-        self.val_rows = dataset.select(range(n - val_examples, n))
+        if features is not None and len(features) != n:
+            raise ValueError(f"data.feature_cache: {features.path} holds {len(features)} examples, "
+                             f"the dataset has {n} (a cache built for another dataset)")
+        # the cache is indexed by position in `dataset`; keep each split's original indices
+        self.train_index, self.val_index = range(0, n - val_examples), range(n - val_examples, n)
+        self.train_rows = dataset.select(self.train_index)
+        self.val_rows = dataset.select(self.val_index)
+        self.features = features
         self.pad_id, self.batch_size, self.num_anchors = pad_id, batch_size, num_anchors
         self.total_batches, self.seed, self.num_workers = total_batches, seed, num_workers
         self.val_batch_size = val_batch_size or batch_size
@@ -127,9 +173,9 @@ class ChatDataModule(L.LightningDataModule):
         t = self.trainer
         return (t.global_rank, t.world_size) if t is not None else (0, 1)
 
-    def _loader(self, rows, batch_sampler) -> DataLoader:
+    def _loader(self, rows, index: range, batch_sampler) -> DataLoader:
         return DataLoader(
-            AnchoredExamples(rows, self.num_anchors, self.seed),
+            AnchoredExamples(rows, self.num_anchors, self.seed, self.features, index),
             batch_sampler=batch_sampler,
             collate_fn=functools.partial(collate, pad_id=self.pad_id),
             num_workers=self.num_workers,
@@ -140,14 +186,14 @@ class ChatDataModule(L.LightningDataModule):
         sampler = ResumableBatchSampler(len(self.train_rows), self.batch_size, self.total_batches,
                                         self.seed, rank, world)
         sampler.start = self._resume_batches
-        return self._loader(self.train_rows, sampler)
+        return self._loader(self.train_rows, self.train_index, sampler)
 
     def val_dataloader(self) -> DataLoader:
         rank, world = self._ranks()
         idx = list(range(rank, len(self.val_rows), world))  # fixed anchors: pass 0
         batches = [[(0, i) for i in idx[k : k + self.val_batch_size]]
                    for k in range(0, len(idx), self.val_batch_size)]
-        return self._loader(self.val_rows, batches)
+        return self._loader(self.val_rows, self.val_index, batches)
 
     # ---- resume -------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -79,16 +79,25 @@ class DraftLightningModule(L.LightningModule):
         self._attach_target()
 
     # ---- forward ----------------------------------------------------------------------------------
+    def _target_features(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached features from the batch (offline cache) when present, else the target's forward.
+        -> aux [B, S, n*H], final [B, S, H] in the target's dtype."""
+        if "aux" in batch:
+            dtype = self.target.embed_weight.dtype
+            return batch["aux"].to(dtype), batch["final"].to(dtype)
+        feats = self.target.features(batch["input_ids"], batch["attention_mask"])
+        return feats.aux, feats.final
+
     def draft_outputs(self, batch: dict[str, torch.Tensor]) -> DraftOutputs:
         ids, am = batch["input_ids"], batch["attention_mask"]  # [B, S]
         B, S = ids.shape
-        feats = self.target.features(ids, am)
+        aux, final = self._target_features(batch)  # [B, S, n*H], [B, S, H]
         blocks = build_blocks(ids, batch["loss_mask"], batch["anchors"], batch["keep"], self.num_drafts,
                               self.mask_token_id, self.layout)
         A, Lb = blocks.input_ids.shape[1:]
         g = self.num_drafts
         draft = self.draft
-        main_x = draft.combine(feats.aux)  # [B, S, H]
+        main_x = draft.combine(aux)  # [B, S, H]
         ctx_pos = torch.arange(S, device=ids.device).expand(B, S)
         ctx = draft.context_kv(main_x, ctx_pos)
         mask = block_attention_mask(batch["anchors"], Lb, S, self.window)  # [B, A*Lb, S + A*Lb]
@@ -100,7 +109,7 @@ class DraftLightningModule(L.LightningModule):
             bias, feat = draft.markov_head(blocks.prev_ids, h)
             logits = logits + bias
         conf = draft.confidence_logit(h, feat) if getattr(draft, "confidence_head", None) is not None else None
-        return DraftOutputs(logits=logits, conf_logits=conf, hidden=h, blocks=blocks, final=feats.final)
+        return DraftOutputs(logits=logits, conf_logits=conf, hidden=h, blocks=blocks, final=final)
 
     def _losses(self, batch) -> tuple[dict[str, torch.Tensor], Blocks]:
         out = self.draft_outputs(batch)

@@ -136,7 +136,7 @@ def run_training(cfg: DictConfig, callbacks: tuple[Callback, ...] = ()) -> dict:
 
     target = factory.build_target(cfg)
     draft = factory.build_draft(cfg, target)
-    datamodule = factory.build_datamodule(cfg, target.tokenizer)
+    datamodule = factory.build_datamodule(cfg, target.tokenizer, target=target)
     module = factory.build_module(cfg, draft, target)
     throughput = Throughput()
     trainer = build_trainer(cfg, run_dir, [throughput, *callbacks])

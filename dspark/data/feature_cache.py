@@ -1,0 +1,324 @@
+"""Offline target-feature cache: run the frozen target once per example, read the features back in training.
+
+Layout of a cache folder::
+
+    shard-00000.safetensors   examples [0, shard_size): keys "{idx}.aux" [S_i, n*H], "{idx}.final" [S_i, H]
+    shard-00001.safetensors   examples [shard_size, 2*shard_size) ...
+    meta.json                 written last: target identity, dataset fingerprint, dtype, sizes
+
+Indices are positions in the dataset the cache was built from (the full tokenized dataset, before any
+train/val split). Every shard is written atomically and carries the cache key in its safetensors header,
+so an interrupted build resumes by skipping the shards that are already complete, and a shard left by a
+different build is recomputed rather than trusted. A folder is a usable cache only once meta.json exists.
+
+A cache is tied to (target identity, layer ids, dataset content, dtype); `FeatureCache.check_compatible`
+refuses a cache built for anything else, naming what differs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dspark.io import atomic_write_json, save_safetensors_atomic
+from dspark.targets.hf_target import FrozenTarget
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+META_NAME = "meta.json"
+CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# Config entries that do not change what the model computes.
+_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache")
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:05d}.safetensors"
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in CACHE_DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"feature cache dtype {dtype} is not one of {sorted(CACHE_DTYPES)}")
+
+
+# ---- identities ----------------------------------------------------------------------------------
+def _weights_hash(model: torch.nn.Module, samples: int = 64) -> str:
+    """Cheap weight fingerprint: name, shape and `samples` evenly strided values of every parameter.
+
+    Catches a retrained target with an unchanged config (same folder, same config.json) without
+    hashing gigabytes of weights.
+    """
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // samples)
+        h.update(f"{name}:{tuple(p.shape)}:".encode())
+        h.update(flat[::step][:samples].to("cpu", torch.float32).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def target_identity(target: FrozenTarget) -> dict:
+    """What makes features reproducible: model name/path, config hash, weight fingerprint, dtype, layer ids."""
+    cfg = target.model.config
+    cfg_dict = {k: v for k, v in cfg.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    return {
+        "name_or_path": str(getattr(cfg, "_name_or_path", "") or ""),
+        "config_hash": _digest(cfg_dict),
+        "weights_hash": _weights_hash(target.model),
+        "dtype": str(target.embed_weight.dtype).removeprefix("torch."),
+        "layer_ids": list(target.layer_ids),
+    }
+
+
+def _input_id_chunks(rows, chunk: int = 4096):
+    """Yields (lengths [N] int64, values [sum(lengths)] int64) over the rows' input_ids, in order."""
+    import datasets
+
+    if isinstance(rows, datasets.Dataset):
+        for tbl in rows.select_columns(["input_ids"]).with_format("arrow").iter(batch_size=chunk):
+            col = tbl.column("input_ids").combine_chunks()  # ListArray (respects slices)
+            yield (col.value_lengths().to_numpy(zero_copy_only=False).astype(np.int64),
+                   col.flatten().to_numpy(zero_copy_only=False).astype(np.int64))
+        return
+    for lo in range(0, len(rows), chunk):
+        seqs = [list(rows[i]["input_ids"]) for i in range(lo, min(len(rows), lo + chunk))]
+        values = np.fromiter((t for s in seqs for t in s), dtype=np.int64)
+        yield np.array([len(s) for s in seqs], dtype=np.int64), values
+
+
+def dataset_fingerprint(rows) -> dict:
+    """Number of rows + a hash of every row's input_ids (independent of how the rows are chunked)."""
+    h_len, h_val = hashlib.sha256(), hashlib.sha256()
+    for lengths, values in _input_id_chunks(rows):
+        h_len.update(lengths.tobytes())
+        h_val.update(values.tobytes())
+    return {"num_rows": len(rows), "input_ids_hash": _digest([h_len.hexdigest(), h_val.hexdigest()])}
+
+
+def cache_key(target_id: dict, dataset_fp: dict, dtype: torch.dtype) -> str:
+    """Names a cache: hashes the target identity (incl. layer ids), the dataset fingerprint and the dtype."""
+    return _digest({"v": FORMAT_VERSION, "target": target_id, "dataset": dataset_fp, "dtype": dtype_name(dtype)})
+
+
+def _differences(meta: dict, target_id: dict | None, dataset_fp: dict | None) -> list[str]:
+    """Human-readable mismatches between a cache's meta and the current target / rows."""
+    out = []
+    if target_id is not None:
+        cached = meta["target"]
+        if cached["layer_ids"] != target_id["layer_ids"]:
+            out.append(f"other layer ids: cache built from target layers {cached['layer_ids']}, "
+                       f"this target uses {target_id['layer_ids']}")
+        for field in ("name_or_path", "config_hash", "weights_hash", "dtype"):
+            if cached[field] != target_id[field]:
+                out.append(f"another target: {field} {cached[field]!r} (cache) != {target_id[field]!r} (target)")
+    if dataset_fp is not None and meta["dataset"] != dataset_fp:
+        c = meta["dataset"]
+        out.append(f"another dataset: cache has {c['num_rows']} rows with input_ids hash {c['input_ids_hash']}, "
+                   f"these rows are {dataset_fp['num_rows']} with hash {dataset_fp['input_ids_hash']}")
+    return out
+
+
+# ---- build ----------------------------------------------------------------------------------------
+def _rows_input_ids(rows, lo: int, hi: int) -> list[list[int]]:
+    import datasets
+
+    if isinstance(rows, datasets.Dataset):
+        return rows[lo:hi]["input_ids"]
+    return [list(rows[i]["input_ids"]) for i in range(lo, hi)]
+
+
+def _pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pads token lists -> input_ids, attention_mask [B, S_max]."""
+    S = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), S), pad_id, dtype=torch.long)
+    am = torch.zeros(len(seqs), S, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        am[i, : len(s)] = 1
+    return ids.to(device), am.to(device)
+
+
+def _shard_tensors(target: FrozenTarget, rows, lo: int, hi: int, batch_size: int,
+                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Features of examples [lo, hi), one padded batch at a time, cut back to each example's length."""
+    tok = target.tokenizer
+    pad_id = int(tok.pad_token_id) if tok is not None and tok.pad_token_id is not None else 0
+    out: dict[str, torch.Tensor] = {}
+    for b0 in range(lo, hi, batch_size):
+        seqs = _rows_input_ids(rows, b0, min(hi, b0 + batch_size))
+        if any(len(s) == 0 for s in seqs):
+            raise ValueError(f"feature cache: an example in rows [{b0}, {b0 + len(seqs)}) has no input_ids")
+        ids, am = _pad(seqs, pad_id, target.device)  # [B, S]
+        feats = target.features(ids, am)  # aux [B, S, n*H], final [B, S, H]
+        for j, s in enumerate(seqs):
+            n, idx = len(s), b0 + j
+            # copy=True: every example gets its own storage (safetensors refuses shared tensors)
+            out[f"{idx}.aux"] = feats.aux[j, :n].detach().to("cpu", dtype, copy=True).contiguous()  # [S_i, n*H]
+            out[f"{idx}.final"] = feats.final[j, :n].detach().to("cpu", dtype, copy=True).contiguous()  # [S_i, H]
+    return out
+
+
+def _shard_complete(path: Path, key: str, first: int, count: int) -> bool:
+    """A shard on disk counts as done only if it was written by this build (same key and range)."""
+    if not path.is_file():
+        return False
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            md = f.metadata() or {}
+    except Exception:  # unreadable leftover: recompute it
+        return False
+    return md.get("key") == key and md.get("first") == str(first) and md.get("count") == str(count)
+
+
+def build_feature_cache(target: FrozenTarget, rows, out_dir, *, batch_size: int = 8,
+                        dtype: torch.dtype = torch.bfloat16, shard_size: int = 256) -> Path:
+    """Computes target.features for every row (in order) into `out_dir`; resumes an interrupted build.
+
+    rows: datasets.Dataset (or a sequence of dicts) with `input_ids`. Returns out_dir. An existing complete
+    cache is reused after checking it was built for this target and these rows (ValueError otherwise).
+    """
+    out_dir = Path(out_dir)
+    if batch_size < 1 or shard_size < 1:
+        raise ValueError(f"feature cache: batch_size ({batch_size}) and shard_size ({shard_size}) must be >= 1")
+    if len(rows) == 0:
+        raise ValueError("feature cache: no rows to cache")
+    target_id, dataset_fp = target_identity(target), dataset_fingerprint(rows)
+    key = cache_key(target_id, dataset_fp, dtype)
+    if (out_dir / META_NAME).is_file():
+        FeatureCache(out_dir)._check(target_id, dataset_fp, dtype)
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    n = len(rows)
+    num_shards = math.ceil(n / shard_size)
+    t0, done_before = time.perf_counter(), 0
+    for k in range(num_shards):
+        lo, hi = k * shard_size, min(n, (k + 1) * shard_size)
+        path = out_dir / shard_name(k)
+        if _shard_complete(path, key, lo, hi - lo):
+            done_before += 1
+            continue
+        tensors = _shard_tensors(target, rows, lo, hi, batch_size, dtype)
+        save_safetensors_atomic(tensors, path, metadata={"key": key, "first": str(lo), "count": str(hi - lo)})
+        log.info("feature cache %s: shard %d/%d written", out_dir, k + 1, num_shards)
+    if done_before:
+        log.info("feature cache %s: resumed, %d of %d shards were already complete", out_dir, done_before, num_shards)
+    meta = {
+        "format": FORMAT_VERSION, "key": key, "target": target_id, "dataset": dataset_fp,
+        "dtype": dtype_name(dtype), "hidden_size": int(target.hidden_size),
+        "aux_size": int(target.hidden_size) * len(target.layer_ids), "num_examples": n,
+        "shard_size": shard_size, "num_shards": num_shards,
+        "bytes": sum((out_dir / shard_name(k)).stat().st_size for k in range(num_shards)),
+        "build_seconds": round(time.perf_counter() - t0, 3),
+    }
+    atomic_write_json(out_dir / META_NAME, meta)
+    return out_dir
+
+
+# ---- read -----------------------------------------------------------------------------------------
+class FeatureCache:
+    """Read side of a built cache: `get(idx)` -> (aux [S_i, n*H], final [S_i, H]), loaded lazily per example.
+
+    Shards are opened with safetensors' safe_open (memory-mapped) and kept in a small LRU. Picklable
+    (open handles are dropped), so DataLoader workers each open their own.
+    """
+
+    _REQUIRED = ("format", "key", "target", "dataset", "dtype", "hidden_size", "aux_size", "num_examples",
+                 "shard_size", "num_shards")
+
+    def __init__(self, path, max_open_shards: int = 4):
+        self.path = Path(path)
+        meta_path = self.path / META_NAME
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"no feature cache at {self.path}: {META_NAME} is missing "
+                                    "(an unfinished build? run build_feature_cache again to resume it)")
+        self.meta = json.loads(meta_path.read_text())
+        self._validate_meta()
+        self.dtype = CACHE_DTYPES[self.meta["dtype"]]
+        self.max_open_shards = max(1, int(max_open_shards))
+        self._open: OrderedDict[int, object] = OrderedDict()
+
+    def _validate_meta(self) -> None:
+        m = self.meta
+        missing = [k for k in self._REQUIRED if k not in m]
+        if missing:
+            raise ValueError(f"feature cache {self.path}: {META_NAME} lacks {missing}")
+        if m["format"] != FORMAT_VERSION:
+            raise ValueError(f"feature cache {self.path}: format {m['format']}, this code reads {FORMAT_VERSION}; "
+                             "rebuild it")
+        if m["dtype"] not in CACHE_DTYPES:
+            raise ValueError(f"feature cache {self.path}: unknown dtype {m['dtype']!r}")
+        absent = [shard_name(k) for k in range(m["num_shards"]) if not (self.path / shard_name(k)).is_file()]
+        if absent:
+            raise ValueError(f"feature cache {self.path}: shard files missing: {absent[:3]}")
+
+    def __len__(self) -> int:
+        return int(self.meta["num_examples"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.meta["hidden_size"])
+
+    @property
+    def aux_size(self) -> int:
+        return int(self.meta["aux_size"])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.meta["bytes"])
+
+    def _shard(self, k: int):
+        from safetensors import safe_open
+
+        f = self._open.get(k)
+        if f is None:
+            f = safe_open(str(self.path / shard_name(k)), framework="pt")
+            self._open[k] = f
+            while len(self._open) > self.max_open_shards:
+                self._open.popitem(last=False)
+        else:
+            self._open.move_to_end(k)
+        return f
+
+    def get(self, idx: int, dtype: torch.dtype | None = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Example `idx` of the original dataset -> (aux [S_i, n*H], final [S_i, H]) in `dtype`
+        (None: the cache's stored dtype)."""
+        idx = int(idx)
+        if not 0 <= idx < len(self):
+            raise IndexError(f"feature cache {self.path}: index {idx} outside [0, {len(self)})")
+        f = self._shard(idx // int(self.meta["shard_size"]))
+        aux, final = f.get_tensor(f"{idx}.aux"), f.get_tensor(f"{idx}.final")
+        if dtype is not None:
+            aux, final = aux.to(dtype), final.to(dtype)
+        return aux, final
+
+    def check_compatible(self, target: FrozenTarget, rows) -> None:
+        """Raises ValueError naming each difference if this cache was not built for `target` and `rows`."""
+        self._check(target_identity(target), dataset_fingerprint(rows), None)
+
+    def _check(self, target_id: dict, dataset_fp: dict, dtype: torch.dtype | None) -> None:
+        problems = _differences(self.meta, target_id, dataset_fp)
+        if dtype is not None and self.meta["dtype"] != dtype_name(dtype):
+            problems.append(f"another dtype: cache stores {self.meta['dtype']}, {dtype_name(dtype)} was asked for")
+        if problems:
+            raise ValueError(f"feature cache {self.path} cannot be used: " + "; ".join(problems)
+                             + ". Delete the folder to rebuild it, or use another directory.")
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_open"] = OrderedDict()
+        return state
