@@ -40,17 +40,19 @@ def _records(args):
         except ImportError as exc:
             raise SystemExit(f"error: --source sharegpt needs dspark.data.sharegpt ({exc})") from exc
         return _first_user_turns(iter_sharegpt(args.sharegpt_path, None, english_only=args.english_only),
-                                 args.max_user_turns)
+                                 args.max_user_turns, args.max_prompt_chars)
     path = Path(args.source)
     if not path.is_file():
         raise SystemExit(f"error: --source must be 'sharegpt' or an existing .jsonl file, got {args.source!r}")
     from dspark.data.jsonl import iter_jsonl_records  # noqa: PLC0415
 
-    return _first_user_turns(iter_jsonl_records(path, strict=args.strict), args.max_user_turns)
+    return _first_user_turns(iter_jsonl_records(path, strict=args.strict), args.max_user_turns,
+                             args.max_prompt_chars)
 
 
-def _first_user_turns(records, max_user_turns: int | None):
-    """Cut each record after its max_user_turns-th user message (None: keep every turn)."""
+def _first_user_turns(records, max_user_turns: int | None, max_prompt_chars: int | None):
+    """Cut each record after its max_user_turns-th user message (None: keep every turn); drop records
+    whose kept system/user text is longer than max_prompt_chars (a batch pads to its longest prompt)."""
     for rec in records:
         if max_user_turns is not None:
             kept, users = [], 0
@@ -61,7 +63,9 @@ def _first_user_turns(records, max_user_turns: int | None):
                     users += 1
                 kept.append(m)
             rec = {**rec, "messages": kept}
-        yield rec
+        prompt_chars = sum(len(m["content"]) for m in rec["messages"] if m["role"] != "assistant")
+        if max_prompt_chars is None or prompt_chars <= max_prompt_chars:
+            yield rec
 
 
 def _generator(args, sampling: SamplingParams):
@@ -101,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--english-only", action="store_true", help="sharegpt: skip records that are not English")
     src.add_argument("--max-user-turns", type=int, default=None,
                      help="regenerate only the first N user turns of each record (default: all)")
+    src.add_argument("--max-prompt-chars", type=int, default=None,
+                     help="skip records whose system+user text is longer (default: no limit)")
     gen = parser.add_argument_group("generator")
     gen.add_argument("--target", default=None, help="local HF model folder, or 'smollm2'")
     gen.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
