@@ -19,6 +19,7 @@ from torch import nn
 
 from dspark.models.heads import MARKOV_HEAD_KINDS, ConfidenceHead, MarkovHead
 from dspark.ops.attention import masked_attention
+from dspark.ops.norms import RMSNorm
 
 
 @dataclass(kw_only=True)
@@ -83,18 +84,6 @@ def _rope_theta(hf) -> float:
     if isinstance(rp, dict) and "rope_theta" in rp:
         return rp["rope_theta"]
     return getattr(hf, "rope_theta", 10000.0)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

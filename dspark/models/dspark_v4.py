@@ -25,6 +25,7 @@ from dspark.models.heads import MARKOV_HEAD_KINDS, ConfidenceHead, MarkovHead
 from dspark.models.v4_names import init_draft_layers_from_target  # re-exported for callers of this module
 from dspark.ops.attention import masked_attention
 from dspark.ops.mhc import hc_head, hc_post, hc_pre
+from dspark.ops.norms import RMSNorm, unweighted_rms_norm
 
 SCORING_FUNCS = ("sqrtsoftplus",)
 
@@ -188,29 +189,6 @@ class DSparkV4Config:
 # ------------------------------------------------------------------------------------------------
 # Small building blocks
 # ------------------------------------------------------------------------------------------------
-class RMSNorm(nn.Module):
-    """Weighted RMS norm; fp32 weight and math, output cast back to the input dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
-
-
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last axis, in fp32, cast back."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [B, T] -> cos, sin [B, T, rope_dim // 2] (fp32), one angle per interleaved pair."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, device=positions.device, dtype=torch.float32) / rope_dim))
