@@ -8,6 +8,10 @@ sliding windows and inference.
     out_t   = sum_l p_{t,l} v_l
 
 A row with no visible key returns zeros (with or without a sink), never NaN.
+
+Two backends compute the same numbers: the chunked torch reference below (the truth; used on CPU) and
+`flex_attention` (block-sparse, compiled, used on CUDA), where the sink is folded in afterwards from the
+log-sum-exp: out_sink = out * Z / (Z + e^sink) = out * sigmoid(lse - sink).
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ def _attend_chunk(
     return torch.matmul(weights / denom, v.unsqueeze(2))  # [B, Hk, G, t, Dv]
 
 
+BACKENDS = ("auto", "reference", "flex")
+
+
 def masked_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -65,6 +72,7 @@ def masked_attention(
     scale: float,
     sink: torch.Tensor | None = None,
     query_chunk: int = 256,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Masked softmax attention, GQA/MQA broadcast, optional per-head sink.
 
@@ -74,6 +82,10 @@ def masked_attention(
     fp32 score tensor stays [B, Hq, query_chunk, L]. Returns [B, Hq, T, Dv] in q.dtype.
     """
     _check_shapes(q, k, v, mask)
+    if backend not in BACKENDS:
+        raise ValueError(f"masked_attention backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "flex" or (backend == "auto" and q.is_cuda):
+        return flex_masked_attention(q, k, v, mask, scale, sink, compiled=q.is_cuda)
     if query_chunk < 1:
         raise ValueError(f"query_chunk must be >= 1, got {query_chunk}")
     b, hq, t, d = q.shape
@@ -89,3 +101,45 @@ def masked_attention(
         chunks.append(_attend_chunk(qf[:, :, :, start:stop], kf, vf, mask[:, start:stop], scale, sink_g))
     out = torch.cat(chunks, dim=3) if chunks else qf.new_zeros(b, hk, groups, 0, v.shape[-1])
     return out.reshape(b, hq, t, v.shape[-1]).to(q.dtype)  # [B, Hq, T, Dv]
+
+
+_COMPILED_FLEX = None
+
+
+def _flex(compiled: bool):
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compiled:
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
+    return _COMPILED_FLEX
+
+
+def flex_masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+    sink: torch.Tensor | None = None, compiled: bool = True,
+) -> torch.Tensor:
+    """Same contract as masked_attention, through torch's flex_attention with a block mask built from
+    the dense boolean mask (only visible key blocks are computed). `compiled=False` runs flex in eager
+    mode (slow, for checking it against the reference on CPU)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, hq, t, d = q.shape
+    length = k.shape[2]
+    dense = mask.contiguous()
+
+    def visible(bi, hi, qi, ki):
+        return dense[bi, qi, ki]
+
+    block_mask = create_block_mask(visible, b, None, t, length, device=q.device, _compile=compiled)
+    out, lse = _flex(compiled)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != hq,
+                               return_lse=True)  # out [B, Hq, T, Dv], lse [B, Hq, T] (natural log)
+    out = out.float()
+    has_key = dense.any(-1)[:, None, :, None]  # [B, 1, T, 1]
+    out = torch.where(has_key, out, torch.zeros_like(out))
+    if sink is not None:
+        keep = torch.sigmoid(lse.float() - sink.float()[None, :, None]).unsqueeze(-1)  # [B, Hq, T, 1]
+        out = out * keep
+    return out.to(q.dtype)
