@@ -11,7 +11,7 @@ import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from conftest import TINY_RUN, compose
-from dspark.data.feature_cache import META_NAME, FeatureCache, build_feature_cache, shard_name
+from dspark.data.feature_cache import META_NAME, FeatureCache, build_feature_cache, dataset_fingerprint, shard_name
 from dspark.factory import ConfigError
 from dspark.targets.hf_target import FrozenTarget
 from dspark.training.data_module import ChatDataModule
@@ -176,6 +176,15 @@ def test_check_compatible_names_what_differs(target, tmp_path):
         build_feature_cache(FrozenTarget(target.model, [1]), rows, tmp_path)
     with pytest.raises(ValueError, match="another dtype"):
         build_feature_cache(target, rows, tmp_path, dtype=torch.float32)
+
+
+def test_dataset_fingerprint_is_the_content_not_the_container():
+    rows = make_rows()
+    as_list = [dict(r) for r in rows]
+    assert dataset_fingerprint(rows) == dataset_fingerprint(as_list)
+    picked = rows.select([5, 0, 3])  # an indices mapping over the same table
+    assert dataset_fingerprint(picked) == dataset_fingerprint([as_list[5], as_list[0], as_list[3]])
+    assert dataset_fingerprint(picked) != dataset_fingerprint(rows.select([0, 5, 3]))
 
 
 # ---- data module -----------------------------------------------------------------------------------
