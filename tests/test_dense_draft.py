@@ -67,6 +67,11 @@ def test_dflash_has_no_heads_and_names_match_serving():
               "confidence_head.proj.weight", "confidence_head.proj.bias"):
         assert n in names
     assert not any("embed" in n or "lm_head" in n for n in names)
+    shared = DSparkDenseDraft(small_cfg())
+    tied = torch.nn.Parameter(torch.randn(50, 32))  # a tied embedding / LM head, as SmolLM2 ships
+    shared.share_target_weights(tied, tied)
+    assert set(shared.state_dict()) == names
+    assert all(p is not tied for p in shared.parameters())
 
 
 def test_bad_config_names_the_key():

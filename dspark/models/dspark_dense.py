@@ -179,8 +179,10 @@ class DSparkDenseDraft(nn.Module):
                 nn.init.normal_(p, std=self.config.initializer_range)
 
     def share_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        """The target's embedding and LM head (frozen), held as plain attributes: never saved or trained."""
-        self._embed_weight, self._lm_head_weight = embed_weight, lm_head_weight
+        """The target's embedding and LM head (frozen), held as plain attributes: never saved or trained.
+        (object.__setattr__: nn.Module would register an nn.Parameter as the draft's own.)"""
+        object.__setattr__(self, "_embed_weight", embed_weight.detach())
+        object.__setattr__(self, "_lm_head_weight", lm_head_weight.detach())
 
     def _shared(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._embed_weight is None:
