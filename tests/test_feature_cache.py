@@ -8,9 +8,9 @@ import datasets
 import lightning as L
 import pytest
 import torch
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from conftest import TINY_RUN, compose
+from conftest import tiny_v4_config, TINY_RUN, compose
 from dspark.data.feature_cache import META_NAME, FeatureCache, build_feature_cache, dataset_fingerprint, shard_name
 from dspark.factory import ConfigError
 from dspark.targets.hf_target import FrozenTarget
@@ -21,12 +21,7 @@ LENGTHS = [5, 9, 3, 12, 7, 4, 10]  # 7 examples -> shards of 3: [0,3) [3,6) [6,7
 
 def tiny_v4(seed: int = 0) -> DeepseekV4ForCausalLM:
     torch.manual_seed(seed)
-    cfg = DeepseekV4Config(
-        vocab_size=50, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=3, num_attention_heads=2,
-        head_dim=8, partial_rotary_factor=0.5, q_lora_rank=8, o_groups=1, o_lora_rank=4, n_routed_experts=2,
-        num_experts_per_tok=1, hc_mult=2, sliding_window=4, layer_types=["sliding_attention"] * 3,
-        mlp_layer_types=["moe"] * 3,
-    )
+    cfg = tiny_v4_config()
     return DeepseekV4ForCausalLM(cfg).eval()
 
 

@@ -1,19 +1,15 @@
 """FrozenTarget: hooks capture the configured layer outputs (hc averaged), teacher rows, validation."""
 import pytest
 import torch
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
+from conftest import tiny_v4_config
+from transformers import DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from dspark.targets.hf_target import FrozenTarget
 
 
 def tiny_v4():
     torch.manual_seed(0)
-    cfg = DeepseekV4Config(
-        vocab_size=50, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=3, num_attention_heads=2,
-        head_dim=8, partial_rotary_factor=0.5, q_lora_rank=8, o_groups=1, o_lora_rank=4, n_routed_experts=2,
-        num_experts_per_tok=1, hc_mult=2, sliding_window=4, layer_types=["sliding_attention"] * 3,
-        mlp_layer_types=["moe"] * 3,
-    )
+    cfg = tiny_v4_config()
     return DeepseekV4ForCausalLM(cfg).eval()
 
 

@@ -3,7 +3,8 @@ a block's draft logits depend on the context before its anchor and on x_a only, 
 on other blocks packed into the same sequence."""
 import pytest
 import torch
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
+from conftest import tiny_v4_config
+from transformers import DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
 from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
@@ -15,11 +16,7 @@ V, S, G, MASK = 40, 24, 3, 39
 
 def v4_setup():
     torch.manual_seed(0)
-    cfg = DeepseekV4Config(
-        vocab_size=V, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=3, num_attention_heads=2,
-        head_dim=8, partial_rotary_factor=0.5, q_lora_rank=8, o_groups=1, o_lora_rank=4, n_routed_experts=2,
-        num_experts_per_tok=1, hc_mult=2, sliding_window=6, layer_types=["sliding_attention"] * 3,
-        mlp_layer_types=["moe"] * 3)
+    cfg = tiny_v4_config(vocab_size=V, sliding_window=6)
     target = FrozenTarget(DeepseekV4ForCausalLM(cfg), [1, 2])
     draft = DSparkV4Draft(DSparkV4Config.from_hf_config(
         cfg, num_layers=2, block_size=G, mask_token_id=MASK, target_layer_ids=[1, 2], markov_rank=4,

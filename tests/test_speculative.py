@@ -6,7 +6,8 @@ import math
 
 import pytest
 import torch
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
+from conftest import tiny_v4_config
+from transformers import DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import dspark.evaluation.speculative as spec
 from dspark.evaluation.metrics import AcceptanceCounter
@@ -342,12 +343,7 @@ def test_v4_draft_speculative_greedy_equals_target():
     from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
 
     torch.manual_seed(0)
-    hf = DeepseekV4Config(
-        vocab_size=50, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=3, num_attention_heads=2,
-        head_dim=8, partial_rotary_factor=0.5, q_lora_rank=8, o_groups=1, o_lora_rank=4, n_routed_experts=2,
-        num_experts_per_tok=1, hc_mult=2, sliding_window=4, layer_types=["sliding_attention"] * 3,
-        mlp_layer_types=["moe"] * 3, initializer_range=0.2,
-    )
+    hf = tiny_v4_config(initializer_range=0.2)
     target = FrozenTarget(DeepseekV4ForCausalLM(hf), [0, 2])
     draft = DSparkV4Draft(DSparkV4Config.from_hf_config(
         hf, num_layers=1, block_size=3, mask_token_id=49, target_layer_ids=[0, 2], markov_rank=4)).eval()
