@@ -34,16 +34,11 @@ class Proposal:
 
 
 def draft_config(draft: torch.nn.Module):
-    """The draft's config dataclass (dense drafts call it .cfg, DeepSeek-V4 drafts .config)."""
-    cfg = getattr(draft, "cfg", None) or getattr(draft, "config", None)
+    """The draft's config dataclass (every draft keeps it at `.config`)."""
+    cfg = getattr(draft, "config", None)
     if cfg is None or not hasattr(cfg, "sliding_window"):
-        raise AttributeError(f"{type(draft).__name__}: no .cfg/.config with a sliding_window field")
+        raise AttributeError(f"{type(draft).__name__}: no .config with a sliding_window field")
     return cfg
-
-
-def draft_window(draft: torch.nn.Module) -> int | None:
-    """The draft's context sliding window (None = whole context)."""
-    return draft_config(draft).sliding_window
 
 
 def sample_from_logits(
