@@ -1,0 +1,221 @@
+"""Independent checker for exported serving folders (`python -m dspark.export verify PATH`).
+
+Deliberately shares nothing with the exporters or the draft modules: it re-derives the tensor set
+the serving loader expects from the folder's own config JSON and the naming rules in SPEC.md 4/5,
+then compares with the safetensors headers (no tensor data is read).
+
+DeepSeek-V4 (dspark_config.json, or a config.json carrying dspark_* keys):
+  mtp.{i}.attn.{wq_a,q_norm,wq_b,wkv,kv_norm,wo_a,wo_b}.weight, mtp.{i}.attn.attn_sink,
+  mtp.{i}.{attn_norm,ffn_norm}.weight, mtp.{i}.hc_{attn,ffn}_{fn,base,scale},
+  mtp.{i}.ffn.gate.{weight,bias}, mtp.{i}.ffn.experts.{e}.w{1,2,3}.weight, mtp.{i}.ffn.shared_experts.w{1,2,3}.weight
+  mtp.0.main_proj.weight, mtp.0.main_norm.weight
+  mtp.{N-1}.norm.weight, mtp.{N-1}.hc_head_{fn,base,scale}, mtp.{N-1}.markov_head.*, mtp.{N-1}.confidence_head.proj.*
+  float32: hc_*, *norm.weight, attn_sink, gate.bias, confidence_head.*; the rest torch_dtype.
+Dense (config.json with architectures Qwen3DSparkModel / DFlashDraftModel): fc, hidden_norm,
+  layers.{i}.{input_layernorm,post_attention_layernorm}, self_attn.{q,k,v,o}_proj + q_norm/k_norm,
+  mlp.{gate,up,down}_proj, norm, and for DSpark markov_head.* (+ confidence_head.proj.{weight,bias}).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float8_e4m3fn": "F8_E4M3"}
+DENSE_ARCHS = ("Qwen3DSparkModel", "DFlashDraftModel")
+
+
+@dataclass
+class Report:
+    kind: str
+    n_tensors: int = 0
+    n_bytes: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _v4_expected(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    wide = _DTYPES[c.get("torch_dtype", "bfloat16")]
+    f32 = "F32"
+    H, V, nh, D = c["hidden_size"], c["vocab_size"], c["num_attention_heads"], c["head_dim"]
+    ql, G, R = c["q_lora_rank"], c["o_groups"], c["o_lora_rank"]
+    E, I, hc = c["n_routed_experts"], c["moe_intermediate_size"], c["hc_mult"]
+    r = c["dspark_markov_rank"]
+    n_layers = c.get("n_mtp_layers") or c.get("num_nextn_predict_layers")
+    n_ctx = len(c["dspark_target_layer_ids"])
+    shared = c.get("n_shared_experts", 1)
+    mix = (2 + hc) * hc
+    exp: dict[str, tuple[tuple[int, ...], str]] = {}
+    for i in range(n_layers):
+        p = f"mtp.{i}."
+        exp.update({
+            p + "attn.wq_a.weight": ((ql, H), wide),
+            p + "attn.q_norm.weight": ((ql,), f32),
+            p + "attn.wq_b.weight": ((nh * D, ql), wide),
+            p + "attn.wkv.weight": ((D, H), wide),
+            p + "attn.kv_norm.weight": ((D,), f32),
+            p + "attn.wo_a.weight": ((G * R, nh * D // G), wide),
+            p + "attn.wo_b.weight": ((H, G * R), wide),
+            p + "attn.attn_sink": ((nh,), f32),
+            p + "attn_norm.weight": ((H,), f32),
+            p + "ffn_norm.weight": ((H,), f32),
+            p + "ffn.gate.weight": ((E, H), wide),
+            p + "ffn.gate.bias": ((E,), f32),
+        })
+        for which in ("attn", "ffn"):
+            exp[f"{p}hc_{which}_fn"] = ((mix, hc * H), f32)
+            exp[f"{p}hc_{which}_base"] = ((mix,), f32)
+            exp[f"{p}hc_{which}_scale"] = ((3,), f32)
+        experts = [(f"ffn.experts.{e}.", I) for e in range(E)]
+        if shared:
+            experts.append(("ffn.shared_experts.", I * shared))
+        for stem, inter in experts:
+            exp[p + stem + "w1.weight"] = ((inter, H), wide)
+            exp[p + stem + "w2.weight"] = ((H, inter), wide)
+            exp[p + stem + "w3.weight"] = ((inter, H), wide)
+    exp["mtp.0.main_proj.weight"] = ((H, n_ctx * H), wide)
+    exp["mtp.0.main_norm.weight"] = ((H,), f32)
+    last = f"mtp.{n_layers - 1}."
+    exp[last + "norm.weight"] = ((H,), f32)
+    exp[last + "hc_head_fn"] = ((hc, hc * H), f32)
+    exp[last + "hc_head_base"] = ((hc,), f32)
+    exp[last + "hc_head_scale"] = ((1,), f32)
+    exp.update(_markov(last + "markov_head.", c.get("dspark_markov_head_type", "vanilla"), V, V, r, H, wide))
+    exp[last + "confidence_head.proj.weight"] = ((1, H + r), f32)
+    if c.get("dspark_confidence_bias"):
+        exp[last + "confidence_head.proj.bias"] = ((1,), f32)
+    return exp
+
+
+def _markov(p: str, kind: str, V: int, Vd: int, r: int, H: int, dt: str) -> dict:
+    out = {p + "markov_w1.weight": ((V, r), dt), p + "markov_w2.weight": ((Vd, r), dt)}
+    if kind == "gated":
+        out[p + "gate_proj.weight"] = ((r, H + r), dt)
+        out[p + "gate_proj.bias"] = ((r,), dt)
+    elif kind == "rnn":
+        out[p + "joint_proj.weight"] = ((3 * r, 2 * r + H), dt)
+        out[p + "joint_proj.bias"] = ((3 * r,), dt)
+    elif kind not in (None, "vanilla"):
+        raise ValueError(f"unknown markov head type {kind!r}")
+    return out
+
+
+def _dense_expected(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    dt = _DTYPES[c.get("torch_dtype", "bfloat16")]
+    H, I, nh, nkv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    hd = c.get("head_dim") or H // nh
+    n_ctx = len(c["dflash_config"]["target_layer_ids"])
+    exp = {"fc.weight": ((H, n_ctx * H), dt), "hidden_norm.weight": ((H,), dt), "norm.weight": ((H,), dt)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"layers.{i}."
+        exp.update({
+            p + "input_layernorm.weight": ((H,), dt),
+            p + "post_attention_layernorm.weight": ((H,), dt),
+            p + "self_attn.q_proj.weight": ((nh * hd, H), dt),
+            p + "self_attn.k_proj.weight": ((nkv * hd, H), dt),
+            p + "self_attn.v_proj.weight": ((nkv * hd, H), dt),
+            p + "self_attn.o_proj.weight": ((H, nh * hd), dt),
+            p + "self_attn.q_norm.weight": ((hd,), dt),
+            p + "self_attn.k_norm.weight": ((hd,), dt),
+            p + "mlp.gate_proj.weight": ((I, H), dt),
+            p + "mlp.up_proj.weight": ((I, H), dt),
+            p + "mlp.down_proj.weight": ((H, I), dt),
+        })
+    r = int(c.get("markov_rank") or 0)
+    if r > 0:
+        V = c["vocab_size"]
+        exp.update(_markov("markov_head.", c.get("markov_head_type") or "vanilla", V,
+                           c.get("draft_vocab_size") or V, r, H, dt))
+        if c.get("enable_confidence_head", True):
+            exp["confidence_head.proj.weight"] = ((1, H + r), dt)
+            exp["confidence_head.proj.bias"] = ((1,), dt)
+    return exp
+
+
+def _headers(folder: Path) -> tuple[dict[str, tuple[tuple[int, ...], str]], list[str]]:
+    """{name: (shape, safetensors dtype)} from the file headers, plus index problems."""
+    problems: list[str] = []
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        weight_map, files = None, ["model.safetensors"]
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    for fname in files:
+        path = folder / fname
+        if not path.is_file():
+            problems.append(f"missing file: {fname}")
+            continue
+        with path.open("rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if name in found:
+                problems.append(f"duplicate tensor: {name} (also in another shard)")
+            found[name] = (tuple(info["shape"]), info["dtype"])
+            if weight_map is not None and weight_map.get(name) != fname:
+                problems.append(f"index: {name} is in {fname} but the index says {weight_map.get(name)}")
+    if weight_map is not None:
+        for name in sorted(set(weight_map) - set(found)):
+            problems.append(f"index: {name} listed in {weight_map[name]} but not stored there")
+    return found, problems
+
+
+def verify_folder(path) -> Report:
+    folder = Path(path)
+    if (folder / "dspark_config.json").is_file():
+        cfg, kind = json.loads((folder / "dspark_config.json").read_text()), "deepseek_v4 dspark (mtp.*)"
+    elif (folder / "config.json").is_file():
+        cfg = json.loads((folder / "config.json").read_text())
+        arch = (cfg.get("architectures") or [None])[0]
+        kind = "deepseek_v4 dspark (mtp.*)" if "dspark_block_size" in cfg else arch
+    else:
+        return Report("unknown", problems=[f"{folder}: no dspark_config.json or config.json"])
+    if kind.startswith("deepseek_v4"):
+        expected = _v4_expected(cfg)
+    elif kind in DENSE_ARCHS:
+        expected = _dense_expected(cfg)
+    else:
+        return Report(str(kind), problems=[f"config.json: unknown architecture {kind!r} (expected {DENSE_ARCHS})"])
+    found, problems = _headers(folder)
+    if kind.startswith("deepseek_v4"):  # a merged target checkpoint also holds the target's own tensors
+        found = {k: v for k, v in found.items() if k.startswith("mtp.")}
+    report = Report(kind, n_tensors=len(found), problems=problems)
+    for name in sorted(set(expected) - set(found)):
+        report.problems.append(f"missing: {name} {list(expected[name][0])} {expected[name][1]}")
+    for name in sorted(set(found) - set(expected)):
+        report.problems.append(f"unexpected: {name} {list(found[name][0])} {found[name][1]} (no draft parameter)")
+    for name in sorted(set(found) & set(expected)):
+        (fs, fd), (es, ed) = found[name], expected[name]
+        if fs != es:
+            report.problems.append(f"shape: {name} is {list(fs)}, expected {list(es)}")
+        if fd != ed:
+            report.problems.append(f"dtype: {name} is {fd}, expected {ed}")
+    sizes = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
+    report.n_bytes = sum(sizes.get(d, 0) * _numel(s) for s, d in found.values())
+    return report
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def main_verify(path) -> int:
+    report = verify_folder(path)
+    if report.ok:
+        print(f"OK {path}: {report.kind}, {report.n_tensors} tensors, {report.n_bytes / 2**20:.1f} MiB, "
+              "names/shapes/dtypes match the config")
+        return 0
+    print(f"FAILED {path}: {report.kind}, {len(report.problems)} problem(s)")
+    for line in report.problems:
+        print(f"  {line}")
+    return 1
