@@ -118,7 +118,7 @@ def test_sts_degenerate_and_bad_input():
     z = np.zeros((10, 2))  # sigmoid(0 / T) = 0.5 for every T: all grid points tie -> T = 1
     temps = fit_sequential_temperature_scaling(z, np.array([0, 1, 2, 2, 1, 0, 0, 2, 1, 2]))
     np.testing.assert_allclose(temps, [1.0, 1.0])
-    z = np.full((10, 2), 20.0)  # saturated and always right: the smallest T wins (closest to 1.0 exactly)
+    z = np.full((10, 2), 20.0)  # saturated and always right: sharper (T < 1) is strictly better
     temps = fit_sequential_temperature_scaling(z, np.full(10, 2))
     assert np.all(temps < 1.0)
     with pytest.raises(ValueError, match="accepted_len"):
