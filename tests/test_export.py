@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -74,7 +75,7 @@ def _logits(draft) -> torch.Tensor:
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dspark.export", *args], cwd=REPO, capture_output=True, text=True,
-                          env={"OMP_WAIT_POLICY": "PASSIVE", "PATH": "/usr/bin:/bin"})
+                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
 
 
 # ---- DeepSeek-V4 -----------------------------------------------------------------------------------
@@ -247,3 +248,60 @@ def test_flash_plan_matches_the_independent_verifier_rules():
     names = {torch.bfloat16: "BF16", torch.float32: "F32"}
     expected = _v4_expected(json.loads(json.dumps(v4_config_json(cfg))))
     assert {k: (s, names[d]) for k, (s, d) in plan.items()} == expected
+
+
+# ---- CLI on a training run's draft/ folder (the embedded default: tiny_v4 target) -------------------
+def test_cli_exports_verifies_and_reimports_a_tiny_v4_run(tmp_path):
+    from conftest import compose
+    from dspark import factory
+    from dspark.training.run import export_draft
+
+    cfg = compose(["experiment=dspark_v4", "draft.num_layers=2"])
+    target = factory.build_target(cfg)
+    draft = factory.build_draft(cfg, target)
+    _randomise(draft, seed=5)
+    run = tmp_path / "run"
+    export_draft(draft, cfg, run / "draft")  # what train.py writes at the end of a run
+    out = tmp_path / "out"
+    res = _cli("v4", "--run-dir", str(run), "--target", "tiny_v4", "--out", str(out), "--dtype", "float32")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.strip().splitlines()[-1].startswith("OK ")
+    assert json.loads((out / "dspark_config.json").read_text())["n_mtp_layers"] == 2
+    back = factory.build_draft(cfg, target)
+    assert not torch.equal(_logits(draft), _logits(back))
+    import_v4_sidecar(out, back)
+    assert torch.equal(_logits(draft), _logits(back))
+
+
+def test_merge_into_a_target_checkpoint(tmp_path):
+    import shutil
+
+    from dspark.export.dspark_v4 import MERGED_SHARD, merge_v4_into_target
+    from dspark.targets.tiny_v4 import TINY_V4_DIR
+
+    target = tmp_path / "target"
+    shutil.copytree(TINY_V4_DIR, target)
+    own = load_file(str(target / "model.safetensors"))
+    own["mtp.0.enorm.weight"] = torch.ones(16)  # the target's own MTP layer: must not reach the draft loader
+    save_file(own, str(target / "model.safetensors"), metadata={"format": "pt"})
+    hf = json.loads((target / "config.json").read_text())
+    keys = dict(num_layers=2, block_size=4, mask_token_id=4, target_layer_ids=[1, 2], markov_rank=8)
+    src = DSparkV4Draft(DSparkV4Config.from_hf_config(tiny_v4_config(**{
+        k: hf[k] for k in ("vocab_size", "hidden_size", "moe_intermediate_size", "num_attention_heads", "head_dim",
+                           "q_lora_rank", "o_groups", "o_lora_rank", "n_routed_experts", "num_experts_per_tok",
+                           "hc_mult", "sliding_window")}), **keys))
+    _randomise(src, 9)
+    out = merge_v4_into_target(src, target, tmp_path / "merged", dtype=torch.float32)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dspark_block_size"] == 4 and cfg["dspark_noise_token_id"] == 4 and cfg["n_mtp_layers"] == 2
+    assert cfg["dspark_target_layer_ids"] == [1, 2] and cfg["dspark_markov_rank"] == 8
+    assert cfg["model_type"] == "deepseek_v4"  # the rest of the target config is kept
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index["mtp.0.main_proj.weight"] == MERGED_SHARD and "mtp.0.enorm.weight" not in index
+    assert index["model.embed_tokens.weight"] == "model.safetensors"
+    assert "mtp.0.enorm.weight" in load_file(str(target / "model.safetensors"))  # the original is untouched
+    assert verify_folder(out).ok, verify_folder(out).problems
+    dst = DSparkV4Draft(src.config)
+    import_v4_sidecar(out, dst)
+    for (n, a), (_, b) in zip(src.named_parameters(), dst.named_parameters()):
+        assert torch.equal(a, b), n

@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--dtype", default="bfloat16", choices=_DTYPES)
         p.add_argument("--max-shard-gb", type=float, default=5.0)
         p.add_argument("--no-verify", action="store_true", help="skip the verifier run after writing")
+        if name == "v4":
+            p.add_argument("--merge-into", type=Path, default=None,
+                           help="a target checkpoint folder: OUT becomes a copy of it with the mtp.* tensors added")
     args = ap.parse_args(argv)
 
     from dspark.export.verify import main_verify
@@ -68,7 +71,12 @@ def main(argv: list[str] | None = None) -> int:
 
         if not isinstance(draft, DSparkV4Draft):
             raise SystemExit(f"{args.run_dir}: the draft is {type(draft).__name__}, not a DeepSeek-V4 DSpark draft")
-        export_v4_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=shard)
+        if args.merge_into is not None:
+            from dspark.export.dspark_v4 import merge_v4_into_target
+
+            merge_v4_into_target(draft, args.merge_into, args.out, dtype=dtype)
+        else:
+            export_v4_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=shard)
     else:
         from dspark.export.dense import export_dense
         from dspark.models.dspark_dense import DSparkDenseDraft

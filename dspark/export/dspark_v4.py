@@ -78,6 +78,7 @@ def v4_config_json(cfg: DSparkV4Config, dtype: torch.dtype = torch.bfloat16) -> 
         "dspark_rope_theta": cfg.rope_theta,
         "sliding_window": cfg.sliding_window,
         "torch_dtype": str(dtype).removeprefix("torch."),
+        "dspark_torch_dtype": str(dtype).removeprefix("torch."),
         "dspark_format": "deepseek_v4_mtp",
     }
 
@@ -115,3 +116,74 @@ def import_v4_sidecar(folder, draft: DSparkV4Draft) -> DSparkV4Draft:
             tensors[name] = t  # reported as unexpected by load_into
     load_into(draft, tensors, f"import_v4_sidecar({folder})")
     return draft
+
+
+MERGED_SHARD = "model-dspark-mtp.safetensors"
+
+
+def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A copy of a target checkpoint folder with the draft's `mtp.{i}.*` tensors added (SPEC.md 4).
+
+    Files are hard-linked when possible (copied otherwise); the draft goes into its own shard
+    `model-dspark-mtp.safetensors`; the index gains its names (a single-file target gets an index);
+    config.json gains dspark_block_size, dspark_noise_token_id, dspark_target_layer_ids,
+    dspark_markov_rank, n_mtp_layers / num_nextn_predict_layers. `mtp.*` tensors the target already holds
+    (e.g. DeepSeek-V4's own MTP layer) would be loaded as draft weights by the serving loader, so they are
+    removed from the copy (their shards are rewritten without them, the originals stay untouched).
+    """
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from dspark.export._io import INDEX_NAME, SINGLE_NAME
+    from dspark.io import save_safetensors_atomic
+
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    if out_dir.resolve() == target_dir.resolve():
+        raise ValueError("merge_v4_into_target: out_dir must differ from target_dir (the target stays untouched)")
+    config = json.loads((target_dir / "config.json").read_text())
+    if int(config.get("hidden_size", draft.config.hidden_size)) != draft.config.hidden_size:
+        raise ValueError(f"merge_v4_into_target: target hidden_size {config['hidden_size']} != draft "
+                         f"{draft.config.hidden_size}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for src in target_dir.iterdir():
+        if src.is_file() and src.name not in ("config.json", INDEX_NAME, MERGED_SHARD):
+            dst = out_dir / src.name
+            if dst.exists():
+                dst.unlink()
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+    if (target_dir / INDEX_NAME).is_file():
+        index = json.loads((target_dir / INDEX_NAME).read_text())
+    else:
+        from safetensors import safe_open
+
+        with safe_open(str(target_dir / SINGLE_NAME), framework="pt") as fh:
+            index = {"metadata": {}, "weight_map": {k: SINGLE_NAME for k in fh.keys()}}
+    weight_map = dict(index["weight_map"])
+    old_mtp = {k: f for k, f in weight_map.items() if k.startswith("mtp.")}
+    for fname in sorted(set(old_mtp.values())):
+        kept = {k: t for k, t in load_file(str(target_dir / fname)).items() if not k.startswith("mtp.")}
+        (out_dir / fname).unlink()
+        save_safetensors_atomic(kept, out_dir / fname, {"format": "pt"})
+    for k in old_mtp:
+        del weight_map[k]
+    n = draft.config.num_layers
+    tensors = {serving_name(k, n): p.detach().to("cpu", export_dtype(k, dtype)).contiguous()
+               for k, p in draft.named_parameters()}
+    save_safetensors_atomic(tensors, out_dir / MERGED_SHARD, {"format": "pt"})
+    weight_map.update({k: MERGED_SHARD for k in tensors})
+    index["weight_map"] = dict(sorted(weight_map.items()))
+    index.setdefault("metadata", {}).pop("total_size", None)  # no longer exact; optional in the format
+    atomic_write_json(out_dir / INDEX_NAME, index)
+    sidecar = v4_config_json(draft.config, dtype)
+    keys = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
+            "dspark_markov_head_type", "dspark_confidence_bias", "n_mtp_layers", "num_nextn_predict_layers",
+            "dspark_torch_dtype")
+    config.update({k: sidecar[k] for k in keys})
+    atomic_write_json(out_dir / "config.json", config)
+    return out_dir

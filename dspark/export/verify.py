@@ -38,7 +38,7 @@ class Report:
 
 
 def _v4_expected(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
-    wide = _DTYPES[c.get("torch_dtype", "bfloat16")]
+    wide = _DTYPES[c.get("dspark_torch_dtype") or c.get("torch_dtype") or "bfloat16"]
     f32 = "F32"
     H, V, nh, D = c["hidden_size"], c["vocab_size"], c["num_attention_heads"], c["head_dim"]
     ql, G, R = c["q_lora_rank"], c["o_groups"], c["o_lora_rank"]
