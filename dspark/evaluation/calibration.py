@@ -10,6 +10,8 @@ Everything here is a pure function of arrays: inputs may be torch tensors, numpy
 work is done in float64 numpy and results are numpy arrays / Python floats (JSON-ready in the report).
 
 Shapes: N = number of verified blocks (one per verify step and request), g = drafts per block.
+Blocks must have all g positions scored; DeepSpec drops positions past an accepted EOS from its
+metrics, so a caller with such blocks should either drop them or cut them to a common g.
 """
 from __future__ import annotations
 
@@ -184,10 +186,11 @@ def fit_sequential_temperature_scaling(
     with T_1..T_{k-1} fixed at their fitted values.
 
     Choice of population: ALL N blocks at every position (not only those whose first k-1 drafts were
-    accepted). SPEC.md 3 and the paper define the objective as the ECE of the cumulative product, which
-    is an unconditional quantity (P(first k accepted)) and is what the scheduler and the threshold rule
-    consume, so it is scored on every block. (Conditioning on survival of k-1 would make the cumulative
-    product's earlier factors irrelevant to the fit and calibrate c_k alone.)
+    accepted). SPEC.md 3 and the paper define the objective as the ECE of the cumulative product, an
+    unconditional quantity (P(first k accepted)) that the scheduler and the threshold rule consume;
+    DeepSpec's confidence evaluation (deepspec/eval/dspark/confidence_head.py) likewise scores
+    cumprod(sigmoid(logits)) against the accepted-prefix mask on every proposal, per position. (DeepSpec
+    ships no STS fitting code; conditioning on survival of k-1 would instead calibrate c_k alone.)
 
     Ties in ECE (within 1e-12) are broken toward T closest to 1 (so degenerate positions, e.g. all
     outcomes equal with saturated logits, stay at T = 1).
