@@ -174,7 +174,7 @@ def verify_folder(path) -> Report:
     elif (folder / "config.json").is_file():
         cfg = json.loads((folder / "config.json").read_text())
         arch = (cfg.get("architectures") or [None])[0]
-        kind = "deepseek_v4 dspark (mtp.*)" if "dspark_block_size" in cfg else arch
+        kind = "deepseek_v4 dspark (mtp.*)" if "dspark_block_size" in cfg else str(arch)
     else:
         return Report("unknown", problems=[f"{folder}: no dspark_config.json or config.json"])
     if kind.startswith("deepseek_v4"):
