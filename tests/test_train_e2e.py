@@ -43,6 +43,20 @@ def test_tiny_run_writes_checkpoint_metrics_and_draft(tmp_path):
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
     assert all(k.startswith("draft.") for k in ckpt["state_dict"])  # the frozen target is not saved
     assert ckpt["ChatDataModule"]["batches_consumed"] == 6
+    # the run's draft exports to the serving mtp.* form, verifies independently, and re-imports exactly
+    from dspark.export.__main__ import main as export_main
+
+    assert export_main(["v4", "--run-dir", str(tmp_path), "--target", "tiny_v4",
+                        "--out", str(tmp_path / "export"), "--dtype", "float32"]) == 0
+    from dspark.export.verify import verify_folder
+    from dspark.export.dspark_v4 import import_v4_sidecar
+    from dspark import factory
+
+    assert verify_folder(tmp_path / "export").ok
+    target = factory.build_target(cfg)
+    fresh = import_v4_sidecar(tmp_path / "export", factory.build_draft(cfg, target))
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, weights[k]), k
 
 
 class Crash(L.Callback):
