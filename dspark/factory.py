@@ -263,7 +263,7 @@ def build_module(cfg: DictConfig, draft, target: FrozenTarget):
                         warmup_ratio=float(tr.warmup_ratio), min_lr_ratio=float(tr.min_lr_ratio),
                         max_steps=int(tr.max_steps))
     return DraftLightningModule(
-        draft, target, num_drafts=int(cfg.draft.block_size), mask_token_id=resolve_mask_token_id(cfg, target),
+        draft, target, num_drafts=int(cfg.draft.block_size), mask_token_id=draft.config.mask_token_id,
         layout=str(cfg.draft.layout), window=draft.config.sliding_window, decay_gamma=tr.decay_gamma,
         loss_weights=lw, optim=optim,
     )
