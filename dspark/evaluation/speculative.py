@@ -23,7 +23,7 @@ import torch
 from dspark.evaluation.metrics import AcceptanceCounter
 from dspark.evaluation.propose import Proposal, propose, sample_from_logits
 from dspark.evaluation.verify import verify_greedy, verify_rejection
-from dspark.targets.hf_target import FrozenTarget
+from dspark.targets.hf_target import FrozenTarget, TargetFeatures
 
 
 @dataclass
@@ -72,10 +72,25 @@ def _check_common(max_new_tokens: int, temperature: float) -> None:
 
 
 @torch.no_grad()
-def score(target: FrozenTarget, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One full-prefix target forward. ids [L] -> (aux [1, L, n*H], logits [L, V] fp32)."""
+def score(target: FrozenTarget, ids: torch.Tensor) -> tuple[TargetFeatures, torch.Tensor]:
+    """One full-prefix target forward. ids [L] -> (features of batch 1 and length L, logits [L, V] fp32)."""
     feats = target.features(ids.unsqueeze(0))
-    return feats.aux, target.logits_from_final(feats.final[0]).float()
+    return feats, target.logits_from_final(feats.final[0]).float()
+
+
+def draft_propose(draft, feats: TargetFeatures, tokens: torch.Tensor, *, num_drafts: int, mask_token_id: int,
+                  layout: str, window: int | None, temperature: float, generator) -> Proposal:
+    """One block of drafts after x0 = tokens[-1] at position a = len(tokens) - 1; feats cover 0..a-1 at least.
+
+    Drafts with their own inference path (MTP) implement `draft.propose(feats, tokens, num_drafts=,
+    temperature=, generator=)`; DSpark / DFlash drafts go through dspark.evaluation.propose.
+    """
+    a = tokens.numel() - 1
+    if hasattr(draft, "propose"):
+        return draft.propose(feats.prefix(a), tokens, num_drafts=num_drafts, temperature=temperature,
+                             generator=generator)
+    return propose(draft, feats.aux, int(tokens[-1]), a, num_drafts=num_drafts, mask_token_id=mask_token_id,
+                   layout=layout, window=window, temperature=temperature, generator=generator)
 
 
 class _Output:
@@ -145,23 +160,24 @@ def speculative_generate(
     if out.done:
         return torch.zeros(0, dtype=torch.long), stats
 
-    aux, logits = score(target, seq)  # prefill: aux [1, P, n*H], logits [P, V]
+    feats, logits = score(target, seq)  # prefill: features of positions 0..P-1, logits [P, V]
     x0, _ = sample_from_logits(logits[-1], temperature, generator)
     x0 = int(x0)
     out.extend([x0])
     g = int(num_drafts)
     while not out.done:
         a = seq.numel()  # position of x0
-        prop = propose(draft, aux, x0, a, num_drafts=g, mask_token_id=mask_token_id, layout=layout,
-                       window=window, temperature=temperature, generator=generator)
+        prop = draft_propose(draft, feats, torch.cat([seq, seq.new_tensor([x0])]), num_drafts=g,
+                             mask_token_id=mask_token_id, layout=layout, window=window,
+                             temperature=temperature, generator=generator)
         ys = prop.tokens.to(seq.device)  # [g]
         full = torch.cat([seq, seq.new_tensor([x0]), ys])  # [a + 1 + g]
-        aux_full, logits = score(target, full)
+        feats_full, logits = score(target, full)
         n, nxt = _verify(prop, logits[a : a + g + 1], temperature, generator)  # rows p_0..p_g
         stats.append(StepStats(anchor_pos=a, draft_tokens=ys.tolist(), num_accepted=n, next_token=nxt,
                                conf=None if prop.conf is None else prop.conf.tolist()))
         out.extend(ys[:n].tolist() + [nxt])
         seq = full[: a + 1 + n]  # [.., x0, y_0..y_{n-1}]
-        aux = aux_full[:, : a + 1 + n]  # features of exactly those positions
+        feats = feats_full.prefix(a + 1 + n)  # features of exactly those positions
         x0 = nxt
     return torch.tensor(out.tokens, dtype=torch.long), stats

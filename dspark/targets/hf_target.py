@@ -17,6 +17,10 @@ class TargetFeatures:
     aux: torch.Tensor  # [B, S, n*H] concatenated outputs of target_layer_ids
     final: torch.Tensor  # [B, S, H] final hidden after the model's final norm
 
+    def prefix(self, length: int) -> "TargetFeatures":
+        """The features of positions 0..length-1 (every field is sliced on dim 1)."""
+        return type(self)(**{k: v[:, :length] for k, v in vars(self).items()})
+
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     base = getattr(model, "model", model)
