@@ -112,35 +112,107 @@ def test_eos_stops_both_decoders_at_the_same_token(llama_target):
     assert plain.tolist() == ref[:cut] and out.tolist() == ref[:cut]
 
 
-def test_sampling_with_the_target_as_draft_accepts_everything(llama_target, monkeypatch):
-    """At T > 0, a draft whose q is exactly the target's distribution is always fully accepted: checks the
-    loop's row alignment and temperature handling on the rejection path."""
-    scored: list[torch.Tensor] = []
-    real_score = spec.score
+class TargetAsDraft:
+    """A 'draft' that samples from the target itself through the `draft.propose` interface (MTP-style)."""
 
-    def recording_score(target, ids):
-        scored.append(ids)
-        return real_score(target, ids)
+    def __init__(self, target: FrozenTarget, corrupt_every: int = 0):
+        self.target, self.corrupt_every = target, corrupt_every
+        self.calls: list[tuple[int, int]] = []  # (feature length, tokens length) per call
 
-    def target_as_draft(draft, aux, x0, a, *, num_drafts, temperature, generator, **_):
-        seq = scored[-1][:a].tolist() + [x0]
-        toks, rows = [], []
+    def propose(self, feats, tokens, *, num_drafts, temperature, generator):
+        self.calls.append((feats.aux.shape[1], tokens.numel()))
+        seq, toks, rows = tokens.tolist(), [], []
         for _ in range(num_drafts):
-            _, logits = real_score(llama_target, torch.tensor(seq))
-            p = torch.softmax(logits[-1] / temperature, -1)
-            y = int(torch.multinomial(p, 1, generator=generator))
+            _, logits = spec.score(self.target, torch.tensor(seq))
+            if temperature == 0:  # greedy oracle, wrong wherever the position is a multiple of corrupt_every
+                y = int(logits[-1].argmax())
+                if self.corrupt_every and len(seq) % self.corrupt_every == 0:
+                    y = (y + 1) % V
+                p = torch.nn.functional.one_hot(torch.tensor(y), V).float()
+            else:
+                p = torch.softmax(logits[-1] / temperature, -1)
+                y = int(torch.multinomial(p, 1, generator=generator))
             toks.append(y)
             rows.append(p)
             seq.append(y)
         return Proposal(tokens=torch.tensor(toks), q_probs=torch.stack(rows), conf=None,
                         logits=torch.zeros(num_drafts, V))
 
-    monkeypatch.setattr(spec, "score", recording_score)
-    monkeypatch.setattr(spec, "propose", target_as_draft)
-    gen = torch.Generator().manual_seed(0)
-    out, stats = speculative_generate(llama_target, None, torch.tensor([1, 2, 3]), max_new_tokens=10,
-                                      num_drafts=2, mask_token_id=MASK, temperature=0.8, generator=gen)
-    assert len(out) == 10 and all(s.num_accepted == 2 for s in stats)
+
+def test_sampling_with_the_target_as_draft_accepts_everything(llama_target):
+    """At T > 0, a draft whose q is exactly the target's distribution is always fully accepted: checks the
+    loop's row alignment and temperature handling on the rejection path, and that a draft with its own
+    `propose` gets the features of exactly the positions before x0 (tokens = those positions + x0)."""
+    draft = TargetAsDraft(llama_target)
+    gens = [torch.Generator().manual_seed(s) for s in (0, 1)]
+    out = spec.speculative_generate_batch(llama_target, draft, [torch.tensor([1, 2, 3]), torch.tensor([5])],
+                                          max_new_tokens=10, num_drafts=2, mask_token_id=MASK, temperature=0.8,
+                                          generators=gens)
+    assert [len(t) for t in out.tokens] == [10, 10]
+    assert all(s.num_accepted == 2 for steps in out.steps for s in steps)
+    assert draft.calls and all(n_tok == n_feat + 1 for n_feat, n_tok in draft.calls)
+
+
+def test_batched_cached_decoding_equals_one_request_at_a_time(llama_target):
+    """Requests of different lengths batched together (left padding, per-row rollback of rejected drafts,
+    finished rows dropped) decode exactly as each request alone through the uncached reference."""
+    draft = TargetAsDraft(llama_target, corrupt_every=4)
+    ps = prompts(5, V, seed=21)
+    refs = [target_generate(llama_target, p, 14) for p in ps]
+    eos = refs[2].tolist()[6]  # request 2 (at least) stops early: its row leaves the batch mid-run
+    refs = [target_generate(llama_target, p, 14, eos_token_id=eos) for p in ps]
+    out = spec.speculative_generate_batch(llama_target, draft, ps, max_new_tokens=14, num_drafts=3,
+                                          mask_token_id=MASK, eos_token_id=eos)
+    assert [t.tolist() for t in out.tokens] == [r.tolist() for r in refs]
+    assert any(0 < s.num_accepted < 3 for steps in out.steps for s in steps)  # partial rollbacks happened
+    plain = spec.plain_generate(llama_target, ps, 14, eos_token_id=eos)
+    assert [t.tolist() for t in plain.tokens] == [r.tolist() for r in refs]
+    assert plain.target_forwards == 1 + max(len(r) for r in refs) - 1  # one batched forward per token
+    assert out.target_forwards == 1 + max(len(s) for s in out.steps)
+    t = out.timing
+    assert t.rounds == out.target_forwards - 1 and 0 <= t.overhead_s <= t.total_s
+
+
+def test_sampled_batch_does_not_depend_on_batch_mates(llama_target):
+    """At T > 0 each request draws from its own generator: alone or batched, the same tokens."""
+    draft = dense_draft(llama_target, seed=5)
+    ps = prompts(3, V, seed=30)
+    batched = spec.speculative_generate_batch(
+        llama_target, draft, ps, max_new_tokens=9, num_drafts=2, mask_token_id=MASK, temperature=1.0,
+        generators=[torch.Generator().manual_seed(100 + i) for i in range(3)])
+    for i, p in enumerate(ps):
+        alone, _ = speculative_generate(llama_target, draft, p, max_new_tokens=9, num_drafts=2, mask_token_id=MASK,
+                                        temperature=1.0, generator=torch.Generator().manual_seed(100 + i))
+        assert alone.tolist() == batched.tokens[i].tolist()
+
+
+def test_session_cache_matches_full_recompute_after_rollbacks():
+    """The KV session's features/logits after commits with rejected slots == a fresh forward of the kept
+    tokens (DeepSeek-V4 target: sliding window smaller than the sequence, hc streams averaged)."""
+    from dspark.evaluation.target_session import TargetSession
+
+    torch.manual_seed(0)
+    model = DeepseekV4ForCausalLM(tiny_v4_config(vocab_size=V, sliding_window=5)).eval()
+    target = FrozenTarget(model, [0, 2])
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, V, (n,), generator=gen) for n in (3, 7)]
+    sess = TargetSession(target, seqs)
+    sess.prefill()
+    for keep in ([2, 4], [1, 3], [4, 0]):
+        new = torch.randint(0, V, (2, 4), generator=gen)
+        logits = sess.forward(new)
+        for i in range(2):
+            full, ref_logits = spec.score(target, torch.cat([seqs[i], new[i]]))
+            assert torch.allclose(logits[i], ref_logits[-4:], atol=1e-4)
+        sess.commit(keep)
+        seqs = [torch.cat([s, new[i, :k]]) for i, (s, k) in enumerate(zip(seqs, keep))]
+        for i in range(2):
+            full, _ = spec.score(target, seqs[i])
+            assert torch.allclose(sess.features(i).aux, full.aux, atol=1e-4)
+    sess.retain([1])
+    new = torch.randint(0, V, (1, 2), generator=gen)
+    _, ref_logits = spec.score(target, torch.cat([seqs[1], new[0]]))
+    assert torch.allclose(sess.forward(new)[0], ref_logits[-2:], atol=1e-4)
 
 
 # ---- (2) rejection sampling is lossless ----------------------------------------------------------

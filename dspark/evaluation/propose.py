@@ -27,6 +27,7 @@ class Proposal:
     q_probs: torch.Tensor  # [g, V] fp32, the distribution each y_k was drawn from (one-hot at T=0)
     conf: torch.Tensor | None  # [g] fp32 sigmoid(confidence logit), None without a confidence head
     logits: torch.Tensor  # [g, V] fp32 Markov-corrected logits before temperature scaling
+    conf_logits: torch.Tensor | None = None  # [g] fp32 raw confidence logits (for calibration / STS)
 
     @property
     def num_drafts(self) -> int:
@@ -130,7 +131,7 @@ def propose(
         else:
             logits_k = base[k]  # [V]
         if has_conf:
-            conf.append(torch.sigmoid(draft.confidence_logit(h_k, feat).float())[0])
+            conf.append(draft.confidence_logit(h_k, feat).float()[0])
         y, q = sample_from_logits(logits_k, temperature, generator)
         if forced_tokens is not None:
             y = forced_tokens[k].to(device=dev, dtype=torch.long)
@@ -141,6 +142,7 @@ def propose(
     return Proposal(
         tokens=torch.stack(tokens),  # [g]
         q_probs=torch.stack(q_rows),  # [g, V]
-        conf=torch.stack(conf) if has_conf else None,  # [g]
+        conf=torch.sigmoid(torch.stack(conf)) if has_conf else None,  # [g]
         logits=torch.stack(logit_rows),  # [g, V]
+        conf_logits=torch.stack(conf) if has_conf else None,  # [g]
     )

@@ -1,28 +1,33 @@
-"""Reference speculative decoding loop (chain drafting) and plain target decoding, batch size 1.
+"""Speculative decoding (chain drafting) of a batch of requests, and plain target decoding.
 
-Correctness over speed: every target call recomputes the full prefix (no KV cache) through the same
-`target.features` + `target.logits_from_final` path, so plain and speculative decoding score tokens
-with the same function. One loop step:
+The target side runs in a `TargetSession` (KV cache, requests of different lengths batched with left
+padding). One round, for every unfinished request:
 
     sequence so far: [prompt, generated...]; x0 = its last token (the target's bonus/correction token),
-    at position a; the target's layer outputs for positions 0..a-1 are known from the previous forward.
-    1. propose g drafts y_0..y_{g-1} from those context features and x0        (dspark.evaluation.propose)
-    2. one target forward over [.., x0, y_0..y_{g-1}]: rows a..a+g are p_0..p_g
+    at position a; the target's layer outputs for positions 0..a-1 are cached from earlier forwards.
+    1. propose g drafts y_0..y_{g-1} from those context features and x0      (draft_propose, per request)
+    2. ONE batched target forward over [x0, y_0..y_{g-1}] of every request: rows 0..g are p_0..p_g
     3. verify (greedy at T=0, rejection sampling at T>0): n accepted + one next token
-    4. append y_0..y_{n-1}, next; next becomes x0; the same forward's features at 0..a+n are the context
-       of the next step (causal target: they do not depend on the rejected drafts).
-Stops after an eos token (kept in the output) or exactly at max_new_tokens.
+    4. keep x0, y_0..y_{n-1} in the cache (their features are the next context: the target is causal, so
+       they do not depend on the rejected drafts); next becomes x0.
+Stops after an eos token (kept in the output) or exactly at max_new_tokens. Each request draws its random
+numbers from its own generator, so its output does not depend on what it is batched with.
+
+`target_generate` is the uncached one-request reference (full-prefix recompute per token): the oracle the
+tests compare against. `plain_generate` is the batched, cached plain decoding eval.py times against.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dspark.evaluation.metrics import AcceptanceCounter
 from dspark.evaluation.propose import Proposal, propose, sample_from_logits
 from dspark.evaluation.verify import verify_greedy, verify_rejection
+from dspark.evaluation.target_session import TargetSession
 from dspark.targets.hf_target import FrozenTarget, TargetFeatures
 
 
@@ -35,6 +40,7 @@ class StepStats:
     num_accepted: int  # n (bonus excluded)
     next_token: int  # correction (n < g) or bonus (n == g) token from the target
     conf: list[float] | None  # draft confidences c_k, None without a confidence head
+    conf_logits: list[float] | None = None  # raw confidence logits (calibration / STS)
 
     @property
     def num_drafts(self) -> int:
@@ -136,11 +142,88 @@ def _verify(prop: Proposal, rows: torch.Tensor, temperature: float, generator) -
     return verify_rejection(prop.tokens, prop.q_probs, torch.softmax(rows / temperature, dim=-1), generator)
 
 
+@dataclass
+class Timing:
+    """Wall-clock split of a decoding run (seconds). overhead = everything outside model forwards."""
+
+    rounds: int = 0
+    total_s: float = 0.0
+    target_s: float = 0.0
+    draft_s: float = 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        return max(self.total_s - self.target_s - self.draft_s, 0.0)
+
+    def report(self) -> dict:
+        per = (lambda x: x / self.rounds) if self.rounds else (lambda x: None)
+        return {"rounds": self.rounds, "total_s": round(self.total_s, 4), "target_forward_s": round(self.target_s, 4),
+                "draft_forward_s": round(self.draft_s, 4), "overhead_s": round(self.overhead_s, 4),
+                "overhead_share": self.overhead_s / self.total_s if self.total_s else None,
+                "overhead_per_round_ms": None if not self.rounds else 1e3 * per(self.overhead_s),
+                "round_ms": None if not self.rounds else 1e3 * per(self.total_s)}
+
+
+@dataclass
+class Decoded:
+    """The outcome of decoding a batch: tokens and verify steps per request, and the timing split."""
+
+    tokens: list[torch.Tensor]  # [N_i] long per request
+    steps: list[list[StepStats]]  # per request (empty for plain decoding)
+    timing: Timing = field(default_factory=Timing)
+    target_forwards: int = 0  # batched target forwards, prefill included
+
+
+def _generators(generators, n: int) -> list:
+    if generators is None:
+        return [None] * n
+    if isinstance(generators, torch.Generator):
+        generators = [generators]
+    if len(generators) != n:
+        raise ValueError(f"got {len(generators)} generators for {n} prompts (one per request)")
+    return list(generators)
+
+
+def _timed(timing: Timing, attr: str, fn, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    setattr(timing, attr, getattr(timing, attr) + time.perf_counter() - t0)
+    return out
+
+
+def _start(target: FrozenTarget, prompts, max_new_tokens: int, temperature: float, eos_token_id, generators):
+    """Prefill every request; sample its first token. -> (session, outputs, x0 per request, timing)."""
+    _check_common(max_new_tokens, temperature)
+    seqs = [_prompt_tensor(p, target.device) for p in prompts]
+    gens = _generators(generators, len(seqs))
+    eos = _eos_set(eos_token_id)
+    outs = [_Output(max_new_tokens, eos) for _ in seqs]
+    timing = Timing()
+    t0 = time.perf_counter()
+    session = TargetSession(target, seqs)
+    logits = _timed(timing, "target_s", session.prefill)  # [B, V]
+    x0 = []
+    for i, out in enumerate(outs):
+        tok = int(sample_from_logits(logits[i], temperature, gens[i])[0]) if not out.done else 0
+        out.extend([tok])
+        x0.append(tok)
+    timing.total_s += time.perf_counter() - t0
+    return session, outs, x0, gens, timing
+
+
+def _drop_finished(session: TargetSession, outs: list, x0: list[int]) -> list[int]:
+    """Remove finished requests from the session; returns x0 of the remaining rows."""
+    alive = [r for r, req in enumerate(session.requests) if not outs[req].done]
+    if len(alive) != session.batch_size and alive:
+        session.retain(alive)
+    return [x0[r] for r in alive]
+
+
 @torch.no_grad()
-def speculative_generate(
+def speculative_generate_batch(
     target: FrozenTarget,
     draft: torch.nn.Module,
-    prompt_ids,
+    prompts: Sequence,
     *,
     max_new_tokens: int,
     num_drafts: int,
@@ -149,35 +232,87 @@ def speculative_generate(
     window: int | None = None,
     temperature: float = 0.0,
     eos_token_id: int | Sequence[int] | None = None,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, list[StepStats]]:
-    """Speculative decoding of one prompt. prompt_ids [P] -> (generated tokens [N] long, one StepStats per
-    verify step). At T=0 the tokens equal `target_generate`'s; at T>0 they follow the same distribution."""
-    _check_common(max_new_tokens, temperature)
-    seq = _prompt_tensor(prompt_ids, target.device)  # [a] tokens whose target features are known
-    out = _Output(max_new_tokens, _eos_set(eos_token_id))
-    stats: list[StepStats] = []
-    if out.done:
-        return torch.zeros(0, dtype=torch.long), stats
-
-    feats, logits = score(target, seq)  # prefill: features of positions 0..P-1, logits [P, V]
-    x0, _ = sample_from_logits(logits[-1], temperature, generator)
-    x0 = int(x0)
-    out.extend([x0])
+    generators: Sequence[torch.Generator | None] | torch.Generator | None = None,
+) -> Decoded:
+    """Speculative decoding of a batch of prompts ([P_i] each). At T=0 every request's tokens equal
+    `target_generate`'s; at T>0 they follow the same distribution."""
     g = int(num_drafts)
-    while not out.done:
-        a = seq.numel()  # position of x0
-        prop = draft_propose(draft, feats, torch.cat([seq, seq.new_tensor([x0])]), num_drafts=g,
-                             mask_token_id=mask_token_id, layout=layout, window=window,
-                             temperature=temperature, generator=generator)
-        ys = prop.tokens.to(seq.device)  # [g]
-        full = torch.cat([seq, seq.new_tensor([x0]), ys])  # [a + 1 + g]
-        feats_full, logits = score(target, full)
-        n, nxt = _verify(prop, logits[a : a + g + 1], temperature, generator)  # rows p_0..p_g
-        stats.append(StepStats(anchor_pos=a, draft_tokens=ys.tolist(), num_accepted=n, next_token=nxt,
-                               conf=None if prop.conf is None else prop.conf.tolist()))
-        out.extend(ys[:n].tolist() + [nxt])
-        seq = full[: a + 1 + n]  # [.., x0, y_0..y_{n-1}]
-        feats = feats_full.prefix(a + 1 + n)  # features of exactly those positions
-        x0 = nxt
-    return torch.tensor(out.tokens, dtype=torch.long), stats
+    if g < 1:
+        raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
+    session, outs, x0, gens, timing = _start(target, prompts, max_new_tokens, temperature, eos_token_id, generators)
+    steps: list[list[StepStats]] = [[] for _ in outs]
+    forwards = 1
+    x0 = _drop_finished(session, outs, x0)
+    while x0:
+        t_round = time.perf_counter()
+        props = []
+        for r, req in enumerate(session.requests):
+            feats = session.features(r)
+            seq = torch.cat([session_tokens(session, r, req, prompts, outs, target.device), feats.final.new_tensor(
+                [x0[r]], dtype=torch.long)])  # [a + 1]
+            props.append(_timed(timing, "draft_s", draft_propose, draft, feats, seq, num_drafts=g,
+                                mask_token_id=mask_token_id, layout=layout, window=window,
+                                temperature=temperature, generator=gens[req]))
+        new_ids = torch.stack([torch.cat([torch.tensor([x], device=p.tokens.device), p.tokens])
+                               for x, p in zip(x0, props)])  # [B, g + 1]
+        logits = _timed(timing, "target_s", session.forward, new_ids)  # [B, g + 1, V]
+        forwards += 1
+        keep = []
+        for r, (req, prop) in enumerate(zip(session.requests, props)):
+            n, nxt = _verify(prop, logits[r], temperature, gens[req])
+            steps[req].append(StepStats(
+                anchor_pos=session.lengths[r], draft_tokens=prop.tokens.tolist(), num_accepted=n, next_token=nxt,
+                conf=None if prop.conf is None else prop.conf.tolist(),
+                conf_logits=None if prop.conf_logits is None else prop.conf_logits.tolist()))
+            outs[req].extend(prop.tokens[:n].tolist() + [nxt])
+            keep.append(1 + n)
+            x0[r] = nxt
+        session.commit(keep)
+        x0 = _drop_finished(session, outs, x0)
+        timing.rounds += 1
+        timing.total_s += time.perf_counter() - t_round
+    return Decoded([torch.tensor(o.tokens, dtype=torch.long) for o in outs], steps, timing, forwards)
+
+
+def session_tokens(session: TargetSession, row: int, req: int, prompts, outs, device) -> torch.Tensor:
+    """Tokens whose target state row `row` (request `req`) has cached: prompt + generated[:-1]."""
+    n = session.lengths[row] - len(prompts[req])
+    return torch.cat([_prompt_tensor(prompts[req], device),
+                      torch.tensor(outs[req].tokens[:n], dtype=torch.long, device=device)])
+
+
+@torch.no_grad()
+def speculative_generate(target: FrozenTarget, draft: torch.nn.Module, prompt_ids, *, generator=None,
+                         **kwargs) -> tuple[torch.Tensor, list[StepStats]]:
+    """One request: prompt_ids [P] -> (generated tokens [N] long, one StepStats per verify step)."""
+    out = speculative_generate_batch(target, draft, [prompt_ids], generators=[generator], **kwargs)
+    return out.tokens[0], out.steps[0]
+
+
+@torch.no_grad()
+def plain_generate(
+    target: FrozenTarget,
+    prompts: Sequence,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    eos_token_id: int | Sequence[int] | None = None,
+    generators: Sequence[torch.Generator | None] | torch.Generator | None = None,
+) -> Decoded:
+    """Batched KV-cached plain decoding (one target forward of one token per request per round)."""
+    session, outs, x0, gens, timing = _start(target, prompts, max_new_tokens, temperature, eos_token_id, generators)
+    forwards = 1
+    x0 = _drop_finished(session, outs, x0)
+    while x0:
+        t_round = time.perf_counter()
+        ids = torch.tensor(x0, dtype=torch.long, device=target.device).unsqueeze(1)  # [B, 1]
+        logits = _timed(timing, "target_s", session.forward, ids)[:, 0]  # [B, V]
+        forwards += 1
+        session.commit([1] * session.batch_size)
+        for r, req in enumerate(session.requests):
+            tok = int(sample_from_logits(logits[r], temperature, gens[req])[0])
+            outs[req].extend([tok])
+            x0[r] = tok
+        x0 = _drop_finished(session, outs, x0)
+        timing.rounds += 1
+        timing.total_s += time.perf_counter() - t_round
+    return Decoded([torch.tensor(o.tokens, dtype=torch.long) for o in outs], [[] for _ in outs], timing, forwards)

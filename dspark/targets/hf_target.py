@@ -79,8 +79,12 @@ class FrozenTarget:
         return h  # [B, S, H]
 
     @torch.no_grad()
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetFeatures:
-        """input_ids, attention_mask: [B, S] -> TargetFeatures (aux [B,S,n*H], final [B,S,H])."""
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 position_ids: torch.Tensor | None = None, cache=None) -> TargetFeatures:
+        """input_ids [B, S] -> TargetFeatures (aux [B,S,n*H], final [B,S,H]) of those S tokens.
+
+        attention_mask [B, S_cache + S] (1 = real token), position_ids [B, S] and an HF `cache` (updated in
+        place) are passed through to the model for KV-cached decoding (dspark.evaluation.target_session)."""
         captured: dict[int, torch.Tensor] = {}
         handles = [
             self.layers[i].register_forward_hook(
@@ -90,7 +94,8 @@ class FrozenTarget:
         ]
         try:
             base = getattr(self.model, "model", self.model)
-            out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       cache=cache, use_cache=cache is not None)
         finally:
             for h in handles:
                 h.remove()

@@ -1,0 +1,166 @@
+"""A batch of requests decoding together against one KV-cached target (the verify side of eval.py).
+
+Cache layout: one HF `DynamicCache` built WITHOUT the model config, so every layer keeps all of its keys
+(no sliding-window eviction: a rejected draft must be removable, and the window is applied by the
+attention mask from the true positions). Rows are requests; each row's cached tokens are right-aligned
+and left-padded:
+
+    slot   0 .. pad_i-1      padding (attention_mask 0)
+    slot   pad_i .. L-1      the row's tokens at positions 0 .. len_i-1          L = max_i len_i + pad_i
+
+`forward(new_ids [B, T])` appends T slots to every row (positions len_i .. len_i+T-1) and returns their
+target features and logits; `commit(keep)` then keeps the first keep_i of those T slots in row i (the
+anchor and the accepted drafts) and re-packs the cache so that rows stay right-aligned. Finished requests
+are dropped with `retain(rows)`. Per-row target features of the kept positions accumulate in
+`features(i)` for the draft's next proposal.
+
+Targets with compressed attention layers (DeepSeek-V4 CSA/HCA) keep compressor state that cannot be
+rolled back this way; they are refused with a clear error.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dspark.targets.hf_target import FrozenTarget, TargetFeatures
+
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
+def check_cacheable(target: FrozenTarget) -> None:
+    types = set(getattr(target.model.config, "layer_types", None) or [])
+    bad = sorted(types - SUPPORTED_LAYER_TYPES)
+    if bad:
+        raise NotImplementedError(
+            f"KV-cached verification supports layer types {sorted(SUPPORTED_LAYER_TYPES)}; the target has {bad} "
+            "(compressor state cannot be rolled back after a rejected draft)"
+        )
+
+
+def _cat_features(parts: list[TargetFeatures]) -> TargetFeatures:
+    if len(parts) == 1:
+        return parts[0]
+    return type(parts[0])(**{k: torch.cat([getattr(p, k) for p in parts], dim=1) for k in vars(parts[0])})
+
+
+class TargetSession:
+    """prompts: one [P_i] long tensor per request (P_i >= 1)."""
+
+    def __init__(self, target: FrozenTarget, prompts: Sequence[torch.Tensor]):
+        from transformers import DynamicCache
+
+        check_cacheable(target)
+        if not prompts:
+            raise ValueError("TargetSession needs at least one prompt")
+        self.target = target
+        self.device = target.device
+        self.cache = DynamicCache()
+        self.lengths: list[int] = []  # cached tokens per row
+        self.attention_mask = torch.zeros(len(prompts), 0, dtype=torch.long, device=self.device)  # [B, L]
+        self._feats: list[list[TargetFeatures]] = [[] for _ in prompts]  # kept features per row, in chunks
+        self._pending: TargetFeatures | None = None  # features of the last forward, [B, T, ...]
+        self.requests = list(range(len(prompts)))  # request index of each row
+        for i, p in enumerate(prompts):
+            if p.dim() != 1 or p.numel() == 0:
+                raise ValueError(f"prompt {i}: expected a non-empty [P] tensor, got shape {tuple(p.shape)}")
+        self.lengths = [0] * len(prompts)
+        self._prompts = [p.to(self.device, torch.long) for p in prompts]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    # ---- forward ------------------------------------------------------------------------------------
+    def prefill(self) -> torch.Tensor:
+        """Forward every prompt; keep all of it. Returns the logits of each prompt's last position [B, V]."""
+        if self.cache.get_seq_length() != 0:
+            raise RuntimeError("prefill() runs once, on an empty session")
+        width = max(p.numel() for p in self._prompts)
+        ids = torch.zeros(self.batch_size, width, dtype=torch.long, device=self.device)  # [B, P] left-padded
+        self.attention_mask = torch.zeros_like(ids)
+        pos = torch.zeros_like(ids)
+        for i, p in enumerate(self._prompts):
+            ids[i, width - p.numel():] = p
+            self.attention_mask[i, width - p.numel():] = 1
+            pos[i, width - p.numel():] = torch.arange(p.numel(), device=self.device)
+        feats = self.target.features(ids, self.attention_mask, position_ids=pos, cache=self.cache)
+        logits = self.target.logits_from_final(feats.final[:, -1]).float()  # [B, V]
+        for i, p in enumerate(self._prompts):
+            self._feats[i].append(self._row(feats, i, width - p.numel(), width))
+            self.lengths[i] = p.numel()
+        return logits
+
+    def forward(self, new_ids: torch.Tensor) -> torch.Tensor:
+        """new_ids [B, T] (row i at positions len_i .. len_i+T-1) -> logits [B, T, V] fp32. Call commit() next."""
+        if self._pending is not None:
+            raise RuntimeError("commit() the previous forward before the next one")
+        b, t = new_ids.shape
+        if b != self.batch_size:
+            raise ValueError(f"new_ids has {b} rows, the session {self.batch_size}")
+        lengths = torch.tensor(self.lengths, device=self.device)
+        pos = lengths.unsqueeze(1) + torch.arange(t, device=self.device)  # [B, T]
+        mask = torch.cat([self.attention_mask, torch.ones(b, t, dtype=torch.long, device=self.device)], dim=1)
+        feats = self.target.features(new_ids.to(self.device), mask, position_ids=pos, cache=self.cache)
+        self.attention_mask = mask
+        self._pending = feats
+        return self.target.logits_from_final(feats.final).float()  # [B, T, V]
+
+    def commit(self, keep: Sequence[int]) -> None:
+        """Keep the first keep[i] of the last forward's T slots of row i; drop the rest from the cache."""
+        if self._pending is None:
+            raise RuntimeError("commit() without a forward()")
+        t = self._pending.final.shape[1]
+        if len(keep) != self.batch_size or any(not 0 <= int(k) <= t for k in keep):
+            raise ValueError(f"keep must hold {self.batch_size} counts in 0..{t}, got {list(keep)}")
+        old_width = self.attention_mask.shape[1] - t  # cache slots before the forward
+        for i, k in enumerate(keep):
+            if k:
+                self._feats[i].append(self._row(self._pending, i, 0, int(k)))
+        new_lengths = [n + int(k) for n, k in zip(self.lengths, keep)]
+        self._repack(old_width, new_lengths)
+        self._pending = None
+
+    def retain(self, rows: Sequence[int]) -> None:
+        """Keep only these rows (e.g. drop finished requests)."""
+        if self._pending is not None:
+            raise RuntimeError("commit() before retain()")
+        idx = torch.tensor(list(rows), dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+        self.attention_mask = self.attention_mask[idx]
+        self.lengths = [self.lengths[r] for r in rows]
+        self._feats = [self._feats[r] for r in rows]
+        self.requests = [self.requests[r] for r in rows]
+        width = max(self.lengths) if self.lengths else 0
+        self._repack(self.attention_mask.shape[1], self.lengths, width=width)
+
+    # ---- per-row state ------------------------------------------------------------------------------
+    def features(self, row: int) -> TargetFeatures:
+        """Target features of row `row`'s committed positions 0..len-1, batch 1."""
+        parts = self._feats[row]
+        merged = _cat_features(parts)
+        self._feats[row] = [merged]
+        return merged
+
+    @staticmethod
+    def _row(feats: TargetFeatures, row: int, start: int, stop: int) -> TargetFeatures:
+        return type(feats)(**{k: v[row : row + 1, start:stop] for k, v in vars(feats).items()})
+
+    def _repack(self, old_valid_end: int, new_lengths: list[int], width: int | None = None) -> None:
+        """Right-align every row's first new_lengths[i] tokens (they start at slot old_valid_end - len_i)."""
+        width = max(new_lengths) if width is None else width
+        starts = torch.tensor([old_valid_end - n for n in self.lengths], device=self.device)  # [B]
+        new_len = torch.tensor(new_lengths, device=self.device)  # [B]
+        j = torch.arange(width, device=self.device).unsqueeze(0)  # [1, W]
+        pad = (width - new_len).unsqueeze(1)  # [B, 1]
+        src = (starts.unsqueeze(1) + j - pad).clamp_min(0)  # [B, W] source slot of destination slot j
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is None or not layer.keys.numel():
+                continue
+            index = src[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys = layer.keys.gather(2, index)
+            layer.values = layer.values.gather(2, index)
+        self.attention_mask = (j >= pad).long()
+        self.lengths = list(new_lengths)
