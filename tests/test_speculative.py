@@ -513,13 +513,21 @@ def test_eval_writes_vllm_style_reports(eval_setup, capsys):
     assert chat == json.loads(json.dumps(reports["chat"]))
     assert chat["num_prompts"] == 2 and chat["engine"] == "dspark-reference" and chat["gamma"] == 3
     assert chat["temperature"] == 0.0 and set(chat["versions"]) >= {"torch", "transformers"}
-    assert chat["greedy_outputs_equal_target"] == "2/2"  # lossless at T=0, measured in the same run
+    assert chat["greedy_outputs_equal_target"] == "3/3"  # 2 conversations, 3 turns; lossless at T=0
+    assert chat["num_requests"] == 3 and set(chat["per_turn"]) == {"1", "2"}
     assert chat["wall_time_s"]["target"] > 0 and chat["speedup_vs_target"] > 0
     assert chat["mean_acceptance_length"] == 1 + chat["num_accepted_tokens"] / chat["num_drafts"]
     assert chat["num_draft_tokens"] == 3 * chat["num_drafts"] and len(chat["per_position_rate"]) == 3
     assert reports["math"]["num_prompts"] == 1
     assert (root / "run" / "eval" / "summary.T0.g3.json").is_file()
     assert "AL" in capsys.readouterr().out  # the stdout summary
+    for png in ("acceptance.T0.g3.png", "reliability.T0.g3.png"):
+        assert (root / "run" / "eval" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    conf = json.loads((root / "run" / "eval" / "confidence.T0.g3.json").read_text())
+    steps = chat["num_drafts"] + reports["math"]["num_drafts"]
+    assert conf["split"]["fit_blocks"] + conf["split"]["heldout_blocks"] == steps  # every verify step is a block
+    assert len(conf["calibration"]["temperatures"]) == 3 and conf["scheduler"]["scheduler"]["tokens_per_s"] > 0
+    assert chat["harness"]["rounds"] >= 1 and 0 <= chat["harness"]["overhead_share"] <= 1
     # the Lightning checkpoint of the same weights gives the same greedy run
     ck = run_eval(_eval_cfg(root, f"draft_ckpt={root / 'run' / 'checkpoints' / 'last.ckpt'}",
                             f"out={root / 'ck_eval'}", "benchmarks=[chat]", "compare_target=false"))

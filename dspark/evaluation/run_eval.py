@@ -1,25 +1,34 @@
-"""`eval.py` body: trained draft + target -> real speculative decoding on benchmark prompts -> JSON reports.
+"""`eval.py` body: trained draft + target -> real speculative decoding on benchmark prompts -> reports.
 
-For each benchmark (`<data_dir>/<name>.jsonl`, one {"turns": [...]} per line) the FIRST turn of the first
-`num_prompts` prompts is rendered with the target's chat template (generation prompt added), decoded
-with `speculative_generate` and, for the speed ratio (and at T=0 an exactness check), with plain
-`target_generate` in the same run. Acceptance is counted as vLLM counts it (dspark.evaluation.metrics).
+For each benchmark (`<data_dir>/<name>.jsonl`, one {"turns": [...]} per line) the first `num_prompts`
+conversations are decoded turn by turn (`turns=all`; MT-Bench has two): turn t is the chat-template render
+of the user turns 1..t with the draft run's own answers to turns 1..t-1 in between (generation prompt
+added). Requests are batched (`batch_size`) through the KV-cached target session. Every conversation is
+decoded speculatively and, for the speed ratio (and at T=0 an exactness check), with plain cached decoding
+of the same target in the same run. Acceptance is counted as vLLM counts it (dspark.evaluation.metrics).
+
+Written to `out` (default <run_dir>/eval): <benchmark>.T<T>.g<gamma>.json, summary.T<T>.g<gamma>.json,
+acceptance.T<T>.g<gamma>.png and, for drafts with a confidence head, confidence.T<T>.g<gamma>.json (STS,
+ECE/AUC, threshold sweep, scheduler simulation; dspark.evaluation.analysis) + reliability.T<T>.g<gamma>.png.
 """
 from __future__ import annotations
 
 import json
 import logging
 import platform
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dspark import factory
+from dspark.evaluation import analysis, plots
 from dspark.evaluation.metrics import AcceptanceCounter
 from dspark.evaluation.propose import draft_config
-from dspark.evaluation.speculative import acceptance_counter, speculative_generate, target_generate
+from dspark.evaluation.scheduler import SPSTable
+from dspark.evaluation.speculative import Decoded, Timing, acceptance_counter, plain_generate, \
+    speculative_generate_batch
 from dspark.io import atomic_write_json
 from dspark.targets.hf_target import FrozenTarget
 
@@ -37,14 +46,14 @@ def resolve_path(path: str | Path) -> Path:
     return p if p.is_absolute() else (REPO_ROOT / p).resolve()
 
 
-def read_benchmark(path: Path, limit: int | None = None) -> list[str]:
-    """First user turn of each line of a {"turns": [str, ...]} jsonl file; malformed lines raise with the line number."""
+def read_benchmark(path: Path, limit: int | None = None) -> list[list[str]]:
+    """The user turns of each line of a {"turns": [str, ...]} jsonl file; malformed lines raise with the line number."""
     if not path.is_file():
         raise FileNotFoundError(f"benchmark file {str(path)!r} does not exist (check data_dir / benchmarks)")
-    prompts: list[str] = []
+    convs: list[list[str]] = []
     with path.open(encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):
-            if limit is not None and len(prompts) >= limit:
+            if limit is not None and len(convs) >= limit:
                 break
             if not line.strip():
                 continue
@@ -55,17 +64,29 @@ def read_benchmark(path: Path, limit: int | None = None) -> list[str]:
             turns = rec.get("turns") if isinstance(rec, dict) else None
             if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
                 raise ValueError(f'{path}:{lineno}: expected {{"turns": [str, ...]}} with at least one turn')
-            prompts.append(turns[0])
-    return prompts
+            convs.append(list(turns))
+    return convs
+
+
+def render_conversation(tokenizer, user_turns: list[str], answers: list[str]) -> list[int]:
+    """User turns 1..t with the assistant answers 1..t-1 in between -> token ids of the chat-template render
+    with the assistant generation prompt."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise factory.ConfigError("target: the target tokenizer has no chat_template; eval renders chat prompts")
+    if len(answers) != len(user_turns) - 1:
+        raise ValueError(f"{len(user_turns)} user turns need {len(user_turns) - 1} answers, got {len(answers)}")
+    messages = []
+    for i, text in enumerate(user_turns):
+        messages.append({"role": "user", "content": text})
+        if i < len(answers):
+            messages.append({"role": "assistant", "content": answers[i]})
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
 def render_prompt(tokenizer, text: str) -> list[int]:
     """One user turn -> token ids of the chat-template render with the assistant generation prompt."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise factory.ConfigError("target: the target tokenizer has no chat_template; eval renders chat prompts")
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    return render_conversation(tokenizer, [text], [])
 
 
 # ---- the draft under evaluation ------------------------------------------------------------------
@@ -163,44 +184,89 @@ def _validate(cfg: DictConfig) -> None:
     require(float(cfg.temperature) >= 0, "temperature", f"must be >= 0, got {cfg.temperature}")
     require(cfg.num_drafts is None or int(cfg.num_drafts) >= 1, "num_drafts", f"must be >= 1 or null, got {cfg.num_drafts}")
     require(len(cfg.benchmarks) >= 1, "benchmarks", "name at least one benchmark")
+    require(int(cfg.batch_size) >= 1, "batch_size", f"must be >= 1, got {cfg.batch_size}")
+    require(str(cfg.turns) in ("all", "first"), "turns", f"must be 'all' or 'first', got {cfg.turns!r}")
     require(str(cfg.device) == "cpu" or torch.cuda.is_available(), "device", f"{cfg.device!r} but CUDA is not available")
 
 
-def evaluate_benchmark(target, draft, prompts: list[list[int]], *, num_drafts: int, mask_token_id: int,
-                       layout: str, window: int | None, temperature: float, max_new_tokens: int,
-                       eos: list[int], seed: int, compare_target: bool) -> dict:
-    """Speculative (and plain) decoding of every prompt; counts, timings and, at T=0, the exactness check."""
-    counters: list[AcceptanceCounter] = []
-    t_spec = t_plain = 0.0
-    n_spec = n_plain = 0
-    matches = 0
-    for i, ids in enumerate(prompts):
-        gen = torch.Generator().manual_seed(seed + i)
-        t0 = time.perf_counter()
-        out, stats = speculative_generate(target, draft, ids, max_new_tokens=max_new_tokens, num_drafts=num_drafts,
-                                          mask_token_id=mask_token_id, layout=layout, window=window,
-                                          temperature=temperature, eos_token_id=eos, generator=gen)
-        t_spec += time.perf_counter() - t0
-        n_spec += len(out)
-        counters.append(acceptance_counter(stats))
-        if compare_target:
-            gen = torch.Generator().manual_seed(seed + i)
-            t0 = time.perf_counter()
-            ref = target_generate(target, ids, max_new_tokens, temperature, eos, gen)
-            t_plain += time.perf_counter() - t0
-            n_plain += len(ref)
-            matches += int(ref.tolist() == out.tolist())
+@dataclass
+class ConversationRuns:
+    """Decoded conversations: outputs[c][t] = tokens generated for turn t of conversation c."""
+
+    outputs: list[list[torch.Tensor]]
+    batches: list[Decoded]  # every batched decode call, in order
+    turn_of_request: list[int]  # per request (batches flattened): its turn index
+
+    @property
+    def requests(self) -> list[torch.Tensor]:
+        return [t for conv in self.outputs for t in conv]
+
+
+def decode_conversations(tokenizer, convs: list[list[str]], decode, *, batch_size: int, all_turns: bool,
+                         seed: int) -> ConversationRuns:
+    """Turn by turn, batches of requests: decode(prompts [P_i] list, generators) -> Decoded."""
+    outputs: list[list[torch.Tensor]] = [[] for _ in convs]
+    answers: list[list[str]] = [[] for _ in convs]
+    batches: list[Decoded] = []
+    turn_of_request: list[int] = []
+    n_turns = max(len(c) for c in convs) if all_turns else 1
+    for t in range(n_turns):
+        active = [i for i, c in enumerate(convs) if len(c) > t]
+        for lo in range(0, len(active), batch_size):
+            chunk = active[lo : lo + batch_size]
+            prompts = [torch.tensor(render_conversation(tokenizer, convs[i][: t + 1], answers[i])) for i in chunk]
+            gens = [torch.Generator().manual_seed(seed + 7919 * t + i) for i in chunk]
+            decoded = decode(prompts, gens)
+            batches.append(decoded)
+            for i, toks in zip(chunk, decoded.tokens):
+                outputs[i].append(toks)
+                answers[i].append(tokenizer.decode(toks.tolist(), skip_special_tokens=True))
+                turn_of_request.append(t)
+    return ConversationRuns(outputs, batches, turn_of_request)
+
+
+def _merged_timing(batches: list[Decoded]) -> Timing:
+    out = Timing()
+    for d in batches:
+        for k in ("rounds", "total_s", "target_s", "draft_s"):
+            setattr(out, k, getattr(out, k) + getattr(d.timing, k))
+    return out
+
+
+def benchmark_report(spec: ConversationRuns, plain: ConversationRuns | None, temperature: float) -> dict:
+    """Acceptance counters (all turns, and per turn), timing split, forwards per token, speed ratio."""
+    steps = [s for d in spec.batches for s in d.steps]  # per request, in request order
+    per_turn: dict[int, list[AcceptanceCounter]] = {}
+    for t, st in zip(spec.turn_of_request, steps):
+        per_turn.setdefault(t, []).append(acceptance_counter(st))
+    counters = [c for cs in per_turn.values() for c in cs]
     report = AcceptanceCounter.merged(counters).report()
+    n_spec = sum(len(t) for t in spec.requests)
+    timing = _merged_timing(spec.batches)
+    forwards = sum(d.target_forwards for d in spec.batches)
     report.update(
-        num_prompts=len(prompts), generated_tokens=n_spec, wall_time_s={"speculative": round(t_spec, 4)},
-        per_prompt_mean_acceptance_length=[c.report()["mean_acceptance_length"] for c in counters],
+        num_prompts=len(spec.outputs), num_requests=len(steps), generated_tokens=n_spec,
+        per_turn={str(t + 1): {"num_requests": len(cs), **{k: AcceptanceCounter.merged(cs).report()[k]
+                                                        for k in ("mean_acceptance_length", "num_drafts")}}
+                  for t, cs in sorted(per_turn.items())},
+        per_request_mean_acceptance_length=[c.report()["mean_acceptance_length"] for c in counters],
+        harness=timing.report(),
+        target_forwards_per_token={"speculative": forwards / max(n_spec, 1)},
+        tokens_per_s={"speculative": n_spec / timing.total_s if timing.total_s else None},
+        wall_time_s={"speculative": round(timing.total_s, 4)},
     )
-    if compare_target:
-        report["wall_time_s"]["target"] = round(t_plain, 4)
-        # per-token times: at T > 0 the two runs may generate different numbers of tokens
-        report["speedup_vs_target"] = ((t_plain / max(n_plain, 1)) / (t_spec / max(n_spec, 1))) if t_spec else None
+    if plain is not None:
+        n_plain = sum(len(t) for t in plain.requests)
+        pt = _merged_timing(plain.batches)
+        report["wall_time_s"]["target"] = round(pt.total_s, 4)
+        report["tokens_per_s"]["target"] = n_plain / pt.total_s if pt.total_s else None
+        report["target_forwards_per_token"]["target"] = sum(d.target_forwards for d in plain.batches) / max(n_plain, 1)
+        # per-token rates: at T > 0 the two runs may generate different numbers of tokens
+        tps = report["tokens_per_s"]
+        report["speedup_vs_target"] = tps["speculative"] / tps["target"] if tps["target"] and tps["speculative"] else None
         if temperature == 0:
-            report["greedy_outputs_equal_target"] = f"{matches}/{len(prompts)}"
+            same = sum(a.tolist() == b.tolist() for a, b in zip(spec.requests, plain.requests))
+            report["greedy_outputs_equal_target"] = f"{same}/{len(spec.requests)}"
     return report
 
 
@@ -210,49 +276,96 @@ def _versions() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
 
 
+def _sps(cfg: DictConfig, target: FrozenTarget) -> SPSTable:
+    if cfg.sps_table:
+        return SPSTable.load(resolve_path(cfg.sps_table))
+    return analysis.profile_target_sps(target, context=int(cfg.sps_context))
+
+
 def run_eval(cfg: DictConfig) -> dict[str, dict]:
-    """Evaluate every benchmark; write <out>/<benchmark>.T<T>.g<gamma>.json and summary; return the reports."""
+    """Evaluate every benchmark; write the reports and plots (module docstring); return the reports."""
     _validate(cfg)
     torch.manual_seed(int(cfg.seed))
     target, draft, draft_group, weights, run_dir = build(cfg)
     require(target.tokenizer is not None, "target", "the target has no tokenizer; eval renders chat prompts")
-    dcfg = draft_config(draft)
-    mask_id, window = int(dcfg.mask_token_id), dcfg.sliding_window
-    g = int(cfg.num_drafts) if cfg.num_drafts is not None else int(dcfg.block_size)
-    layout = str(draft_group.layout)
+    dcfg = draft.config
+    mask_id, window = getattr(dcfg, "mask_token_id", None), getattr(dcfg, "sliding_window", None)
+    default_g = getattr(dcfg, "block_size", None) or getattr(dcfg, "num_steps", None)
+    g = int(cfg.num_drafts) if cfg.num_drafts is not None else int(default_g)
+    layout = str(draft_group.get("layout", "anchor"))
     temperature, eos = float(cfg.temperature), eos_ids(cfg, target)
+    max_new, bs, seed = int(cfg.max_new_tokens), int(cfg.batch_size), int(cfg.seed)
     data_dir = resolve_path(cfg.data_dir)
     out_dir = resolve_path(cfg.out) if cfg.out else run_dir / "eval"
+    tag = f"T{temperature:g}.g{g}"
     common = {
         "engine": ENGINE, "temperature": temperature, "gamma": g, "layout": layout, "window": window,
-        "max_new_tokens": int(cfg.max_new_tokens), "seed": int(cfg.seed), "draft_kind": str(draft_group.kind),
-        "draft_weights": str(weights), "target": OmegaConf.to_container(cfg.target, resolve=True),
-        "eos_token_id": eos, "mask_token_id": mask_id, "versions": _versions(),
+        "max_new_tokens": max_new, "batch_size": bs, "turns": str(cfg.turns), "seed": seed,
+        "draft_kind": str(draft_group.kind), "draft_weights": str(weights),
+        "target": OmegaConf.to_container(cfg.target, resolve=True), "eos_token_id": eos, "mask_token_id": mask_id,
+        "versions": _versions(),
     }
+
+    def spec_decode(prompts, gens) -> Decoded:
+        return speculative_generate_batch(target, draft, prompts, max_new_tokens=max_new, num_drafts=g,
+                                          mask_token_id=mask_id, layout=layout, window=window,
+                                          temperature=temperature, eos_token_id=eos, generators=gens)
+
+    def plain_decode(prompts, gens) -> Decoded:
+        return plain_generate(target, prompts, max_new, temperature, eos, gens)
+
     reports: dict[str, dict] = {}
+    spec_batches: list[Decoded] = []
     for name in cfg.benchmarks:
-        texts = read_benchmark(data_dir / f"{name}.jsonl", int(cfg.num_prompts))
-        require(len(texts) > 0, "benchmarks", f"{name}: no prompts in {data_dir / f'{name}.jsonl'}")
-        prompts = [render_prompt(target.tokenizer, t) for t in texts]
-        body = evaluate_benchmark(target, draft, prompts, num_drafts=g, mask_token_id=mask_id, layout=layout,
-                                  window=window, temperature=temperature, max_new_tokens=int(cfg.max_new_tokens),
-                                  eos=eos, seed=int(cfg.seed), compare_target=bool(cfg.compare_target))
-        reports[name] = {"benchmark": name, **common, **body}
-        atomic_write_json(out_dir / f"{name}.T{temperature:g}.g{g}.json", reports[name])
-    atomic_write_json(out_dir / f"summary.T{temperature:g}.g{g}.json", {"engine": ENGINE, "reports": reports})
+        convs = read_benchmark(data_dir / f"{name}.jsonl", int(cfg.num_prompts))
+        require(len(convs) > 0, "benchmarks", f"{name}: no prompts in {data_dir / f'{name}.jsonl'}")
+        run = dict(batch_size=bs, all_turns=str(cfg.turns) == "all", seed=seed)
+        spec = decode_conversations(target.tokenizer, convs, spec_decode, **run)
+        plain = decode_conversations(target.tokenizer, convs, plain_decode, **run) if cfg.compare_target else None
+        spec_batches += spec.batches
+        reports[name] = {"benchmark": name, **common, **benchmark_report(spec, plain, temperature)}
+        atomic_write_json(out_dir / f"{name}.{tag}.json", reports[name])
+        log.info("%s: AL %s", name, reports[name]["mean_acceptance_length"])
+    atomic_write_json(out_dir / f"summary.{tag}.json", {"engine": ENGINE, "reports": reports})
+    if cfg.plots:
+        plots.plot_conditional_acceptance(reports, out_dir / f"acceptance.{tag}.png")
+    n_requests = sum(len(d.steps) for d in spec_batches)
+    if getattr(draft, "confidence_head", None) is not None and cfg.confidence and n_requests < 2:
+        log.warning("confidence analysis skipped: it needs at least 2 requests (fit / held-out), got %d", n_requests)
+    elif getattr(draft, "confidence_head", None) is not None and cfg.confidence:
+        conf = analysis.confidence_report([d.steps for d in spec_batches], _sps(cfg, target))
+        atomic_write_json(out_dir / f"confidence.{tag}.json", {**common, **conf})
+        if cfg.plots:
+            plots.plot_reliability(conf["calibration"], out_dir / f"reliability.{tag}.png")
+        print(format_confidence(conf))
     print(format_summary(reports, out_dir))
     return reports
 
 
+def format_confidence(conf: dict) -> str:
+    cal = conf["calibration"]
+    lines = [f"confidence (held-out {conf['split']['heldout_blocks']} blocks): pooled ECE "
+             f"{cal['pooled']['ece_before']:.3f} -> {cal['pooled']['ece_after']:.3f} after STS, "
+             f"T = {[round(t, 3) for t in cal['temperatures']]}"]
+    sim = conf.get("scheduler")
+    if sim:
+        best = sim["best_fixed_length"]
+        lines.append(f"scheduler: {sim['scheduler']['tokens_per_s']:.1f} tok/s expected vs best fixed length {best}: "
+                     f"{sim['fixed'][str(best)]['tokens_per_s']:.1f} tok/s (x{sim['speedup_vs_best_fixed']:.3f})")
+    return "\n".join(lines)
+
+
 def format_summary(reports: dict[str, dict], out_dir: Path) -> str:
-    lines = [f"{'benchmark':<12} {'AL':>6} {'accept':>7} {'speedup':>8}  per-position rate (cumulative)"]
+    lines = [f"{'benchmark':<12} {'AL':>6} {'accept':>7} {'speedup':>8} {'overhead':>8}  per-position rate (cumulative)"]
     for name, r in reports.items():
         al = r["mean_acceptance_length"]
         rate = r["draft_acceptance_rate"]
         sp = r.get("speedup_vs_target")
+        ov = r["harness"]["overhead_share"]
         pos = " ".join(f"{x:.2f}" for x in r["per_position_rate"] if x is not None)
         lines.append(f"{name:<12} {al if al is None else f'{al:6.3f}':>6} "
-                     f"{rate if rate is None else f'{rate:7.3f}':>7} {'-' if sp is None else f'{sp:7.2f}x':>8}  {pos}")
+                     f"{rate if rate is None else f'{rate:7.3f}':>7} {'-' if sp is None else f'{sp:7.2f}x':>8} "
+                     f"{'-' if ov is None else f'{100 * ov:7.1f}%':>8}  {pos}")
     any_r = next(iter(reports.values()))
     lines.append(f"T={any_r['temperature']} gamma={any_r['gamma']} engine={ENGINE}; reports in {out_dir}")
     return "\n".join(lines)
