@@ -528,6 +528,8 @@ def test_eval_writes_vllm_style_reports(eval_setup, capsys):
     assert conf["split"]["fit_blocks"] + conf["split"]["heldout_blocks"] == steps  # every verify step is a block
     assert len(conf["calibration"]["temperatures"]) == 3 and conf["scheduler"]["scheduler"]["tokens_per_s"] > 0
     assert chat["harness"]["rounds"] >= 1 and 0 <= chat["harness"]["overhead_share"] <= 1
+    per_token = (chat["num_requests"] + chat["num_drafts"]) / chat["generated_tokens"]  # prefill + verify steps
+    assert chat["target_forwards_per_token"] == {"speculative": per_token, "target": 1.0}
     # the Lightning checkpoint of the same weights gives the same greedy run
     ck = run_eval(_eval_cfg(root, f"draft_ckpt={root / 'run' / 'checkpoints' / 'last.ckpt'}",
                             f"out={root / 'ck_eval'}", "benchmarks=[chat]", "compare_target=false"))
