@@ -2,6 +2,8 @@
 logits, scheduler simulation; and the conversation renderer for multi-turn benchmarks."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -70,3 +72,38 @@ def test_render_conversation_interleaves_answers():
     assert tok.decode(ids) == "<user>hi<assistant>yo<user>more<assistant>"
     with pytest.raises(ValueError, match="need 1 answers"):
         render_conversation(tok, ["hi", "more"], [])
+
+
+def test_compare_rows_and_the_notebook_code_run_on_reports(tmp_path, monkeypatch):
+    """compare.load_rows reads summaries from report folders and run dirs; the notebook's code cells run."""
+    import json
+    import os
+
+    from dspark.evaluation.compare import load_rows, table
+
+    def write(folder, al, T):
+        rep = {"temperature": T, "gamma": 2, "mean_acceptance_length": al, "draft_acceptance_rate": (al - 1) / 2,
+               "speedup_vs_target": None, "harness": {"overhead_share": 0.1}, "num_requests": 3,
+               "per_position_conditional_rate": [0.5, None]}
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"summary.T{T:g}.g2.json").write_text(json.dumps({"reports": {"gsm8k": rep, "mt-bench": rep}}))
+
+    write(tmp_path / "a" / "eval", 1.5, 0.0)
+    write(tmp_path / "b", 1.25, 1.0)
+    rows = load_rows({"a": tmp_path / "a", "b": tmp_path / "b"})
+    assert [(r["run"], r["benchmark"], r["mean_acceptance_length"]) for r in rows] == [
+        ("a", "gsm8k", 1.5), ("a", "mt-bench", 1.5), ("b", "gsm8k", 1.25), ("b", "mt-bench", 1.25)]
+    assert "1.250" in table(rows) and "-" in table(rows)
+    with pytest.raises(FileNotFoundError, match="no eval summary"):
+        load_rows({"x": tmp_path})
+    import matplotlib
+
+    matplotlib.use("Agg")
+    monkeypatch.setenv("DSPARK_EVAL_A", str(tmp_path / "a"))
+    monkeypatch.setenv("DSPARK_EVAL_B", str(tmp_path / "b"))
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "eval_reports.ipynb").read_text())
+    scope: dict = {}
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            exec("".join(cell["source"]), scope)
+    assert len(scope["rows"]) == 4 and os.environ["DSPARK_EVAL_A"].endswith("a")
