@@ -36,6 +36,21 @@ def _load_run_draft(run_dir: Path, target_kind: str, target_path: str | None):
     return target, draft
 
 
+def _print_quant_report(draft, out: Path) -> None:
+    from dspark.export.dspark_v4 import QUANT_REPORT, quant_report
+
+    rep = quant_report(draft, out)
+    errs = rep["tensors"]
+    for name in sorted(errs, key=lambda k: -errs[k]["rel_err"])[:5]:
+        e = errs[name]
+        print(f"  {name}: max abs err {e['max_abs_err']:.3g} (max |w| {e['max_abs']:.3g}), rel {e['rel_err']:.3g}")
+    lg = rep["logits"]
+    print(f"{rep['quant']}: {len(errs)} quantised tensors, worst rel err {rep['max_rel_err']:.3g} "
+          f"({rep.get('worst_tensor')}); re-imported logits: max |diff| {lg['max_abs_diff']:.3g} "
+          f"(max |logit| {lg['max_abs_logit']:.3g}), rel {lg['rel_diff']:.3g}, top-1 agreement "
+          f"{lg['top1_agreement']:.3f} -> {out / QUANT_REPORT}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark.export", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -54,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         if name == "v4":
             p.add_argument("--merge-into", type=Path, default=None,
                            help="a target checkpoint folder: OUT becomes a copy of it with the mtp.* tensors added")
+            p.add_argument("--quant", choices=("fp8", "fp4"), default=None,
+                           help="fp8: FP8 128x128 block linears + experts (float32 scales); fp4: FP8 linears "
+                                "(e8m0 scales) + packed e2m1 experts (V4-Flash layout). Writes quant_report.json")
     args = ap.parse_args(argv)
 
     from dspark.export.verify import main_verify
@@ -74,9 +92,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.merge_into is not None:
             from dspark.export.dspark_v4 import merge_v4_into_target
 
-            merge_v4_into_target(draft, args.merge_into, args.out, dtype=dtype)
+            try:
+                merge_v4_into_target(draft, args.merge_into, args.out, dtype=dtype, quant=args.quant)
+            except ValueError as err:
+                raise SystemExit(str(err))
         else:
-            export_v4_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=shard)
+            export_v4_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=shard, quant=args.quant)
+        if args.quant is not None:
+            _print_quant_report(draft, args.out)
     else:
         from dspark.export.dense import export_dense
         from dspark.models.dspark_dense import DSparkDenseDraft

@@ -11,6 +11,10 @@ DeepSeek-V4 (dspark_config.json, or a config.json carrying dspark_* keys):
   mtp.0.main_proj.weight, mtp.0.main_norm.weight
   mtp.{N-1}.norm.weight, mtp.{N-1}.hc_head_{fn,base,scale}, mtp.{N-1}.markov_head.*, mtp.{N-1}.confidence_head.proj.*
   float32: hc_*, *norm.weight, attn_sink, gate.bias, confidence_head.*; the rest torch_dtype.
+  Quantised sets (the config has a DeepSeek-V4 `quantization_config`; expert_dtype from the config, default
+  "fp4" as in vLLM): main_proj, attn.{wq_a,wkv,wq_b,wo_a,wo_b}, shared_experts.w{1,2,3} (and the routed
+  experts when expert_dtype is "fp8") are F8_E4M3 `.weight` + `.scale` [ceil(N/b), ceil(K/b)] (F8_E8M0 when
+  expert_dtype is "fp4", else F32); routed experts under "fp4" are I8 [N, K/2] + F8_E8M0 `.scale` [N, K/32].
 Dense (config.json with architectures Qwen3DSparkModel / DFlashDraftModel): fc, hidden_norm,
   layers.{i}.{input_layernorm,post_attention_layernorm}, self_attn.{q,k,v,o}_proj + q_norm/k_norm,
   mlp.{gate,up,down}_proj, norm, and for DSpark markov_head.* (+ confidence_head.proj.{weight,bias}).
@@ -22,6 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float8_e4m3fn": "F8_E4M3"}
+_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "I64": 8, "BOOL": 1}
+_V4_FP8_STEMS = ("main_proj", "attn.wq_a", "attn.wkv", "attn.wq_b", "attn.wo_a", "attn.wo_b",
+                 "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
 DENSE_ARCHS = ("Qwen3DSparkModel", "DFlashDraftModel")
 
 
@@ -87,7 +94,34 @@ def _v4_expected(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
     exp[last + "confidence_head.proj.weight"] = ((1, H + r), f32)
     if c.get("dspark_confidence_bias"):
         exp[last + "confidence_head.proj.bias"] = ((1,), f32)
+    qc = c.get("quantization_config")
+    if qc:
+        _v4_quantised(exp, qc, c.get("expert_dtype") or qc.get("expert_dtype") or "fp4")
     return exp
+
+
+def _v4_quantised(exp: dict, qc: dict, expert_dtype: str) -> None:
+    """Rewrite the expected set in place for a quantised checkpoint (weight dtype/shape + `.scale`)."""
+    if expert_dtype not in ("fp8", "fp4"):
+        raise ValueError(f"config: expert_dtype {expert_dtype!r} is neither 'fp8' nor 'fp4'")
+    bn, bk = qc.get("weight_block_size") or (128, 128)
+    lin_scale = "F8_E8M0" if expert_dtype == "fp4" else "F32"
+    for name in list(exp):
+        parts = name.split(".", 2)  # mtp, i, rest
+        if len(parts) < 3 or not parts[2].endswith(".weight"):
+            continue
+        stem = parts[2].removesuffix(".weight")
+        is_expert = stem.startswith("ffn.experts.")
+        if stem not in _V4_FP8_STEMS and not is_expert:
+            continue
+        (n, k), _ = exp[name]
+        scale_name = name.removesuffix(".weight") + ".scale"
+        if is_expert and expert_dtype == "fp4":
+            exp[name] = ((n, k // 2), "I8")
+            exp[scale_name] = ((n, k // 32), "F8_E8M0")
+        else:
+            exp[name] = ((n, k), "F8_E4M3")
+            exp[scale_name] = ((-(-n // bn), -(-k // bk)), lin_scale)
 
 
 def _markov(p: str, kind: str, V: int, Vd: int, r: int, H: int, dt: str) -> dict:
@@ -197,8 +231,7 @@ def verify_folder(path) -> Report:
             report.problems.append(f"shape: {name} is {list(fs)}, expected {list(es)}")
         if fd != ed:
             report.problems.append(f"dtype: {name} is {fd}, expected {ed}")
-    sizes = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
-    report.n_bytes = sum(sizes.get(d, 0) * _numel(s) for s, d in found.values())
+    report.n_bytes = sum(_SIZES.get(d, 0) * _numel(s) for s, d in found.values())
     return report
 
 
