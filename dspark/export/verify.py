@@ -15,9 +15,13 @@ DeepSeek-V4 (dspark_config.json, or a config.json carrying dspark_* keys):
   "fp4" as in vLLM): main_proj, attn.{wq_a,wkv,wq_b,wo_a,wo_b}, shared_experts.w{1,2,3} (and the routed
   experts when expert_dtype is "fp8") are F8_E4M3 `.weight` + `.scale` [ceil(N/b), ceil(K/b)] (F8_E8M0 when
   expert_dtype is "fp4", else F32); routed experts under "fp4" are I8 [N, K/2] + F8_E8M0 `.scale` [N, K/32].
-Dense (config.json with architectures Qwen3DSparkModel / DFlashDraftModel): fc, hidden_norm,
+Dense (config.json with architectures Qwen3DSparkModel / DFlashDraftModel, or a speculators "dspark" /
+  "dflash" config, translated as vLLM does: target layer = aux id - 1): fc, hidden_norm,
   layers.{i}.{input_layernorm,post_attention_layernorm}, self_attn.{q,k,v,o}_proj + q_norm/k_norm,
-  mlp.{gate,up,down}_proj, norm, and for DSpark markov_head.* (+ confidence_head.proj.{weight,bias}).
+  mlp.{gate,up,down}_proj, norm, and for DSpark markov_head.markov_w1 [V, r] / markov_w2 [Vd, r]
+  (+ confidence_head.proj.{weight,bias} when enable_confidence_head, width H + r with
+  confidence_head_with_markov else H, as vLLM builds it). Reduced vocab (draft_vocab_size < vocab_size):
+  lm_head.weight [Vd, H] and d2t [Vd] I64 required, t2d [V] BOOL allowed; embed_tokens allowed.
 """
 from __future__ import annotations
 
@@ -159,14 +163,50 @@ def _dense_expected(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
             p + "mlp.down_proj.weight": ((H, I), dt),
         })
     r = int(c.get("markov_rank") or 0)
+    V = c["vocab_size"]
+    Vd = c.get("draft_vocab_size") or V
+    if Vd < V:  # vLLM Qwen3DSpark / DFlash: a reduced draft must ship its lm_head rows and d2t
+        exp["lm_head.weight"] = ((Vd, H), dt)
+        exp["d2t"] = ((Vd,), "I64")
     if r > 0:
-        V = c["vocab_size"]
-        exp.update(_markov("markov_head.", c.get("markov_head_type") or "vanilla", V,
-                           c.get("draft_vocab_size") or V, r, H, dt))
-        if c.get("enable_confidence_head", True):
-            exp["confidence_head.proj.weight"] = ((1, H + r), dt)
+        exp.update(_markov("markov_head.", c.get("markov_head_type") or "vanilla", V, Vd, r, H, dt))
+        if c.get("enable_confidence_head", False):  # vLLM's default: off
+            width = H + r if c.get("confidence_head_with_markov", False) else H
+            exp["confidence_head.proj.weight"] = ((1, width), dt)
             exp["confidence_head.proj.bias"] = ((1,), dt)
     return exp
+
+
+def _dense_optional(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Tensors a dense folder may hold without being required: t2d (vLLM skips it), own embeddings."""
+    V, H = c["vocab_size"], c["hidden_size"]
+    dt = _DTYPES[c.get("torch_dtype", "bfloat16")]
+    out = {"embed_tokens.weight": ((V, H), dt)}
+    if (c.get("draft_vocab_size") or V) < V:
+        out["t2d"] = ((V,), "BOOL")
+    return out
+
+
+def _from_speculators(c: dict) -> dict:
+    """A speculators-format config in vLLM's key names (vLLM update_dspark / update_dflash rules)."""
+    algo = c["speculators_model_type"]
+    if algo not in ("dspark", "dflash"):
+        raise ValueError(f"speculators_model_type {algo!r} is not 'dspark' or 'dflash'")
+    for key in ("transformer_layer_config", "aux_hidden_state_layer_ids", "mask_token_id"):
+        if key not in c:
+            raise ValueError(f"speculators config without {key}")
+    spec = c.get("speculators_config") or {}
+    methods = spec.get("proposal_methods") or [{}]
+    if "speculative_tokens" not in methods[0] or "name_or_path" not in (spec.get("verifier") or {}):
+        raise ValueError("speculators_config needs proposal_methods[0].speculative_tokens and verifier.name_or_path")
+    out = dict(c["transformer_layer_config"])
+    out["architectures"] = ["Qwen3DSparkModel" if algo == "dspark" else "DFlashDraftModel"]
+    out["dflash_config"] = {"target_layer_ids": [i - 1 for i in c["aux_hidden_state_layer_ids"]]}
+    for key in ("draft_vocab_size", "markov_rank", "markov_head_type", "enable_confidence_head",
+                "confidence_head_with_markov", "torch_dtype"):
+        if c.get(key) is not None:
+            out[key] = c[key]
+    return out
 
 
 def _headers(folder: Path) -> tuple[dict[str, tuple[tuple[int, ...], str]], list[str]]:
@@ -207,14 +247,21 @@ def verify_folder(path) -> Report:
         cfg, kind = json.loads((folder / "dspark_config.json").read_text()), "deepseek_v4 dspark (mtp.*)"
     elif (folder / "config.json").is_file():
         cfg = json.loads((folder / "config.json").read_text())
+        if "speculators_model_type" in cfg:
+            try:
+                cfg = _from_speculators(cfg)
+            except (ValueError, TypeError) as err:
+                return Report("speculators", problems=[f"config.json: {err}"])
         arch = (cfg.get("architectures") or [None])[0]
         kind = "deepseek_v4 dspark (mtp.*)" if "dspark_block_size" in cfg else str(arch)
     else:
         return Report("unknown", problems=[f"{folder}: no dspark_config.json or config.json"])
+    optional: dict = {}
     if kind.startswith("deepseek_v4"):
         expected = _v4_expected(cfg)
     elif kind in DENSE_ARCHS:
         expected = _dense_expected(cfg)
+        optional = _dense_optional(cfg)
     else:
         return Report(str(kind), problems=[f"config.json: unknown architecture {kind!r} (expected {DENSE_ARCHS})"])
     found, problems = _headers(folder)
@@ -223,6 +270,9 @@ def verify_folder(path) -> Report:
     report = Report(kind, n_tensors=len(found), problems=problems)
     for name in sorted(set(expected) - set(found)):
         report.problems.append(f"missing: {name} {list(expected[name][0])} {expected[name][1]}")
+    for name in sorted(set(found) & set(optional)):
+        if name not in expected:
+            expected[name] = optional[name]
     for name in sorted(set(found) - set(expected)):
         report.problems.append(f"unexpected: {name} {list(found[name][0])} {found[name][1]} (no draft parameter)")
     for name in sorted(set(found) & set(expected)):
