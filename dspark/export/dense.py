@@ -201,7 +201,7 @@ def dense_config_from_folder(folder) -> tuple[DSparkDenseConfig, str]:
         mask_token_id=int(c["dflash_config"]["mask_token_id"]),
         target_layer_ids=list(c["dflash_config"]["target_layer_ids"]), markov_rank=rank,
         markov_head_type=c.get("markov_head_type") or "vanilla",
-        confidence_head=bool(c.get("enable_confidence_head", False)),
+        confidence_head=bool(c.get("enable_confidence_head", False)) if rank else True,  # unused without Markov
         draft_vocab_size=vd if vd < vocab else None)
     if rank and cfg.confidence_head and not c.get("confidence_head_with_markov", False):
         raise ValueError(f"{folder}/config.json: a confidence head without the Markov feature "
