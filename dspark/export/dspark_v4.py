@@ -243,7 +243,7 @@ def import_v4_sidecar(folder, draft: DSparkV4Draft) -> DSparkV4Draft:
     """
     n = draft.config.num_layers
     back = {serving_name(k, n): k for k, _ in draft.named_parameters()}
-    raw = {name: t for name, t in iter_tensors(Path(folder)) if name.startswith("mtp.")}
+    raw = dict(iter_tensors(Path(folder), prefix="mtp."))
     tensors = {}
     for name, t in q.dequantize_tensors(raw, _block_size(Path(folder))).items():
         if name in back:
