@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from conftest import REPO, tiny_v4_config
 from dspark.export import quant as q
 from dspark.export.dspark_v4 import (QUANT_REPORT, export_v4_sidecar, import_v4_sidecar, merge_v4_into_target,
-                                     probe_logits, quant_report, v4_config_json, v4_export_plan)
+                                     probe_logits, quant_report, v4_config_from_folder, v4_config_json,
+                                     v4_export_plan)
 from dspark.export.verify import _v4_expected, verify_folder
 from dspark.factory import draft_fields
 from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
@@ -235,9 +236,22 @@ def test_merge_quant_must_match_the_target(tmp_path):
     out = merge_v4_into_target(src, target, tmp_path / "m3", quant="fp4")
     assert verify_folder(out).ok, verify_folder(out).problems
     assert load_file(str(out / "model-dspark-mtp.safetensors"))["mtp.0.ffn.experts.3.w2.weight"].dtype == torch.int8
-    back = import_v4_sidecar(out, DSparkV4Draft(src.config))
+    # "start from a released draft": config from the checkpoint's config.json, FP8/FP4 tensors dequantised
+    cfg = v4_config_from_folder(out)
+    assert cfg == src.config
+    back = import_v4_sidecar(out, DSparkV4Draft(cfg))
     rel = (back.main_proj.weight - src.main_proj.weight).norm() / src.main_proj.weight.norm()
     assert 0 < rel < 0.05
+    # vLLM builds the draft layers from the target config: a draft with other sizes is refused
+    other = DSparkV4Draft(DSparkV4Config.from_dict({**src.config.__dict__, "sliding_window": 32}))
+    with pytest.raises(ValueError, match="sliding_window: draft 32 vs target 64"):
+        merge_v4_into_target(other, target, tmp_path / "m4", quant="fp4")
+
+
+def test_v4_config_from_a_sidecar(tmp_path):
+    src = _v4_draft(6)
+    out = export_v4_sidecar(src, tmp_path / "s", quant="fp8")
+    assert v4_config_from_folder(out) == src.config
 
 
 # ---- real size on the meta device --------------------------------------------------------------------

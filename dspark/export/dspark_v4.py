@@ -304,6 +304,7 @@ def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch
         raise ValueError(f"merge_v4_into_target: target hidden_size {config['hidden_size']} != draft "
                          f"{draft.config.hidden_size}")
     _check_merge_quant(config, quant, target_dir)
+    _check_merge_arch(config, draft, target_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for src in target_dir.iterdir():
         if src.is_file() and src.name not in ("config.json", INDEX_NAME, MERGED_SHARD):
@@ -343,6 +344,58 @@ def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch
     config.update({k: sidecar[k] for k in keys})
     atomic_write_json(out_dir / "config.json", config)
     return out_dir
+
+
+_NOT_ARCH = ("initializer_range",)
+
+
+def v4_config_from_folder(folder) -> DSparkV4Config:
+    """The draft config of a sidecar (dspark_config.json) or of a checkpoint folder whose config.json carries
+    the dspark_* keys (a merged export or a released DeepSeek-V4 DSpark checkpoint): build a DSparkV4Draft
+    from it, then `import_v4_sidecar`. Layer sizes come from the config through transformers'
+    DeepseekV4Config; the draft layer count is n_mtp_layers, else 3 (vLLM's default)."""
+    import json
+
+    folder = Path(folder)
+    path = folder / CONFIG_NAME if (folder / CONFIG_NAME).is_file() else folder / "config.json"
+    c = json.loads(path.read_text())
+    if "dspark_block_size" not in c:
+        raise ValueError(f"{path}: no dspark_block_size (neither a DSpark sidecar nor a DSpark checkpoint config)")
+    return _config_from_target_json(c, num_layers=int(c.get("n_mtp_layers") or 3))
+
+
+def _config_from_target_json(c: dict, **draft_keys) -> DSparkV4Config:
+    from transformers import DeepseekV4Config
+
+    hf_keys = {k: v for k, v in c.items() if not k.startswith("dspark_") and k not in (
+        "quantization_config", "expert_dtype", "torch_dtype", "n_mtp_layers", "num_nextn_predict_layers")}
+    hf = DeepseekV4Config(**hf_keys)
+    for key, ck in (("block_size", "dspark_block_size"), ("mask_token_id", "dspark_noise_token_id"),
+                    ("target_layer_ids", "dspark_target_layer_ids"), ("markov_rank", "dspark_markov_rank"),
+                    ("markov_head_type", "dspark_markov_head_type"), ("confidence_bias", "dspark_confidence_bias"),
+                    ("rope_theta", "dspark_rope_theta")):
+        if c.get(ck) is not None:
+            draft_keys.setdefault(key, c[ck])
+    return DSparkV4Config.from_hf_config(hf, **draft_keys)
+
+
+def _check_merge_arch(config: dict, draft: DSparkV4Draft, target_dir: Path) -> None:
+    """vLLM builds the draft layers from the TARGET config: every layer size of the draft must be the target's."""
+    import dataclasses
+
+    cfg = draft.config
+    own = {f.name for f in dataclasses.fields(cfg)} - set(_NOT_ARCH)
+    keys = {k: getattr(cfg, k) for k in ("num_layers", "block_size", "mask_token_id", "target_layer_ids",
+                                         "markov_rank", "markov_head_type", "confidence_bias", "rope_theta")}
+    try:
+        served = _config_from_target_json(config, **keys)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"merge: {target_dir}/config.json does not describe a DeepSeek-V4 target: {err}") from err
+    diff = [f"{k}: draft {getattr(cfg, k)!r} vs target {getattr(served, k)!r}" for k in sorted(own)
+            if getattr(cfg, k) != getattr(served, k)]
+    if diff:
+        raise ValueError(f"merge: vLLM builds the draft layers from {target_dir}/config.json, whose sizes differ "
+                         "from the draft's:\n  " + "\n  ".join(diff))
 
 
 def _check_merge_quant(config: dict, quant: str | None, target_dir: Path) -> None:
