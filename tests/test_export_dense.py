@@ -13,7 +13,7 @@ from dspark.export.dense import dense_config_from_folder, export_dense, import_d
 from dspark.export.verify import verify_folder
 from dspark.export.vocab import build_vocab_mapping, count_tokens, count_tokens_jsonl, reduce_dense_vocab
 from dspark.models.dspark_dense import DSparkDenseDraft
-from test_export import _cli, _dense_cfg, _dense_draft, _logits
+from test_export import _cli, _dense_cfg, _dense_draft, _logits, _randomise
 
 
 # ---- speculators format ------------------------------------------------------------------------------
@@ -223,3 +223,23 @@ def test_cli_dense_reduced_speculators_export(tmp_path):
     full = _logits(draft.eval())
     small = _logits(back)
     assert torch.allclose(small[..., kept], full[..., kept].to(small.dtype), atol=0.05, rtol=0.05)  # bf16 export
+
+
+@pytest.mark.parametrize("kind,tensor", [("gated", "gate_proj"), ("rnn", "joint_proj")])
+def test_non_vanilla_markov_heads_round_trip_but_are_flagged_for_vllm(tmp_path, kind, tensor):
+    from dataclasses import replace
+
+    def make(seed):
+        d = DSparkDenseDraft(replace(_dense_cfg(6), markov_head_type=kind))
+        _randomise(d, seed)
+        g = torch.Generator().manual_seed(100)
+        d.share_target_weights(torch.randn(50, 32, generator=g), torch.randn(50, 32, generator=g))
+        return d
+
+    src = make(1)
+    out = export_dense(src, tmp_path / kind, dtype=torch.float32)
+    dst = import_dense(out, make(2))
+    prev, h = torch.tensor([[[3, 7, 9]]]), torch.randn(1, 1, 3, 32)
+    assert torch.equal(src.markov_head(prev, h)[0], dst.markov_head(prev, h)[0])
+    problems = verify_folder(out).problems
+    assert len(problems) == 1 and problems[0].startswith(f"serving: markov head type '{kind}'") and tensor in problems[0]

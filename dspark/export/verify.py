@@ -209,6 +209,20 @@ def _from_speculators(c: dict) -> dict:
     return out
 
 
+def _serving_problems(is_v4: bool, c: dict) -> list[str]:
+    """Config values whose tensors the vLLM 0.33.0 loaders cannot take (they would raise on load)."""
+    out = []
+    kind = c.get("dspark_markov_head_type" if is_v4 else "markov_head_type") or "vanilla"
+    rank = c.get("dspark_markov_rank" if is_v4 else "markov_rank") or 0
+    if rank and kind != "vanilla":
+        out.append(f"serving: markov head type {kind!r}: vLLM 0.33.0's DSparkMarkovHead has only markov_w1 / "
+                   f"markov_w2 (vanilla) and rejects the {'gate_proj' if kind == 'gated' else 'joint_proj'} tensors")
+    if is_v4 and c.get("dspark_confidence_bias"):
+        out.append("serving: dspark_confidence_bias: vLLM 0.33.0's DeepSeek-V4 DSpark confidence head has no bias "
+                   "parameter (confidence_head.proj.bias cannot be loaded)")
+    return out
+
+
 def _headers(folder: Path) -> tuple[dict[str, tuple[tuple[int, ...], str]], list[str]]:
     """{name: (shape, safetensors dtype)} from the file headers, plus index problems."""
     problems: list[str] = []
@@ -267,7 +281,8 @@ def verify_folder(path) -> Report:
     found, problems = _headers(folder)
     if kind.startswith("deepseek_v4"):  # a merged target checkpoint also holds the target's own tensors
         found = {k: v for k, v in found.items() if k.startswith("mtp.")}
-    report = Report(kind, n_tensors=len(found), problems=problems)
+    report = Report(kind, n_tensors=len(found), problems=problems + _serving_problems(kind.startswith("deepseek_v4"),
+                                                                                   cfg))
     for name in sorted(set(expected) - set(found)):
         report.problems.append(f"missing: {name} {list(expected[name][0])} {expected[name][1]}")
     for name in sorted(set(found) & set(optional)):
