@@ -195,7 +195,11 @@ def test_dense_round_trip_identical_logits(tmp_path, markov_rank, arch):
     out = export_dense(src, tmp_path / "dense", dtype=torch.float32)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == [arch] and cfg["markov_rank"] == markov_rank
-    assert cfg["dflash_config"] == {"target_layer_ids": [0, 1], "mask_token_id": 49, "block_size": 3}
+    sfa = markov_rank > 0  # DSpark: anchor = first prediction; DFlash: 1+N mask layout
+    assert cfg["dflash_config"] == {"target_layer_ids": [0, 1], "mask_token_id": 49, "block_size": 3,
+                                    "sample_from_anchor": sfa}
+    assert cfg["sample_from_anchor"] == sfa
+    assert cfg["enable_confidence_head"] == cfg["confidence_head_with_markov"] == (markov_rank > 0)
     assert cfg["hidden_size"] == 32 and cfg["num_hidden_layers"] == 2 and cfg["draft_vocab_size"] == 50
     names = set(load_file(str(out / "model.safetensors")))
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight"} <= names

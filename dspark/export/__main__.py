@@ -1,4 +1,8 @@
-"""python -m dspark.export verify PATH | v4 --run-dir RUN --out OUT | dense --run-dir RUN --out OUT"""
+"""python -m dspark.export verify PATH | v4 --run-dir RUN --out OUT | dense --run-dir RUN --out OUT
+
+Each export format is one `_add_<format>` (its options) + one `_run_<format>` (target, draft, args -> writes
+args.out) registered in FORMATS; every export ends with the independent verifier unless --no-verify.
+"""
 from __future__ import annotations
 
 import argparse
@@ -33,27 +37,118 @@ def _load_run_draft(run_dir: Path, target_kind: str, target_path: str | None):
     with torch.no_grad():  # keep the trained dtypes (the fp32 set of a V4 draft stays fp32)
         for name, p in draft.named_parameters():
             p.data = state[name].to(p.device)
-    return target, draft
+    return target, draft, cfg
+
+
+def _print_quant_report(draft, out: Path) -> None:
+    from dspark.export.dspark_v4 import QUANT_REPORT, quant_report
+
+    rep = quant_report(draft, out)
+    errs = rep["tensors"]
+    for name in sorted(errs, key=lambda k: -errs[k]["rel_err"])[:5]:
+        e = errs[name]
+        print(f"  {name}: max abs err {e['max_abs_err']:.3g} (max |w| {e['max_abs']:.3g}), rel {e['rel_err']:.3g}")
+    lg = rep["logits"]
+    print(f"{rep['quant']}: {len(errs)} quantised tensors, worst rel err {rep['max_rel_err']:.3g} "
+          f"({rep.get('worst_tensor')}); re-imported logits: max |diff| {lg['max_abs_diff']:.3g} "
+          f"(max |logit| {lg['max_abs_logit']:.3g}), rel {lg['rel_diff']:.3g}, top-1 agreement "
+          f"{lg['top1_agreement']:.3f} -> {out / QUANT_REPORT}")
+
+
+def _add_v4(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--merge-into", type=Path, default=None,
+                   help="a target checkpoint folder: OUT becomes a copy of it with the mtp.* tensors added")
+    p.add_argument("--quant", choices=("fp8", "fp4"), default=None,
+                   help="fp8: FP8 128x128 block linears + experts (float32 scales); fp4: FP8 linears "
+                        "(e8m0 scales) + packed e2m1 experts (V4-Flash layout). Writes quant_report.json")
+
+
+def _run_v4(target, draft, cfg, args, dtype, shard: int) -> None:
+    from dspark.export.dspark_v4 import export_v4_sidecar, merge_v4_into_target
+    from dspark.models.dspark_v4 import DSparkV4Draft
+
+    if not isinstance(draft, DSparkV4Draft):
+        raise SystemExit(f"{args.run_dir}: the draft is {type(draft).__name__}, not a DeepSeek-V4 DSpark draft")
+    if args.merge_into is not None:
+        try:
+            merge_v4_into_target(draft, args.merge_into, args.out, dtype=dtype, quant=args.quant)
+        except ValueError as err:
+            raise SystemExit(str(err))
+    else:
+        export_v4_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=shard, quant=args.quant)
+    if args.quant is not None:
+        _print_quant_report(draft, args.out)
+
+
+def _add_dense(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", choices=("vllm", "speculators"), default="vllm",
+                   help="config.json in vLLM's own format (Qwen3DSparkModel / DFlashDraftModel) or the "
+                        "speculators format (speculators_model_type dspark / dflash)")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="reduce the draft vocabulary to the N most frequent trained tokens (d2t / t2d + lm_head "
+                        "rows); needs --vocab-counts")
+    p.add_argument("--vocab-counts", type=Path, default=None,
+                   help="token frequencies: a jsonl of tokenized rows (input_ids + loss_mask) or conversations "
+                        "(messages, tokenized with the target's chat template), or a datasets folder (save_to_disk)")
+    p.add_argument("--verifier", default=None, help="speculators format: the target's name_or_path to record")
+
+
+def _run_dense(target, draft, cfg, args, dtype, shard: int) -> None:
+    from dspark.export.dense import export_dense
+    from dspark.models.dspark_dense import DSparkDenseDraft
+
+    if not isinstance(draft, DSparkDenseDraft):
+        raise SystemExit(f"{args.run_dir}: the draft is {type(draft).__name__}, not a dense DSpark/DFlash draft")
+    if (args.draft_vocab_size is None) != (args.vocab_counts is None):
+        raise SystemExit("--draft-vocab-size and --vocab-counts go together")
+    if args.draft_vocab_size is not None and args.draft_vocab_size < draft.config.vocab_size:
+        from dspark.export.vocab import build_vocab_mapping, count_tokens, count_tokens_jsonl, reduce_dense_vocab
+
+        v = draft.config.vocab_size
+        if args.vocab_counts.is_dir():
+            from datasets import load_from_disk
+
+            counts = count_tokens(load_from_disk(str(args.vocab_counts)), v, target.tokenizer)
+        else:
+            counts = count_tokens_jsonl(args.vocab_counts, v, target.tokenizer)
+        try:
+            d2t, t2d = build_vocab_mapping(counts, args.draft_vocab_size)
+        except ValueError as err:
+            raise SystemExit(f"--draft-vocab-size: {err}")
+        covered = counts[t2d].sum().item() / max(counts.sum().item(), 1)
+        print(f"draft vocabulary: {args.draft_vocab_size} of {v} ids cover {covered:.4f} of "
+              f"{counts.sum().item()} trained tokens in {args.vocab_counts}")
+        draft = reduce_dense_vocab(draft, d2t, t2d)
+    export_dense(draft, args.out, dtype=dtype, num_target_layers=len(target.layers), max_shard_bytes=shard,
+                 layout=str(cfg.draft.get("layout") or "") or None, fmt=args.format, verifier=args.verifier)
+
+
+# name -> (help, default target kind, add options, run)
+FORMATS = {
+    "v4": ("export a training run's draft as a DeepSeek-V4 mtp.* sidecar (or merged into a target checkpoint)",
+           "tiny_v4", _add_v4, _run_v4),
+    "dense": ("export a training run's dense draft as a vLLM Qwen3DSparkModel / DFlash folder", "smollm2",
+              _add_dense, _run_dense),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dspark.export", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m dspark.export", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("verify", help="check an exported folder against its config (exit 1 with a list)")
     v.add_argument("path")
-    for name in ("v4", "dense"):
-        p = sub.add_parser(name, help=f"export a training run's draft ({'DeepSeek-V4 mtp.* sidecar' if name == 'v4' else 'vLLM Qwen3DSparkModel / DFlash folder'})")
+    for name, (help_text, default_target, add, _) in FORMATS.items():
+        p = sub.add_parser(name, help=help_text)
         p.add_argument("--run-dir", required=True, type=Path)
-        p.add_argument("--target", default="tiny_v4" if name == "v4" else "smollm2",
+        p.add_argument("--target", default=default_target,
                        help="target kind as in configs/target (tiny_v4, smollm2, hf)")
         p.add_argument("--target-path", default=None, help="HF folder of the target (target kind hf)")
         p.add_argument("--out", required=True, type=Path)
         p.add_argument("--dtype", default="bfloat16", choices=_DTYPES)
         p.add_argument("--max-shard-gb", type=float, default=5.0)
         p.add_argument("--no-verify", action="store_true", help="skip the verifier run after writing")
-        if name == "v4":
-            p.add_argument("--merge-into", type=Path, default=None,
-                           help="a target checkpoint folder: OUT becomes a copy of it with the mtp.* tensors added")
+        add(p)
     args = ap.parse_args(argv)
 
     from dspark.export.verify import main_verify
@@ -62,28 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         return main_verify(args.path)
     import torch
 
-    dtype = getattr(torch, args.dtype)
-    target, draft = _load_run_draft(args.run_dir, args.target, args.target_path)
-    shard = int(args.max_shard_gb * 2**30)
-    if args.cmd == "v4":
-        from dspark.export.dspark_v4 import export_v4_sidecar
-        from dspark.models.dspark_v4 import DSparkV4Draft
-
-        if not isinstance(draft, DSparkV4Draft):
-            raise SystemExit(f"{args.run_dir}: the draft is {type(draft).__name__}, not a DeepSeek-V4 DSpark draft")
-        if args.merge_into is not None:
-            from dspark.export.dspark_v4 import merge_v4_into_target
-
-            merge_v4_into_target(draft, args.merge_into, args.out, dtype=dtype)
-        else:
-            export_v4_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=shard)
-    else:
-        from dspark.export.dense import export_dense
-        from dspark.models.dspark_dense import DSparkDenseDraft
-
-        if not isinstance(draft, DSparkDenseDraft):
-            raise SystemExit(f"{args.run_dir}: the draft is {type(draft).__name__}, not a dense DSpark/DFlash draft")
-        export_dense(draft, args.out, dtype=dtype, num_target_layers=len(target.layers), max_shard_bytes=shard)
+    target, draft, cfg = _load_run_draft(args.run_dir, args.target, args.target_path)
+    FORMATS[args.cmd][3](target, draft, cfg, args, getattr(torch, args.dtype), int(args.max_shard_gb * 2**30))
     print(f"wrote {args.out}")
     return 0 if args.no_verify else main_verify(args.out)
 

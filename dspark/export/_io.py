@@ -48,20 +48,23 @@ def write_tensors(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_byt
     return paths
 
 
-def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the folder's model.safetensors or indexed shards."""
+def iter_tensors(folder: Path, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the folder's model.safetensors or indexed shards whose name starts
+    with `prefix` (only those are read: a merged target checkpoint's own weights are never loaded)."""
     from safetensors import safe_open
 
     folder = Path(folder)
     index = folder / INDEX_NAME
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({f for name, f in weight_map.items() if name.startswith(prefix)})
     else:
         files = [SINGLE_NAME]
     for fname in files:
         with safe_open(str(folder / fname), framework="pt") as fh:
             for name in fh.keys():
-                yield name, fh.get_tensor(name)
+                if name.startswith(prefix):
+                    yield name, fh.get_tensor(name)
 
 
 def load_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor], what: str) -> None:

@@ -7,6 +7,15 @@ The draft's parameter names already are the serving names below the stage prefix
 Compute weights are written in `dtype` (bf16 by default); hc_*, norms, attn_sink, gate bias and the
 confidence head stay float32, as in the released checkpoints. No embed / lm_head (shared with the target).
 A sidecar folder holds model.safetensors (or shards + index) and dspark_config.json.
+
+Optional quantisation (`quant`), in the layout vLLM's DeepSeek-V4 loader reads (`DeepseekV4FP8Config`):
+    "fp8": the linears vLLM builds with the quant config -- main_proj, attn.{wq_a,wkv,wq_b,wo_a,wo_b},
+           ffn.shared_experts.w{1,2,3} and the routed experts -- as float8_e4m3fn `.weight` + 128x128 block
+           `.scale` (float32 powers of two: expert_dtype "fp8" checkpoints keep float32 linear scales);
+    "fp4": the same linears FP8 with float8_e8m0fnu scales, the routed experts packed e2m1 (int8) with an
+           e8m0 scale per 32 inputs (expert_dtype "fp4", V4-Flash).
+ffn.gate (GateLinear, no quant config), markov_head (Embedding / ParallelLMHead), the confidence head,
+norms, hc_* and attn_sink stay unquantised. Import dequantises any such set back (dspark.export.quant).
 """
 from __future__ import annotations
 
@@ -15,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.export import quant as q
 from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, write_tensors
 from dspark.io import atomic_write_json
 from dspark.models.dspark_v4 import FP32_PARAM_RE, DSparkV4Config, DSparkV4Draft
@@ -22,6 +32,11 @@ from dspark.models.dspark_v4 import FP32_PARAM_RE, DSparkV4Config, DSparkV4Draft
 CONFIG_NAME = "dspark_config.json"
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 _STAGE0 = ("main_proj.", "main_norm.")
+QUANT_MODES = ("fp8", "fp4")
+# serving names of the weights vLLM builds as FP8 block linears / routed experts under the V4 quant config
+_FP8_LINEAR_RE = re.compile(r"^mtp\.\d+\.(main_proj|attn\.(wq_a|wkv|wq_b|wo_a|wo_b)|ffn\.shared_experts\.w[123])\.weight$")
+_EXPERT_RE = re.compile(r"^mtp\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+QUANT_REPORT = "quant_report.json"
 
 
 def serving_name(name: str, num_layers: int) -> str:
@@ -39,13 +54,81 @@ def export_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if FP32_PARAM_RE.search(name) else dtype
 
 
-def v4_export_plan(draft: DSparkV4Draft, dtype: torch.dtype = torch.bfloat16) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def _check_quant(quant: str | None) -> None:
+    if quant is not None and quant not in QUANT_MODES:
+        raise ValueError(f"quant must be one of {QUANT_MODES} or None, got {quant!r}")
+
+
+def quant_format(serving: str, quant: str | None) -> str | None:
+    """How a serving tensor is stored under `quant`: "fp8" (block), "fp4" (packed experts) or None (as is)."""
+    if quant is None:
+        return None
+    if _EXPERT_RE.match(serving):
+        return "fp4" if quant == "fp4" else "fp8"
+    return "fp8" if _FP8_LINEAR_RE.match(serving) else None
+
+
+def fp8_scale_dtype(quant: str) -> torch.dtype:
+    """vLLM `DeepseekV4FP8Config.is_scale_e8m0`: e8m0 linear scales iff expert_dtype == "fp4"."""
+    return torch.float8_e8m0fnu if quant == "fp4" else torch.float32
+
+
+def quantization_config_json(quant: str) -> dict:
+    """`quantization_config` as the DeepSeek-V4 checkpoints declare it (+ expert_dtype, as V4.1 ships it)."""
+    _check_quant(quant)
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+            "scale_fmt": "ue8m0" if quant == "fp4" else "float", "weight_block_size": [q.FP8_BLOCK, q.FP8_BLOCK],
+            "expert_dtype": quant}
+
+
+def v4_export_plan(draft: DSparkV4Draft, dtype: torch.dtype = torch.bfloat16,
+                   quant: str | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{checkpoint name: (shape, dtype)} without touching tensor data (works for a draft on the meta device)."""
+    _check_quant(quant)
     n = draft.config.num_layers
-    return {serving_name(k, n): (tuple(p.shape), export_dtype(k, dtype)) for k, p in draft.named_parameters()}
+    plan = {}
+    for k, p in draft.named_parameters():
+        name, shape = serving_name(k, n), tuple(p.shape)
+        fmt = quant_format(name, quant)
+        stem = name.removesuffix(".weight")
+        if fmt == "fp8":
+            plan[name] = (shape, torch.float8_e4m3fn)
+            plan[stem + ".scale"] = ((-(-shape[0] // q.FP8_BLOCK), -(-shape[1] // q.FP8_BLOCK)), fp8_scale_dtype(quant))
+        elif fmt == "fp4":
+            plan[name] = ((shape[0], shape[1] // 2), torch.int8)
+            plan[stem + ".scale"] = ((shape[0], shape[1] // q.FP4_GROUP), torch.float8_e8m0fnu)
+        else:
+            plan[name] = (shape, export_dtype(k, dtype))
+    return plan
 
 
-def v4_config_json(cfg: DSparkV4Config, dtype: torch.dtype = torch.bfloat16) -> dict:
+def v4_tensors(draft: DSparkV4Draft, dtype: torch.dtype = torch.bfloat16,
+               quant: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, float]]]:
+    """({serving name: tensor}, {quantised name: dequantisation error stats}) for writing."""
+    _check_quant(quant)
+    n = draft.config.num_layers
+    tensors, errors = {}, {}
+    for name, p in draft.named_parameters():
+        if p.device.type == "meta":
+            raise ValueError("v4 export: the draft is on the meta device; use v4_export_plan for names/shapes")
+        serving = serving_name(name, n)
+        fmt = quant_format(serving, quant)
+        w = p.detach().to("cpu")
+        stem = serving.removesuffix(".weight")
+        if fmt == "fp8":
+            qw, scale = q.quantize_fp8_block(w, scale_dtype=fp8_scale_dtype(quant))
+            tensors[serving], tensors[stem + ".scale"] = qw, scale
+            errors[serving] = q.error_stats(w, q.dequantize_fp8_block(qw, scale))
+        elif fmt == "fp4":
+            qw, scale = q.quantize_fp4(w)
+            tensors[serving], tensors[stem + ".scale"] = qw, scale
+            errors[serving] = q.error_stats(w, q.dequantize_fp4(qw, scale))
+        else:
+            tensors[serving] = w.to(export_dtype(name, dtype)).contiguous()
+    return tensors, errors
+
+
+def v4_config_json(cfg: DSparkV4Config, dtype: torch.dtype = torch.bfloat16, quant: str | None = None) -> dict:
     """dspark_config.json: the target-config keys the serving loader reads + the draft sizes (HF key names)."""
     return {
         "dspark_block_size": cfg.block_size,
@@ -80,36 +163,89 @@ def v4_config_json(cfg: DSparkV4Config, dtype: torch.dtype = torch.bfloat16) -> 
         "torch_dtype": str(dtype).removeprefix("torch."),
         "dspark_torch_dtype": str(dtype).removeprefix("torch."),
         "dspark_format": "deepseek_v4_mtp",
-    }
+    } | ({"quantization_config": quantization_config_json(quant), "expert_dtype": quant} if quant else {})
 
 
 def export_v4_sidecar(draft: DSparkV4Draft, out_dir, dtype: torch.dtype = torch.bfloat16,
-                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
-    """Write the draft as a sidecar folder of `mtp.{i}.*` tensors + dspark_config.json; returns the folder."""
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, quant: str | None = None) -> Path:
+    """Write the draft as a sidecar folder of `mtp.{i}.*` tensors + dspark_config.json; returns the folder.
+
+    With `quant`, also writes quant_report.json (per-tensor dequantisation error, see `quant_report`).
+    """
     out_dir = Path(out_dir)
-    n = draft.config.num_layers
-    tensors = {}
-    for name, p in draft.named_parameters():
-        if p.device.type == "meta":
-            raise ValueError("export_v4_sidecar: the draft is on the meta device; use v4_export_plan for names/shapes")
-        tensors[serving_name(name, n)] = p.detach().to("cpu", export_dtype(name, dtype)).contiguous()
+    tensors, errors = v4_tensors(draft, dtype, quant)
     write_tensors(tensors, out_dir, max_shard_bytes)
-    atomic_write_json(out_dir / CONFIG_NAME, v4_config_json(draft.config, dtype))
+    atomic_write_json(out_dir / CONFIG_NAME, v4_config_json(draft.config, dtype, quant))
+    _write_report(out_dir, quant, errors)
     return out_dir
+
+
+def _write_report(out_dir: Path, quant: str | None, errors: dict) -> None:
+    stale = out_dir / QUANT_REPORT
+    if quant is None:
+        if stale.exists():
+            stale.unlink()
+        return
+    atomic_write_json(stale, {"quant": quant, "tensors": errors, **_summary(errors)})
+
+
+def _summary(errors: dict[str, dict[str, float]]) -> dict:
+    if not errors:
+        return {"max_rel_err": 0.0, "max_abs_err": 0.0}
+    worst = max(errors, key=lambda k: errors[k]["rel_err"])
+    return {"max_rel_err": errors[worst]["rel_err"], "worst_tensor": worst,
+            "max_abs_err": max(e["max_abs_err"] for e in errors.values())}
+
+
+def probe_logits(draft, seed: int = 0, batch: int = 2, context: int = 6) -> torch.Tensor:
+    """Base logits [B, T, V] of one backbone forward over fixed random target features and block ids."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = draft.config
+    t = cfg.block_size
+    aux = torch.randn(batch, context, len(cfg.target_layer_ids) * cfg.hidden_size, generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (batch, t), generator=g)
+    with torch.no_grad():
+        ctx = draft.context_kv(draft.combine(aux), torch.arange(context).expand(batch, context))
+        mask = torch.ones(batch, t, context + t, dtype=torch.bool)
+        h = draft.backbone(ids, torch.arange(context, context + t).expand(batch, t), ctx, mask)
+        return draft.base_logits(h).float()
+
+
+def quant_report(draft: DSparkV4Draft, folder) -> dict:
+    """Re-import `folder` into a fresh copy of `draft` and compare base logits with the original
+    (max |diff|, relative to max |logit|, top-1 agreement); merges it into folder/quant_report.json."""
+    import json
+
+    folder = Path(folder)
+    back = DSparkV4Draft(draft.config)
+    with torch.no_grad():
+        for (_, p), (_, src) in zip(back.named_parameters(), draft.named_parameters()):
+            p.data = p.data.to(src.dtype)
+    back.share_target_weights(draft._embed_weight, draft._lm_head_weight)
+    import_v4_sidecar(folder, back)
+    a, b = probe_logits(draft), probe_logits(back)
+    logits = {"max_abs_diff": (a - b).abs().max().item(), "max_abs_logit": a.abs().max().item(),
+              "rel_diff": (a - b).norm().item() / max(a.norm().item(), 1e-30),
+              "top1_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}
+    path = folder / QUANT_REPORT
+    report = json.loads(path.read_text()) if path.is_file() else {"quant": None, "tensors": {}}
+    report["logits"] = logits
+    atomic_write_json(path, report)
+    return report
 
 
 def import_v4_sidecar(folder, draft: DSparkV4Draft) -> DSparkV4Draft:
     """Load a sidecar (or any folder of `mtp.{i}.*` tensors) into `draft`; strict in both directions.
 
-    Non-`mtp.` tensors (a merged target checkpoint's own weights) are ignored; tensors are cast to the
-    draft's parameter dtypes.
+    Non-`mtp.` tensors (a merged target checkpoint's own weights) are ignored; FP8 / FP4 sets (`.weight` +
+    `.scale`, e.g. a released DeepSeek-V4-Flash-DSpark) are dequantised; tensors are cast to the draft's
+    parameter dtypes.
     """
     n = draft.config.num_layers
     back = {serving_name(k, n): k for k, _ in draft.named_parameters()}
+    raw = dict(iter_tensors(Path(folder), prefix="mtp."))
     tensors = {}
-    for name, t in iter_tensors(Path(folder)):
-        if not name.startswith("mtp."):
-            continue
+    for name, t in q.dequantize_tensors(raw, _block_size(Path(folder))).items():
         if name in back:
             tensors[back[name]] = t
         else:
@@ -118,10 +254,25 @@ def import_v4_sidecar(folder, draft: DSparkV4Draft) -> DSparkV4Draft:
     return draft
 
 
+def _block_size(folder: Path) -> int:
+    """weight_block_size of the folder's quantization_config (square blocks), 128 when absent."""
+    import json
+
+    for fname in (CONFIG_NAME, "config.json"):
+        if (folder / fname).is_file():
+            qc = json.loads((folder / fname).read_text()).get("quantization_config") or {}
+            size = qc.get("weight_block_size") or [q.FP8_BLOCK, q.FP8_BLOCK]
+            if size[0] != size[1]:
+                raise ValueError(f"{folder / fname}: quantization_config.weight_block_size {size} is not square")
+            return int(size[0])
+    return q.FP8_BLOCK
+
+
 MERGED_SHARD = "model-dspark-mtp.safetensors"
 
 
-def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch.dtype = torch.bfloat16) -> Path:
+def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch.dtype = torch.bfloat16,
+                         quant: str | None = None) -> Path:
     """A copy of a target checkpoint folder with the draft's `mtp.{i}.*` tensors added (SPEC.md 4).
 
     Files are hard-linked when possible (copied otherwise); the draft goes into its own shard
@@ -130,6 +281,11 @@ def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch
     dspark_markov_rank, n_mtp_layers / num_nextn_predict_layers. `mtp.*` tensors the target already holds
     (e.g. DeepSeek-V4's own MTP layer) would be loaded as draft weights by the serving loader, so they are
     removed from the copy (their shards are rewritten without them, the originals stay untouched).
+
+    The draft must be stored the way the target checkpoint is: vLLM builds the draft's linears with the
+    TARGET's quant config, so a BF16 draft in an FP8 checkpoint would be copied into FP8 parameters without
+    scales (silently wrong) and an FP8 draft in a BF16 checkpoint fails on its `.scale` tensors. `quant`
+    must therefore match the target's quantization_config / expert_dtype (None for an unquantised target).
     """
     import json
     import os
@@ -147,6 +303,8 @@ def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch
     if int(config.get("hidden_size", draft.config.hidden_size)) != draft.config.hidden_size:
         raise ValueError(f"merge_v4_into_target: target hidden_size {config['hidden_size']} != draft "
                          f"{draft.config.hidden_size}")
+    _check_merge_quant(config, quant, target_dir)
+    _check_merge_arch(config, draft, target_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for src in target_dir.iterdir():
         if src.is_file() and src.name not in ("config.json", INDEX_NAME, MERGED_SHARD):
@@ -172,10 +330,9 @@ def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch
         save_safetensors_atomic(kept, out_dir / fname, {"format": "pt"})
     for k in old_mtp:
         del weight_map[k]
-    n = draft.config.num_layers
-    tensors = {serving_name(k, n): p.detach().to("cpu", export_dtype(k, dtype)).contiguous()
-               for k, p in draft.named_parameters()}
+    tensors, errors = v4_tensors(draft, dtype, quant)
     save_safetensors_atomic(tensors, out_dir / MERGED_SHARD, {"format": "pt"})
+    _write_report(out_dir, quant, errors)
     weight_map.update({k: MERGED_SHARD for k in tensors})
     index["weight_map"] = dict(sorted(weight_map.items()))
     index.setdefault("metadata", {}).pop("total_size", None)  # no longer exact; optional in the format
@@ -187,3 +344,76 @@ def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch
     config.update({k: sidecar[k] for k in keys})
     atomic_write_json(out_dir / "config.json", config)
     return out_dir
+
+
+_NOT_ARCH = ("initializer_range",)
+
+
+def v4_config_from_folder(folder) -> DSparkV4Config:
+    """The draft config of a sidecar (dspark_config.json) or of a checkpoint folder whose config.json carries
+    the dspark_* keys (a merged export or a released DeepSeek-V4 DSpark checkpoint): build a DSparkV4Draft
+    from it, then `import_v4_sidecar`. Layer sizes come from the config through transformers'
+    DeepseekV4Config; the draft layer count is n_mtp_layers, else 3 (vLLM's default)."""
+    import json
+
+    folder = Path(folder)
+    path = folder / CONFIG_NAME if (folder / CONFIG_NAME).is_file() else folder / "config.json"
+    c = json.loads(path.read_text())
+    if "dspark_block_size" not in c:
+        raise ValueError(f"{path}: no dspark_block_size (neither a DSpark sidecar nor a DSpark checkpoint config)")
+    return _config_from_target_json(c, num_layers=int(c.get("n_mtp_layers") or 3))
+
+
+def _config_from_target_json(c: dict, **draft_keys) -> DSparkV4Config:
+    from transformers import DeepseekV4Config
+
+    hf_keys = {k: v for k, v in c.items() if not k.startswith("dspark_") and k not in (
+        "quantization_config", "expert_dtype", "torch_dtype", "n_mtp_layers", "num_nextn_predict_layers")}
+    hf = DeepseekV4Config(**hf_keys)
+    for key, ck in (("block_size", "dspark_block_size"), ("mask_token_id", "dspark_noise_token_id"),
+                    ("target_layer_ids", "dspark_target_layer_ids"), ("markov_rank", "dspark_markov_rank"),
+                    ("markov_head_type", "dspark_markov_head_type"), ("confidence_bias", "dspark_confidence_bias"),
+                    ("rope_theta", "dspark_rope_theta")):
+        if c.get(ck) is not None:
+            draft_keys.setdefault(key, c[ck])
+    return DSparkV4Config.from_hf_config(hf, **draft_keys)
+
+
+def _check_merge_arch(config: dict, draft: DSparkV4Draft, target_dir: Path) -> None:
+    """vLLM builds the draft layers from the TARGET config: every layer size of the draft must be the target's."""
+    import dataclasses
+
+    cfg = draft.config
+    own = {f.name for f in dataclasses.fields(cfg)} - set(_NOT_ARCH)
+    keys = {k: getattr(cfg, k) for k in ("num_layers", "block_size", "mask_token_id", "target_layer_ids",
+                                         "markov_rank", "markov_head_type", "confidence_bias", "rope_theta")}
+    try:
+        served = _config_from_target_json(config, **keys)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"merge: {target_dir}/config.json does not describe a DeepSeek-V4 target: {err}") from err
+    diff = [f"{k}: draft {getattr(cfg, k)!r} vs target {getattr(served, k)!r}" for k in sorted(own)
+            if getattr(cfg, k) != getattr(served, k)]
+    if diff:
+        raise ValueError(f"merge: vLLM builds the draft layers from {target_dir}/config.json, whose sizes differ "
+                         "from the draft's:\n  " + "\n  ".join(diff))
+
+
+def _check_merge_quant(config: dict, quant: str | None, target_dir: Path) -> None:
+    _check_quant(quant)
+    qc = config.get("quantization_config")
+    where = f"{target_dir}/config.json"
+    if qc is None:
+        if quant is not None:
+            raise ValueError(f"merge: {where} has no quantization_config (an unquantised target): vLLM builds "
+                             f"the draft's linears unquantised and cannot load a {quant} draft; use quant=None")
+        return
+    # vLLM's DeepseekV4FP8Config reads hf_config.expert_dtype, default "fp4"
+    expert = config.get("expert_dtype") or qc.get("expert_dtype") or "fp4"
+    block = qc.get("weight_block_size")
+    if qc.get("quant_method") not in ("fp8", "deepseek_v4_fp8") or list(block or []) != [q.FP8_BLOCK, q.FP8_BLOCK]:
+        raise ValueError(f"merge: {where} quantization_config {qc} is not the DeepSeek-V4 FP8 128x128 block "
+                         "scheme this exporter writes")
+    if quant != expert:
+        raise ValueError(f"merge: {where} is quantised (quantization_config.quant_method "
+                         f"{qc.get('quant_method')!r}, expert_dtype {expert!r}); vLLM builds the draft's linears "
+                         f"the same way, so export with quant={expert!r} (CLI --quant {expert}), got {quant!r}")

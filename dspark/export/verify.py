@@ -11,9 +11,17 @@ DeepSeek-V4 (dspark_config.json, or a config.json carrying dspark_* keys):
   mtp.0.main_proj.weight, mtp.0.main_norm.weight
   mtp.{N-1}.norm.weight, mtp.{N-1}.hc_head_{fn,base,scale}, mtp.{N-1}.markov_head.*, mtp.{N-1}.confidence_head.proj.*
   float32: hc_*, *norm.weight, attn_sink, gate.bias, confidence_head.*; the rest torch_dtype.
-Dense (config.json with architectures Qwen3DSparkModel / DFlashDraftModel): fc, hidden_norm,
+  Quantised sets (the config has a DeepSeek-V4 `quantization_config`; expert_dtype from the config, default
+  "fp4" as in vLLM): main_proj, attn.{wq_a,wkv,wq_b,wo_a,wo_b}, shared_experts.w{1,2,3} (and the routed
+  experts when expert_dtype is "fp8") are F8_E4M3 `.weight` + `.scale` [ceil(N/b), ceil(K/b)] (F8_E8M0 when
+  expert_dtype is "fp4", else F32); routed experts under "fp4" are I8 [N, K/2] + F8_E8M0 `.scale` [N, K/32].
+Dense (config.json with architectures Qwen3DSparkModel / DFlashDraftModel, or a speculators "dspark" /
+  "dflash" config, translated as vLLM does: target layer = aux id - 1): fc, hidden_norm,
   layers.{i}.{input_layernorm,post_attention_layernorm}, self_attn.{q,k,v,o}_proj + q_norm/k_norm,
-  mlp.{gate,up,down}_proj, norm, and for DSpark markov_head.* (+ confidence_head.proj.{weight,bias}).
+  mlp.{gate,up,down}_proj, norm, and for DSpark markov_head.markov_w1 [V, r] / markov_w2 [Vd, r]
+  (+ confidence_head.proj.{weight,bias} when enable_confidence_head, width H + r with
+  confidence_head_with_markov else H, as vLLM builds it). Reduced vocab (draft_vocab_size < vocab_size):
+  lm_head.weight [Vd, H] and d2t [Vd] I64 required, t2d [V] BOOL allowed; embed_tokens allowed.
 """
 from __future__ import annotations
 
@@ -22,6 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float8_e4m3fn": "F8_E4M3"}
+_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "I64": 8, "BOOL": 1}
+_V4_FP8_STEMS = ("main_proj", "attn.wq_a", "attn.wkv", "attn.wq_b", "attn.wo_a", "attn.wo_b",
+                 "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
 DENSE_ARCHS = ("Qwen3DSparkModel", "DFlashDraftModel")
 
 
@@ -87,7 +98,34 @@ def _v4_expected(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
     exp[last + "confidence_head.proj.weight"] = ((1, H + r), f32)
     if c.get("dspark_confidence_bias"):
         exp[last + "confidence_head.proj.bias"] = ((1,), f32)
+    qc = c.get("quantization_config")
+    if qc:
+        _v4_quantised(exp, qc, c.get("expert_dtype") or qc.get("expert_dtype") or "fp4")
     return exp
+
+
+def _v4_quantised(exp: dict, qc: dict, expert_dtype: str) -> None:
+    """Rewrite the expected set in place for a quantised checkpoint (weight dtype/shape + `.scale`)."""
+    if expert_dtype not in ("fp8", "fp4"):
+        raise ValueError(f"config: expert_dtype {expert_dtype!r} is neither 'fp8' nor 'fp4'")
+    bn, bk = qc.get("weight_block_size") or (128, 128)
+    lin_scale = "F8_E8M0" if expert_dtype == "fp4" else "F32"
+    for name in list(exp):
+        parts = name.split(".", 2)  # mtp, i, rest
+        if len(parts) < 3 or not parts[2].endswith(".weight"):
+            continue
+        stem = parts[2].removesuffix(".weight")
+        is_expert = stem.startswith("ffn.experts.")
+        if stem not in _V4_FP8_STEMS and not is_expert:
+            continue
+        (n, k), _ = exp[name]
+        scale_name = name.removesuffix(".weight") + ".scale"
+        if is_expert and expert_dtype == "fp4":
+            exp[name] = ((n, k // 2), "I8")
+            exp[scale_name] = ((n, k // 32), "F8_E8M0")
+        else:
+            exp[name] = ((n, k), "F8_E4M3")
+            exp[scale_name] = ((-(-n // bn), -(-k // bk)), lin_scale)
 
 
 def _markov(p: str, kind: str, V: int, Vd: int, r: int, H: int, dt: str) -> dict:
@@ -125,14 +163,64 @@ def _dense_expected(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
             p + "mlp.down_proj.weight": ((H, I), dt),
         })
     r = int(c.get("markov_rank") or 0)
+    V = c["vocab_size"]
+    Vd = c.get("draft_vocab_size") or V
+    if Vd < V:  # vLLM Qwen3DSpark / DFlash: a reduced draft must ship its lm_head rows and d2t
+        exp["lm_head.weight"] = ((Vd, H), dt)
+        exp["d2t"] = ((Vd,), "I64")
     if r > 0:
-        V = c["vocab_size"]
-        exp.update(_markov("markov_head.", c.get("markov_head_type") or "vanilla", V,
-                           c.get("draft_vocab_size") or V, r, H, dt))
-        if c.get("enable_confidence_head", True):
-            exp["confidence_head.proj.weight"] = ((1, H + r), dt)
+        exp.update(_markov("markov_head.", c.get("markov_head_type") or "vanilla", V, Vd, r, H, dt))
+        if c.get("enable_confidence_head", False):  # vLLM's default: off
+            width = H + r if c.get("confidence_head_with_markov", False) else H
+            exp["confidence_head.proj.weight"] = ((1, width), dt)
             exp["confidence_head.proj.bias"] = ((1,), dt)
     return exp
+
+
+def _dense_optional(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Tensors a dense folder may hold without being required: t2d (vLLM skips it), own embeddings."""
+    V, H = c["vocab_size"], c["hidden_size"]
+    dt = _DTYPES[c.get("torch_dtype", "bfloat16")]
+    out = {"embed_tokens.weight": ((V, H), dt)}
+    if (c.get("draft_vocab_size") or V) < V:
+        out["t2d"] = ((V,), "BOOL")
+    return out
+
+
+def _from_speculators(c: dict) -> dict:
+    """A speculators-format config in vLLM's key names (vLLM update_dspark / update_dflash rules)."""
+    algo = c["speculators_model_type"]
+    if algo not in ("dspark", "dflash"):
+        raise ValueError(f"speculators_model_type {algo!r} is not 'dspark' or 'dflash'")
+    for key in ("transformer_layer_config", "aux_hidden_state_layer_ids", "mask_token_id"):
+        if key not in c:
+            raise ValueError(f"speculators config without {key}")
+    spec = c.get("speculators_config") or {}
+    methods = spec.get("proposal_methods") or [{}]
+    if "speculative_tokens" not in methods[0] or "name_or_path" not in (spec.get("verifier") or {}):
+        raise ValueError("speculators_config needs proposal_methods[0].speculative_tokens and verifier.name_or_path")
+    out = dict(c["transformer_layer_config"])
+    out["architectures"] = ["Qwen3DSparkModel" if algo == "dspark" else "DFlashDraftModel"]
+    out["dflash_config"] = {"target_layer_ids": [i - 1 for i in c["aux_hidden_state_layer_ids"]]}
+    for key in ("draft_vocab_size", "markov_rank", "markov_head_type", "enable_confidence_head",
+                "confidence_head_with_markov", "torch_dtype"):
+        if c.get(key) is not None:
+            out[key] = c[key]
+    return out
+
+
+def _serving_problems(is_v4: bool, c: dict) -> list[str]:
+    """Config values whose tensors the vLLM 0.33.0 loaders cannot take (they would raise on load)."""
+    out = []
+    kind = c.get("dspark_markov_head_type" if is_v4 else "markov_head_type") or "vanilla"
+    rank = c.get("dspark_markov_rank" if is_v4 else "markov_rank") or 0
+    if rank and kind != "vanilla":
+        out.append(f"serving: markov head type {kind!r}: vLLM 0.33.0's DSparkMarkovHead has only markov_w1 / "
+                   f"markov_w2 (vanilla) and rejects the {'gate_proj' if kind == 'gated' else 'joint_proj'} tensors")
+    if is_v4 and c.get("dspark_confidence_bias"):
+        out.append("serving: dspark_confidence_bias: vLLM 0.33.0's DeepSeek-V4 DSpark confidence head has no bias "
+                   "parameter (confidence_head.proj.bias cannot be loaded)")
+    return out
 
 
 def _headers(folder: Path) -> tuple[dict[str, tuple[tuple[int, ...], str]], list[str]]:
@@ -173,22 +261,33 @@ def verify_folder(path) -> Report:
         cfg, kind = json.loads((folder / "dspark_config.json").read_text()), "deepseek_v4 dspark (mtp.*)"
     elif (folder / "config.json").is_file():
         cfg = json.loads((folder / "config.json").read_text())
+        if "speculators_model_type" in cfg:
+            try:
+                cfg = _from_speculators(cfg)
+            except (ValueError, TypeError) as err:
+                return Report("speculators", problems=[f"config.json: {err}"])
         arch = (cfg.get("architectures") or [None])[0]
         kind = "deepseek_v4 dspark (mtp.*)" if "dspark_block_size" in cfg else str(arch)
     else:
         return Report("unknown", problems=[f"{folder}: no dspark_config.json or config.json"])
+    optional: dict = {}
     if kind.startswith("deepseek_v4"):
         expected = _v4_expected(cfg)
     elif kind in DENSE_ARCHS:
         expected = _dense_expected(cfg)
+        optional = _dense_optional(cfg)
     else:
         return Report(str(kind), problems=[f"config.json: unknown architecture {kind!r} (expected {DENSE_ARCHS})"])
     found, problems = _headers(folder)
     if kind.startswith("deepseek_v4"):  # a merged target checkpoint also holds the target's own tensors
         found = {k: v for k, v in found.items() if k.startswith("mtp.")}
-    report = Report(kind, n_tensors=len(found), problems=problems)
+    report = Report(kind, n_tensors=len(found), problems=problems + _serving_problems(kind.startswith("deepseek_v4"),
+                                                                                   cfg))
     for name in sorted(set(expected) - set(found)):
         report.problems.append(f"missing: {name} {list(expected[name][0])} {expected[name][1]}")
+    for name in sorted(set(found) & set(optional)):
+        if name not in expected:
+            expected[name] = optional[name]
     for name in sorted(set(found) - set(expected)):
         report.problems.append(f"unexpected: {name} {list(found[name][0])} {found[name][1]} (no draft parameter)")
     for name in sorted(set(found) & set(expected)):
@@ -197,8 +296,7 @@ def verify_folder(path) -> Report:
             report.problems.append(f"shape: {name} is {list(fs)}, expected {list(es)}")
         if fd != ed:
             report.problems.append(f"dtype: {name} is {fd}, expected {ed}")
-    sizes = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
-    report.n_bytes = sum(sizes.get(d, 0) * _numel(s) for s, d in found.values())
+    report.n_bytes = sum(_SIZES.get(d, 0) * _numel(s) for s, d in found.values())
     return report
 
 

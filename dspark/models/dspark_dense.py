@@ -6,6 +6,12 @@
     h = last layer output (pre-norm); U = lm_head(norm(h)) with the target's LM head
 DSpark adds the Markov head and a confidence head (Linear(H + r -> 1) with bias on the NORMED hidden,
 as in DeepSpec's dense drafts). DFlash (`markov_rank: 0`) has neither and is trained with CE only.
+Reduced vocabulary (`draft_vocab_size` < vocab_size, vLLM / EAGLE-3 convention): the draft scores only
+Vd target tokens, draft id d <-> target id d + d2t[d] (buffer `d2t` [Vd] long; `t2d` [V] bool marks the
+kept target ids). Its LM head is the target's rows at those ids, markov_w2 is [Vd, r]; base_logits and
+the Markov bias are scattered back to target ids ([.., V], -inf / 0 elsewhere), so propose and verify
+keep working in target ids. Inference / export only: training a reduced draft is refused (prune a
+full-vocab draft at export, dspark.export.vocab).
 Parameter names follow vLLM's Qwen3 DSpark / DFlash drafts (fc, hidden_norm, layers.{i}.self_attn.*,
 layers.{i}.mlp.*, norm, markov_head.*, confidence_head.proj).
 """
@@ -39,6 +45,7 @@ class DSparkDenseConfig:
     markov_rank: int = 0  # 0 = DFlash (no Markov head, no confidence head)
     markov_head_type: str = "vanilla"
     confidence_head: bool = True
+    draft_vocab_size: int | None = None  # None / == vocab_size: full vocabulary (no d2t)
     sliding_window: int | None = None  # DeepSpec dense drafts see the whole context
     initializer_range: float = 0.02
 
@@ -60,6 +67,9 @@ class DSparkDenseConfig:
             raise ValueError(f"markov_head_type must be one of {MARKOV_HEAD_KINDS}, got {self.markov_head_type!r}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}] or null, "
+                             f"got {self.draft_vocab_size}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or null, got {self.sliding_window}")
         return self
@@ -151,6 +161,20 @@ class DenseDraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class _ScatteredMarkovHead(MarkovHead):
+    """Markov head of a reduced-vocab draft: the [.., Vd] bias is placed at the target ids of the
+    draft vocabulary in a [.., V] tensor (0 elsewhere)."""
+
+    def __init__(self, *args, draft_to_target, **kwargs):
+        super().__init__(*args, **kwargs)
+        object.__setattr__(self, "_draft_to_target", draft_to_target)  # callable -> [Vd] long
+
+    def project(self, latent: torch.Tensor) -> torch.Tensor:
+        small = super().project(latent)  # [..., Vd]
+        out = small.new_zeros(*small.shape[:-1], self.vocab)  # [..., V]
+        return out.index_copy_(out.dim() - 1, self._draft_to_target(), small)
+
+
 class DSparkDenseDraft(nn.Module):
     def __init__(self, cfg: DSparkDenseConfig):
         super().__init__()
@@ -164,8 +188,18 @@ class DSparkDenseDraft(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.markov_head = None
         self.confidence_head = None
+        vd = cfg.draft_vocab_size or cfg.vocab_size
+        self.reduced_vocab = vd < cfg.vocab_size
+        if self.reduced_vocab:
+            self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))  # draft id d -> target d + d2t[d]
+            self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+            self.t2d[:vd] = True  # placeholder identity mapping until set_vocab_mapping
         if cfg.markov_rank > 0:
-            self.markov_head = MarkovHead(cfg.vocab_size, cfg.vocab_size, cfg.markov_rank, H, cfg.markov_head_type)
+            if self.reduced_vocab:
+                self.markov_head = _ScatteredMarkovHead(cfg.vocab_size, vd, cfg.markov_rank, H, cfg.markov_head_type,
+                                                        draft_to_target=self.draft_to_target)
+            else:
+                self.markov_head = MarkovHead(cfg.vocab_size, cfg.vocab_size, cfg.markov_rank, H, cfg.markov_head_type)
             if cfg.confidence_head:
                 self.confidence_head = ConfidenceHead(H + cfg.markov_rank, bias=True)
         self._init_weights()
@@ -189,6 +223,31 @@ class DSparkDenseDraft(nn.Module):
             raise RuntimeError("call share_target_weights(embed, lm_head) before running the draft")
         return self._embed_weight, self._lm_head_weight
 
+    # ---- reduced vocabulary ------------------------------------------------------------------------------
+    def draft_to_target(self) -> torch.Tensor:
+        """[Vd] long: the target id of every draft id (arange(V) for a full-vocab draft)."""
+        if not self.reduced_vocab:
+            return torch.arange(self.config.vocab_size, device=self.fc.weight.device)
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install a mapping (dspark.export.vocab.build_vocab_mapping); checks that d2t and t2d agree."""
+        if not self.reduced_vocab:
+            raise ValueError("set_vocab_mapping: the draft has the full vocabulary (config.draft_vocab_size unset)")
+        vd, v = self.d2t.numel(), self.config.vocab_size
+        if tuple(d2t.shape) != (vd,) or tuple(t2d.shape) != (v,):
+            raise ValueError(f"set_vocab_mapping: expected d2t [{vd}] and t2d [{v}], got {tuple(d2t.shape)} / "
+                             f"{tuple(t2d.shape)}")
+        ids = torch.arange(vd) + d2t.long().cpu()
+        if ids.min() < 0 or ids.max() >= v or not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError("set_vocab_mapping: d2t must map draft ids to strictly increasing target ids in [0, V)")
+        mask = torch.zeros(v, dtype=torch.bool)
+        mask[ids] = True
+        if not torch.equal(mask, t2d.bool().cpu()):
+            raise ValueError("set_vocab_mapping: t2d does not mark exactly the target ids d + d2t[d]")
+        self.d2t.copy_(d2t.long())
+        self.t2d.copy_(t2d.bool())
+
     # ---- interface (docs/CONTRACTS.md) ----------------------------------------------------------------
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [B, S, n*H] -> main_x [B, S, H]."""
@@ -208,7 +267,16 @@ class DSparkDenseDraft(nn.Module):
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         _, lm_head = self._shared()
-        return F.linear(self.norm(h).to(lm_head.dtype), lm_head)  # [..., V]
+        if not self.reduced_vocab:
+            return F.linear(self.norm(h).to(lm_head.dtype), lm_head)  # [..., V]
+        if self.training:
+            raise RuntimeError("training a reduced-vocab dense draft is not implemented (the losses are over the "
+                               "target vocabulary): train at full vocabulary and reduce at export "
+                               "(python -m dspark.export dense --draft-vocab-size N --vocab-counts DATA)")
+        ids = self.draft_to_target()
+        small = F.linear(self.norm(h).to(lm_head.dtype), lm_head[ids])  # [..., Vd]
+        out = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))  # [..., V]
+        return out.index_copy_(out.dim() - 1, ids, small)
 
     def confidence_logit(self, h: torch.Tensor, feat: torch.Tensor | None) -> torch.Tensor:
         return self.confidence_head(self.norm(h), feat)
