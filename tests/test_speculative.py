@@ -61,34 +61,36 @@ def test_greedy_equals_target_with_random_draft(llama_target, layout, g):
         assert before_last < len(out) <= before_last + stats[-1].num_accepted + 1
 
 
-def _oracle_propose(reference: list[int], corrupt: bool):
-    """A propose() that drafts the target's own greedy continuation (all accepted); with `corrupt`, every
-    other call gets one wrong token, cycling through the positions, to exercise partial acceptance."""
-    calls = [0]
+class OracleDraft:
+    """Drafts the target's own greedy continuation (all accepted); with `corrupt`, every other call gets one
+    wrong token, cycling through the positions, to exercise partial acceptance."""
 
-    def fake(draft, aux, x0, a, *, num_drafts, **_):
-        assert reference[a] == x0, "the loop's anchor must be the target's greedy token at position a"
-        toks = list(reference[a + 1 : a + 1 + num_drafts])
-        if corrupt and calls[0] % 2 == 1:
-            k = (calls[0] // 2) % num_drafts
+    def __init__(self, reference: list[int], corrupt: bool):
+        self.reference, self.corrupt, self.calls = reference, corrupt, 0
+
+    def propose(self, feats, tokens, *, num_drafts, temperature, generator):
+        a = tokens.numel() - 1
+        assert feats.aux.shape[1] == a and tokens.tolist() == self.reference[: a + 1], \
+            "the loop's anchor must be the target's greedy token at position a, after the verified prefix"
+        toks = list(self.reference[a + 1 : a + 1 + num_drafts])
+        if self.corrupt and self.calls % 2 == 1:
+            k = (self.calls // 2) % num_drafts
             toks[k] = (toks[k] + 1) % V
-        calls[0] += 1
+        self.calls += 1
         t = torch.tensor(toks)
         return Proposal(tokens=t, q_probs=torch.nn.functional.one_hot(t, V).float(), conf=None,
                         logits=torch.zeros(num_drafts, V))
 
-    return fake
-
 
 @pytest.mark.parametrize("corrupt", [False, True])
 @pytest.mark.parametrize("g", [1, 3])
-def test_greedy_equals_target_with_oracle_draft(llama_target, monkeypatch, g, corrupt):
+def test_greedy_equals_target_with_oracle_draft(llama_target, g, corrupt):
     for prompt in prompts(3, V, seed=10 + g):
         n_new = 13
         cont = target_generate(llama_target, prompt, n_new + g + 2)
         reference = prompt.tolist() + cont.tolist()
-        monkeypatch.setattr(spec, "propose", _oracle_propose(reference, corrupt))
-        out, stats = speculative_generate(llama_target, None, prompt, max_new_tokens=n_new, num_drafts=g,
+        out, stats = speculative_generate(llama_target, OracleDraft(reference, corrupt), prompt,
+                                          max_new_tokens=n_new, num_drafts=g,
                                           mask_token_id=MASK)
         assert out.tolist() == cont[:n_new].tolist()  # truncated exactly at max_new_tokens
         accepted = [s.num_accepted for s in stats]
@@ -428,6 +430,31 @@ def test_v4_draft_speculative_greedy_equals_target():
                                               mask_token_id=49, layout=layout, window=window)
             assert out.tolist() == ref.tolist()
             assert all(s.conf is not None and len(s.conf) == 3 for s in stats)
+
+
+@pytest.mark.parametrize("layout", ["anchor", "mask"])
+def test_propose_batch_rows_equal_proposing_alone(layout):
+    """Right-padded contexts of different lengths in one draft forward (V4 draft, window 4 < contexts):
+    every row's logits, confidences and sampled tokens equal proposing that request alone."""
+    from dspark.evaluation.propose import propose_batch
+    from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
+
+    torch.manual_seed(0)
+    hf = tiny_v4_config(initializer_range=0.2)
+    target = FrozenTarget(DeepseekV4ForCausalLM(hf), [0, 2])
+    draft = DSparkV4Draft(DSparkV4Config.from_hf_config(
+        hf, num_layers=1, block_size=3, mask_token_id=49, target_layer_ids=[0, 2], markov_rank=4)).eval()
+    draft.share_target_weights(target.embed_weight, target.lm_head_weight)
+    window = draft.config.sliding_window
+    ctxs = [target.features(torch.randint(0, 49, (1, n))).aux for n in (2, 9, 5)]
+    x0 = [3, 17, 40]
+    kw = dict(num_drafts=3, mask_token_id=49, layout=layout, window=window, temperature=1.0)
+    batch = propose_batch(draft, ctxs, x0, generators=[torch.Generator().manual_seed(i) for i in range(3)], **kw)
+    for i, (c, x) in enumerate(zip(ctxs, x0)):
+        alone = propose(draft, c, x, c.shape[1], generator=torch.Generator().manual_seed(i), **kw)
+        assert batch[i].tokens.tolist() == alone.tokens.tolist()
+        assert torch.allclose(batch[i].logits, alone.logits, atol=1e-5)
+        assert torch.allclose(batch[i].conf_logits, alone.conf_logits, atol=1e-5)
 
 
 # ---- eval.py pipeline on a tiny dense target with a chat template -------------------------------

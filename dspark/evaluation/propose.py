@@ -101,48 +101,84 @@ def propose(
     _check_inputs(target_feats_aux, a, g, layout)
     if forced_tokens is not None and tuple(forced_tokens.shape) != (g,):
         raise ValueError(f"forced_tokens must be [{g}], got {tuple(forced_tokens.shape)}")
-    dev = target_feats_aux.device
+    return propose_batch(draft, [target_feats_aux[:, :a]], [anchor_token], num_drafts=g,
+                         mask_token_id=mask_token_id, layout=layout, window=window, temperature=temperature,
+                         generators=[generator],
+                         forced_tokens=None if forced_tokens is None else forced_tokens.view(1, g))[0]
 
-    # ---- parallel stage: one non-causal forward over the block ----------------------------------
-    main_x = draft.combine(target_feats_aux[:, :a])  # [1, a, H]
-    ctx = draft.context_kv(main_x, torch.arange(a, device=dev).unsqueeze(0))
+
+@torch.no_grad()
+def propose_batch(
+    draft: torch.nn.Module,
+    contexts: list[torch.Tensor],
+    anchor_tokens: list[int],
+    *,
+    num_drafts: int,
+    mask_token_id: int,
+    layout: str = "anchor",
+    window: int | None = None,
+    temperature: float = 0.0,
+    generators: list[torch.Generator | None] | None = None,
+    forced_tokens: torch.Tensor | None = None,
+) -> list[Proposal]:
+    """One block per request in ONE draft forward. contexts[i]: [1, a_i, n*H] target features of request i's
+    positions 0..a_i-1; its anchor x0 = anchor_tokens[i] sits at position a_i. Contexts are right-padded to
+    the longest: the block mask only lets a block see context keys before its anchor, so the padding is never
+    attended (the training forward packs blocks the same way). Request i samples with generators[i], in the
+    same order as alone, so batching does not change its tokens. forced_tokens: optional [B, g]."""
+    g, bsz = int(num_drafts), len(contexts)
+    if bsz == 0 or len(anchor_tokens) != bsz:
+        raise ValueError(f"need one anchor token per context, got {len(anchor_tokens)} for {bsz}")
+    for c in contexts:
+        _check_inputs(c, c.shape[1], g, layout)
+    gens = [None] * bsz if generators is None else list(generators)
+    if forced_tokens is not None and tuple(forced_tokens.shape) != (bsz, g):
+        raise ValueError(f"forced_tokens must be [{bsz}, {g}], got {tuple(forced_tokens.shape)}")
+    dev = contexts[0].device
+    lens = [int(c.shape[1]) for c in contexts]
+    width = max(lens)
+    aux = contexts[0].new_zeros(bsz, width, contexts[0].shape[-1])  # [B, A, n*H] right-padded
+    for i, c in enumerate(contexts):
+        aux[i, : lens[i]] = c[0]
+
+    # ---- parallel stage: one non-causal forward over every block ----------------------------------
+    main_x = draft.combine(aux)  # [B, A, H]
+    ctx = draft.context_kv(main_x, torch.arange(width, device=dev).expand(bsz, width))
     block_len = g if layout == "anchor" else g + 1
     pred_offset = 0 if layout == "anchor" else 1
-    block_ids = torch.full((1, block_len), int(mask_token_id), dtype=torch.long, device=dev)  # [1, L]
-    block_ids[0, 0] = int(anchor_token)
-    block_pos = (a + torch.arange(block_len, device=dev)).unsqueeze(0)  # [1, L]
-    anchors = torch.tensor([[a]], dtype=torch.long, device=dev)  # [1, 1]
-    mask = block_attention_mask(anchors, block_len, a, window)  # [1, L, a + L]
-    h = draft.backbone(block_ids, block_pos, ctx, mask)[0, pred_offset : pred_offset + g]  # [g, H]
-    base = draft.base_logits(h)  # [g, V]
+    anchors = torch.tensor(lens, dtype=torch.long, device=dev).unsqueeze(1)  # [B, 1] = a_i
+    block_ids = torch.full((bsz, block_len), int(mask_token_id), dtype=torch.long, device=dev)  # [B, L]
+    block_ids[:, 0] = torch.tensor([int(t) for t in anchor_tokens], dtype=torch.long, device=dev)
+    block_pos = anchors + torch.arange(block_len, device=dev)  # [B, L]
+    mask = block_attention_mask(anchors, block_len, width, window)  # [B, L, A + L]
+    h = draft.backbone(block_ids, block_pos, ctx, mask)[:, pred_offset : pred_offset + g]  # [B, g, H]
+    base = draft.base_logits(h)  # [B, g, V]
 
     # ---- sequential stage: Markov-corrected sampling, left to right -----------------------------
     markov = getattr(draft, "markov_head", None)
     has_conf = getattr(draft, "confidence_head", None) is not None
-    prev = torch.tensor([int(anchor_token)], dtype=torch.long, device=dev)  # [1]
+    prev = block_ids[:, 0].clone()  # [B]
     state = None
     tokens, q_rows, logit_rows, conf = [], [], [], []
     for k in range(g):
-        h_k = h[k : k + 1]  # [1, H]
+        h_k = h[:, k]  # [B, H]
         feat = None
         if markov is not None:
-            bias, feat, state = markov.step(prev, h_k, state)  # [1, V], [1, r]
-            logits_k = (base[k : k + 1] + bias)[0]  # [V]
+            bias, feat, state = markov.step(prev, h_k, state)  # [B, V], [B, r]
+            logits_k = base[:, k] + bias  # [B, V]
         else:
-            logits_k = base[k]  # [V]
+            logits_k = base[:, k]  # [B, V]
         if has_conf:
-            conf.append(draft.confidence_logit(h_k, feat).float()[0])
-        y, q = sample_from_logits(logits_k, temperature, generator)
+            conf.append(draft.confidence_logit(h_k, feat).float())  # [B]
+        picked = [sample_from_logits(logits_k[i], temperature, gens[i]) for i in range(bsz)]
+        y = torch.stack([t for t, _ in picked]).to(dev)  # [B]
         if forced_tokens is not None:
-            y = forced_tokens[k].to(device=dev, dtype=torch.long)
+            y = forced_tokens[:, k].to(device=dev, dtype=torch.long)
         tokens.append(y)
-        q_rows.append(q)
+        q_rows.append(torch.stack([q for _, q in picked]))  # [B, V]
         logit_rows.append(logits_k.float())
-        prev = y.view(1)
-    return Proposal(
-        tokens=torch.stack(tokens),  # [g]
-        q_probs=torch.stack(q_rows),  # [g, V]
-        conf=torch.sigmoid(torch.stack(conf)) if has_conf else None,  # [g]
-        logits=torch.stack(logit_rows),  # [g, V]
-        conf_logits=torch.stack(conf) if has_conf else None,  # [g]
-    )
+        prev = y
+    toks, qs, lgs = torch.stack(tokens, 1), torch.stack(q_rows, 1), torch.stack(logit_rows, 1)  # [B, g(, V)]
+    zs = torch.stack(conf, 1) if has_conf else None  # [B, g]
+    return [Proposal(tokens=toks[i], q_probs=qs[i], conf=None if zs is None else torch.sigmoid(zs[i]),
+                     logits=lgs[i], conf_logits=None if zs is None else zs[i]) for i in range(bsz)]

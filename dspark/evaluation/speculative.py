@@ -5,7 +5,7 @@ padding). One round, for every unfinished request:
 
     sequence so far: [prompt, generated...]; x0 = its last token (the target's bonus/correction token),
     at position a; the target's layer outputs for positions 0..a-1 are cached from earlier forwards.
-    1. propose g drafts y_0..y_{g-1} from those context features and x0      (draft_propose, per request)
+    1. propose g drafts y_0..y_{g-1} from those context features and x0      (draft_propose_batch: one draft forward)
     2. ONE batched target forward over [x0, y_0..y_{g-1}] of every request: rows 0..g are p_0..p_g
     3. verify (greedy at T=0, rejection sampling at T>0): n accepted + one next token
     4. keep x0, y_0..y_{n-1} in the cache (their features are the next context: the target is causal, so
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.evaluation.metrics import AcceptanceCounter
-from dspark.evaluation.propose import Proposal, propose, sample_from_logits
+from dspark.evaluation.propose import Proposal, propose_batch, sample_from_logits
 from dspark.evaluation.verify import verify_greedy, verify_rejection
 from dspark.evaluation.target_session import TargetSession
 from dspark.targets.hf_target import FrozenTarget, TargetFeatures
@@ -84,19 +84,23 @@ def score(target: FrozenTarget, ids: torch.Tensor) -> tuple[TargetFeatures, torc
     return feats, target.logits_from_final(feats.final[0]).float()
 
 
-def draft_propose(draft, feats: TargetFeatures, tokens: torch.Tensor, *, num_drafts: int, mask_token_id: int,
-                  layout: str, window: int | None, temperature: float, generator) -> Proposal:
-    """One block of drafts after x0 = tokens[-1] at position a = len(tokens) - 1; feats cover 0..a-1 at least.
+def draft_propose_batch(draft, feats: list[TargetFeatures], tokens: list[torch.Tensor], *, num_drafts: int,
+                        mask_token_id: int, layout: str, window: int | None, temperature: float,
+                        generators: list) -> list[Proposal]:
+    """One block of drafts per request i after x0 = tokens[i][-1] at position a_i = len(tokens[i]) - 1;
+    feats[i] covers positions 0..a_i-1 at least.
 
     Drafts with their own inference path (MTP) implement `draft.propose(feats, tokens, num_drafts=,
-    temperature=, generator=)`; DSpark / DFlash drafts go through dspark.evaluation.propose.
+    temperature=, generator=)` and are called per request; DSpark / DFlash drafts propose for every request
+    in one forward (dspark.evaluation.propose.propose_batch).
     """
-    a = tokens.numel() - 1
+    anchors = [t.numel() - 1 for t in tokens]
     if hasattr(draft, "propose"):
-        return draft.propose(feats.prefix(a), tokens, num_drafts=num_drafts, temperature=temperature,
-                             generator=generator)
-    return propose(draft, feats.aux, int(tokens[-1]), a, num_drafts=num_drafts, mask_token_id=mask_token_id,
-                   layout=layout, window=window, temperature=temperature, generator=generator)
+        return [draft.propose(f.prefix(a), t, num_drafts=num_drafts, temperature=temperature, generator=gen)
+                for f, t, a, gen in zip(feats, tokens, anchors, generators)]
+    return propose_batch(draft, [f.aux[:, :a] for f, a in zip(feats, anchors)], [int(t[-1]) for t in tokens],
+                         num_drafts=num_drafts, mask_token_id=mask_token_id, layout=layout, window=window,
+                         temperature=temperature, generators=generators)
 
 
 class _Output:
@@ -245,14 +249,13 @@ def speculative_generate_batch(
     x0 = _drop_finished(session, outs, x0)
     while x0:
         t_round = time.perf_counter()
-        props = []
-        for r, req in enumerate(session.requests):
-            feats = session.features(r)
-            seq = torch.cat([session_tokens(session, r, req, prompts, outs, target.device), feats.final.new_tensor(
-                [x0[r]], dtype=torch.long)])  # [a + 1]
-            props.append(_timed(timing, "draft_s", draft_propose, draft, feats, seq, num_drafts=g,
-                                mask_token_id=mask_token_id, layout=layout, window=window,
-                                temperature=temperature, generator=gens[req]))
+        rows = range(session.batch_size)
+        feats = [session.features(r) for r in rows]
+        seqs = [torch.cat([session_tokens(session, r, req, prompts, outs, target.device),
+                           torch.tensor([x0[r]], device=target.device)]) for r, req in enumerate(session.requests)]
+        props = _timed(timing, "draft_s", draft_propose_batch, draft, feats, seqs, num_drafts=g,
+                       mask_token_id=mask_token_id, layout=layout, window=window, temperature=temperature,
+                       generators=[gens[req] for req in session.requests])  # [a_r + 1] tokens each
         new_ids = torch.stack([torch.cat([torch.tensor([x], device=p.tokens.device), p.tokens])
                                for x, p in zip(x0, props)])  # [B, g + 1]
         logits = _timed(timing, "target_s", session.forward, new_ids)  # [B, g + 1, V]
