@@ -413,7 +413,8 @@ def test_propose_sampling_and_dflash_draft(llama_target):
 
 
 # ---- (5) DeepSeek-V4 draft on a tiny DeepSeek-V4 target -----------------------------------------
-def test_v4_draft_speculative_greedy_equals_target():
+def v4_target_and_draft():
+    """A random tiny DeepSeek-V4 target (vocab 50, window 4) and a 1-layer DSpark V4 draft (mask id 49)."""
     from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
 
     torch.manual_seed(0)
@@ -422,6 +423,11 @@ def test_v4_draft_speculative_greedy_equals_target():
     draft = DSparkV4Draft(DSparkV4Config.from_hf_config(
         hf, num_layers=1, block_size=3, mask_token_id=49, target_layer_ids=[0, 2], markov_rank=4)).eval()
     draft.share_target_weights(target.embed_weight, target.lm_head_weight)
+    return target, draft
+
+
+def test_v4_draft_speculative_greedy_equals_target():
+    target, draft = v4_target_and_draft()
     window = draft.config.sliding_window
     for prompt in prompts(2, 50, seed=4):
         ref = target_generate(target, prompt, 10)
@@ -437,14 +443,8 @@ def test_propose_batch_rows_equal_proposing_alone(layout):
     """Right-padded contexts of different lengths in one draft forward (V4 draft, window 4 < contexts):
     every row's logits, confidences and sampled tokens equal proposing that request alone."""
     from dspark.evaluation.propose import propose_batch
-    from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
 
-    torch.manual_seed(0)
-    hf = tiny_v4_config(initializer_range=0.2)
-    target = FrozenTarget(DeepseekV4ForCausalLM(hf), [0, 2])
-    draft = DSparkV4Draft(DSparkV4Config.from_hf_config(
-        hf, num_layers=1, block_size=3, mask_token_id=49, target_layer_ids=[0, 2], markov_rank=4)).eval()
-    draft.share_target_weights(target.embed_weight, target.lm_head_weight)
+    target, draft = v4_target_and_draft()
     window = draft.config.sliding_window
     ctxs = [target.features(torch.randint(0, 49, (1, n))).aux for n in (2, 9, 5)]
     x0 = [3, 17, 40]

@@ -18,6 +18,16 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, ax, path: Path) -> Path:
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_conditional_acceptance(reports: dict[str, dict], path: Path) -> Path:
     """One line per benchmark: conditional acceptance rate r_i / r_{i-1} at draft position i (1-based)."""
     plt = _pyplot()
@@ -29,13 +39,7 @@ def plot_conditional_acceptance(reports: dict[str, dict], path: Path) -> Path:
     any_r = next(iter(reports.values()))
     ax.set(xlabel="draft position", ylabel="conditional acceptance", ylim=(0, 1.02),
            title=f"T={any_r['temperature']:g}, gamma={any_r['gamma']}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path)
 
 
 def plot_reliability(calibration: dict, path: Path) -> Path:
@@ -50,10 +54,4 @@ def plot_reliability(calibration: dict, path: Path) -> Path:
         pts = [(c, a) for c, a, n in zip(table["confidence"], table["accuracy"], table["counts"]) if n]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set(xlabel="predicted P(prefix accepted)", ylabel="observed frequency", xlim=(0, 1), ylim=(0, 1))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path)
