@@ -118,3 +118,84 @@ def test_draft_losses_fused_matches_draft_losses():
         got["loss"].backward()
         for a, b in zip(leaves_b, leaves_a):
             torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+# ---- the training module: fused path == unfused path --------------------------------------------------
+V, S, G, MASK = 40, 24, 3, 39
+
+
+def _module(kind: str, markov: str, fused: bool):
+    from conftest import tiny_v4_config
+    from transformers import DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
+    from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
+    from dspark.targets.hf_target import FrozenTarget
+    from dspark.training.module import DraftLightningModule
+
+    torch.manual_seed(0)
+    if kind == "v4":
+        cfg = tiny_v4_config(vocab_size=V, sliding_window=6)
+        target = FrozenTarget(DeepseekV4ForCausalLM(cfg), [1, 2])
+        draft = DSparkV4Draft(DSparkV4Config.from_hf_config(
+            cfg, num_layers=1, block_size=G, mask_token_id=MASK, target_layer_ids=[1, 2], markov_rank=4,
+            sliding_window=5, markov_head_type=markov))
+        window = 5
+    else:
+        cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2)
+        target = FrozenTarget(LlamaForCausalLM(cfg), [0, 2])
+        draft = DSparkDenseDraft(DSparkDenseConfig.from_hf_config(
+            cfg, num_layers=1, block_size=G, mask_token_id=MASK, target_layer_ids=[0, 2], markov_rank=4,
+            markov_head_type=markov))
+        window = None
+    draft.share_target_weights(target.embed_weight, target.lm_head_weight)
+    return DraftLightningModule(draft, target, num_drafts=G, mask_token_id=MASK, window=window, fused_loss=fused)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, MASK, (2, S), generator=g)
+    loss_mask = torch.ones(2, S, dtype=torch.long)
+    loss_mask[1, 18:] = 0  # some blocks end early: eval_mask prefixes of different lengths
+    return {"input_ids": ids, "attention_mask": torch.ones(2, S, dtype=torch.long), "loss_mask": loss_mask,
+            "anchors": torch.tensor([[3, 9, 15, 20], [2, 8, 14, 16]]),
+            "keep": torch.tensor([[True] * 4, [True, True, True, False]])}
+
+
+@pytest.mark.parametrize("kind,markov", [("v4", "vanilla"), ("v4", "gated"), ("v4", "rnn"), ("dense", "vanilla")])
+def test_module_fused_losses_equal_unfused(kind, markov):
+    ref_m, fused_m = _module(kind, markov, False), _module(kind, markov, True)
+    fused_m.draft.load_state_dict(ref_m.draft.state_dict())
+    ref, _ = ref_m._losses(_batch())
+    got, _ = fused_m._losses(_batch())
+    assert set(got) == set(ref)
+    for k in ref:
+        torch.testing.assert_close(got[k].detach(), ref[k].detach(), atol=2e-5, rtol=2e-5, msg=k)
+    ref["loss"].backward()
+    got["loss"].backward()
+    grads = dict(ref_m.draft.named_parameters())
+    n_checked = 0
+    for name, p in fused_m.draft.named_parameters():
+        r = grads[name].grad
+        if r is None:
+            assert p.grad is None or p.grad.abs().max() == 0, name
+            continue
+        torch.testing.assert_close(p.grad, r, atol=2e-5, rtol=1e-3, msg=name)
+        n_checked += 1
+    assert fused_m.draft.markov_head.markov_w2.weight.grad.abs().sum() > 0 and n_checked > 5
+
+
+@pytest.mark.parametrize("markov", ["vanilla", "gated", "rnn"])
+def test_markov_latent_reproduces_the_head(markov):
+    from dspark.models.heads import MarkovHead
+    from dspark.training.module import markov_latent
+
+    torch.manual_seed(0)
+    head = MarkovHead(20, 20, 3, 5, markov)
+    prev = torch.randint(0, 20, (2, 3, 4))
+    h = torch.randn(2, 3, 4, 5)
+    bias, feat = head(prev, h)
+    latent, feat2 = markov_latent(head, prev, h)
+    torch.testing.assert_close(head.project(latent), bias)
+    torch.testing.assert_close(feat2, feat)
