@@ -105,7 +105,7 @@ def main() -> None:
     p.add_argument("--v", type=int, default=129280)
     p.add_argument("--h", type=int, default=4096)
     p.add_argument("--r", type=int, default=256, help="Markov rank (0: no Markov head)")
-    p.add_argument("--chunk", type=int, default=64, help="chunk_rows of the torch reference")
+    p.add_argument("--chunk", type=int, default=256, help="chunk_rows of the torch reference")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--variants", nargs="+", default=["naive", "chunked"])
