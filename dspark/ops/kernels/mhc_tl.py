@@ -19,6 +19,8 @@ import functools
 
 import torch
 
+from dspark.ops.kernels.tl_common import alloc_frag, alloc_smem, clear, reduce_last
+
 F32 = "float32"
 _TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -39,7 +41,7 @@ def _tl():
 
 
 # ---- mix: (x @ fn^T) * rsqrt(mean(x^2) + eps) ------------------------------------------------------
-def mix_fwd_kernel(K: int, M: int, norm_eps: float, dtype: str, BT: int = 32, BK: int = 64, threads: int = 128):
+def mix_fwd_kernel(K: int, M: int, norm_eps: float, dtype: str, BT: int = 32, BK: int = 64, threads: int = 128, cpu: bool = False):
     _, T = _tl()
     BK = _tile(K, BK)
     NT = T.dynamic("T")
@@ -48,12 +50,12 @@ def mix_fwd_kernel(K: int, M: int, norm_eps: float, dtype: str, BT: int = 32, BK
     def mix_fwd(X: T.Tensor((NT, K), dtype), FN: T.Tensor((M, K), F32),
                 MIX: T.Tensor((NT, M), F32), INV: T.Tensor((NT,), F32)):
         with T.Kernel(T.ceildiv(NT, BT), threads=threads) as bt:
-            xs = T.alloc_shared((BT, BK), F32)
-            fs = T.alloc_shared((M, BK), F32)
-            acc = T.alloc_fragment((BT, M), F32)
-            ss = T.alloc_fragment((BT,), F32)
-            T.clear(acc)
-            T.clear(ss)
+            xs = alloc_smem((BT, BK), F32, cpu)
+            fs = alloc_smem((M, BK), F32, cpu)
+            acc = alloc_frag((BT, M), F32, cpu)
+            ss = alloc_frag((BT,), F32, cpu)
+            clear(acc, cpu)
+            clear(ss, cpu)
             for kt in T.serial(K // BK):
                 for i, k in T.Parallel(BT, BK):
                     xs[i, k] = T.if_then_else(bt * BT + i < NT, T.cast(X[bt * BT + i, kt * BK + k], F32), 0.0)
@@ -75,7 +77,7 @@ def mix_fwd_kernel(K: int, M: int, norm_eps: float, dtype: str, BT: int = 32, BK
     return mix_fwd
 
 
-def mix_bwd_kernel(K: int, M: int, dtype: str, BT: int = 32, BK: int = 128, threads: int = 128):
+def mix_bwd_kernel(K: int, M: int, dtype: str, BT: int = 32, BK: int = 128, threads: int = 128, cpu: bool = False):
     """dx = draw @ fn - coef * x and dfn += draw^T x with draw = dmix * inv,
     coef = (sum_m dmix mix) / inv * inv^3 / K = (sum_m dmix mix) * inv^2 / K."""
     _, T = _tl()
@@ -87,10 +89,10 @@ def mix_bwd_kernel(K: int, M: int, dtype: str, BT: int = 32, BK: int = 128, thre
                 MIX: T.Tensor((NT, M), F32), INV: T.Tensor((NT,), F32),
                 DX: T.Tensor((NT, K), F32), DFN: T.Tensor((M, K), F32)):
         with T.Kernel(K // BK, T.ceildiv(NT, BT), threads=threads) as (bk, bt):
-            draw = T.alloc_shared((BT, M), F32)
-            coef = T.alloc_shared((BT,), F32)
-            xs = T.alloc_shared((BT, BK), F32)
-            dfn = T.alloc_fragment((M, BK), F32)
+            draw = alloc_smem((BT, M), F32, cpu)
+            coef = alloc_smem((BT,), F32, cpu)
+            xs = alloc_smem((BT, BK), F32, cpu)
+            dfn = alloc_frag((M, BK), F32, cpu)
             for i, m in T.Parallel(BT, M):
                 draw[i, m] = T.if_then_else(bt * BT + i < NT, DMIX[bt * BT + i, m] * INV[bt * BT + i], 0.0)
             for i in T.Parallel(BT):
@@ -107,7 +109,7 @@ def mix_bwd_kernel(K: int, M: int, dtype: str, BT: int = 32, BK: int = 128, thre
                     for m in T.serial(M):
                         v += draw[i, m] * FN[m, bk * BK + k]
                     DX[bt * BT + i, bk * BK + k] = v - coef[i] * xs[i, k]
-            T.clear(dfn)
+            clear(dfn, cpu)
             for m, k in T.Parallel(M, BK):
                 for i in T.serial(BT):
                     dfn[m, k] += draw[i, m] * xs[i, k]
@@ -118,7 +120,7 @@ def mix_bwd_kernel(K: int, M: int, dtype: str, BT: int = 32, BK: int = 128, thre
 
 
 # ---- collapse: y = sum_j w_j x_j -------------------------------------------------------------------
-def collapse_fwd_kernel(hc: int, H: int, dtype: str, BH: int = 256, threads: int = 128):
+def collapse_fwd_kernel(hc: int, H: int, dtype: str, BH: int = 256, threads: int = 128, cpu: bool = False):
     _, T = _tl()
     BH = _tile(H, BH)
     NT = T.dynamic("T")
@@ -135,7 +137,7 @@ def collapse_fwd_kernel(hc: int, H: int, dtype: str, BH: int = 256, threads: int
     return collapse_fwd
 
 
-def collapse_bwd_kernel(hc: int, H: int, dtype: str, BH: int = 256, threads: int = 128):
+def collapse_bwd_kernel(hc: int, H: int, dtype: str, BH: int = 256, threads: int = 128, cpu: bool = False):
     _, T = _tl()
     BH = _tile(H, BH)
     NT = T.dynamic("T")
@@ -144,15 +146,15 @@ def collapse_bwd_kernel(hc: int, H: int, dtype: str, BH: int = 256, threads: int
     def collapse_bwd(DY: T.Tensor((NT, H), dtype), X: T.Tensor((NT, hc, H), dtype), W: T.Tensor((NT, hc), F32),
                      DX: T.Tensor((NT, hc, H), F32), DW: T.Tensor((NT, hc), F32)):
         with T.Kernel(NT, threads=threads) as t:
-            acc = T.alloc_fragment((hc, BH), F32)
-            red = T.alloc_fragment((hc,), F32)
-            T.clear(acc)
+            acc = alloc_frag((hc, BH), F32, cpu)
+            red = alloc_frag((hc,), F32, cpu)
+            clear(acc, cpu)
             for ht in T.serial(H // BH):
                 for j, i in T.Parallel(hc, BH):
                     dy = T.cast(DY[t, ht * BH + i], F32)
                     DX[t, j, ht * BH + i] = W[t, j] * dy
                     acc[j, i] += dy * T.cast(X[t, j, ht * BH + i], F32)
-            T.reduce_sum(acc, red, dim=1)
+            reduce_last("sum", acc, red, cpu)
             for j in T.Parallel(hc):
                 DW[t, j] = red[j]
 
@@ -160,7 +162,7 @@ def collapse_bwd_kernel(hc: int, H: int, dtype: str, BH: int = 256, threads: int
 
 
 # ---- post: out_k = post_k F + sum_j comb[j, k] x_j --------------------------------------------------
-def post_fwd_kernel(hc: int, H: int, dtype: str, fdtype: str | None = None, BH: int = 256, threads: int = 128):
+def post_fwd_kernel(hc: int, H: int, dtype: str, fdtype: str | None = None, BH: int = 256, threads: int = 128, cpu: bool = False):
     _, T = _tl()
     BH = _tile(H, BH)
     fdtype = fdtype or dtype
@@ -180,7 +182,7 @@ def post_fwd_kernel(hc: int, H: int, dtype: str, fdtype: str | None = None, BH: 
     return post_fwd
 
 
-def post_bwd_kernel(hc: int, H: int, dtype: str, fdtype: str | None = None, BH: int = 128, threads: int = 128):
+def post_bwd_kernel(hc: int, H: int, dtype: str, fdtype: str | None = None, BH: int = 128, threads: int = 128, cpu: bool = False):
     _, T = _tl()
     BH = _tile(H, BH)
     fdtype = fdtype or dtype
@@ -192,12 +194,12 @@ def post_bwd_kernel(hc: int, H: int, dtype: str, fdtype: str | None = None, BH: 
                  DF: T.Tensor((NT, H), F32), DX: T.Tensor((NT, hc, H), F32),
                  DP: T.Tensor((NT, hc), F32), DC: T.Tensor((NT, hc, hc), F32)):
         with T.Kernel(NT, threads=threads) as t:
-            accp = T.alloc_fragment((hc, BH), F32)
-            accc = T.alloc_fragment((hc, hc, BH), F32)
-            redp = T.alloc_fragment((hc,), F32)
-            redc = T.alloc_fragment((hc, hc), F32)
-            T.clear(accp)
-            T.clear(accc)
+            accp = alloc_frag((hc, BH), F32, cpu)
+            accc = alloc_frag((hc, hc, BH), F32, cpu)
+            redp = alloc_frag((hc,), F32, cpu)
+            redc = alloc_frag((hc, hc), F32, cpu)
+            clear(accp, cpu)
+            clear(accc, cpu)
             for ht in T.serial(H // BH):
                 for k, i in T.Parallel(hc, BH):
                     accp[k, i] += T.cast(DOUT[t, k, ht * BH + i], F32) * T.cast(FB[t, ht * BH + i], F32)
@@ -213,8 +215,8 @@ def post_bwd_kernel(hc: int, H: int, dtype: str, fdtype: str | None = None, BH: 
                     for k in T.serial(hc):
                         v += C[t, j, k] * T.cast(DOUT[t, k, ht * BH + i], F32)
                     DX[t, j, ht * BH + i] = v
-            T.reduce_sum(accp, redp, dim=1)
-            T.reduce_sum(accc, redc, dim=2)
+            reduce_last("sum", accp, redp, cpu)
+            reduce_last("sum", accc, redc, cpu)
             for k in T.Parallel(hc):
                 DP[t, k] = redp[k]
             for j, k in T.Parallel(hc, hc):
@@ -238,13 +240,16 @@ def build_all(hc: int = 4, H: int = 4096, dtype: str = "bfloat16", norm_eps: flo
     }
 
 
-# ---- runtime (CUDA): compiled kernels behind the TORCH_OPS interface --------------------------------
+# ---- runtime: compiled kernels behind the TORCH_OPS interface --------------------------------------
+_BUILDERS = {"mix_fwd": mix_fwd_kernel, "mix_bwd": mix_bwd_kernel, "collapse_fwd": collapse_fwd_kernel,
+             "collapse_bwd": collapse_bwd_kernel, "post_fwd": post_fwd_kernel, "post_bwd": post_bwd_kernel}
+
+
 @functools.lru_cache(maxsize=None)
-def _compiled(name: str, *key):
+def _compiled(target: str, name: str, *key):
+    """Kernel `name` built for `key`, compiled for "cuda" or for tilelang's C backend ("c", CPU tests)."""
     tilelang, _ = _tl()
-    builders = {"mix_fwd": mix_fwd_kernel, "mix_bwd": mix_bwd_kernel, "collapse_fwd": collapse_fwd_kernel,
-                "collapse_bwd": collapse_bwd_kernel, "post_fwd": post_fwd_kernel, "post_bwd": post_bwd_kernel}
-    return tilelang.compile(builders[name](*key), target="cuda")
+    return tilelang.compile(_BUILDERS[name](*key, cpu=target == "c"), target=target)
 
 
 def _dt(t: torch.Tensor) -> str:
@@ -257,57 +262,58 @@ def _c(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return (t if dtype is None else t.to(dtype)).contiguous()
 
 
-def mix_fwd_tl(x, fn, norm_eps):
-    n, k = x.shape
-    m = fn.shape[0]
-    mix = torch.empty(n, m, device=x.device, dtype=torch.float32)
-    inv = torch.empty(n, device=x.device, dtype=torch.float32)
-    _compiled("mix_fwd", k, m, float(norm_eps), _dt(x))(_c(x), _c(fn, torch.float32), mix, inv)
-    return mix, inv
+def make_ops(target: str = "cuda") -> dict:
+    """The six pieces as torch functions running the kernels compiled for `target` (same contracts as
+    dspark.ops.mhc.TORCH_OPS)."""
+    f32 = torch.float32
+
+    def mix_fwd(x, fn, norm_eps):
+        n, k = x.shape
+        m = fn.shape[0]
+        mix = torch.empty(n, m, device=x.device, dtype=f32)
+        inv = torch.empty(n, device=x.device, dtype=f32)
+        _compiled(target, "mix_fwd", k, m, float(norm_eps), _dt(x))(_c(x), _c(fn, f32), mix, inv)
+        return mix, inv
+
+    def mix_bwd(dmix, x, fn, mix, inv):
+        n, k = x.shape
+        m = fn.shape[0]
+        dx = torch.empty(n, k, device=x.device, dtype=f32)
+        dfn = torch.zeros(m, k, device=x.device, dtype=f32)
+        _compiled(target, "mix_bwd", k, m, _dt(x))(_c(dmix, f32), _c(x), _c(fn, f32), _c(mix), _c(inv), dx, dfn)
+        return dx, dfn
+
+    def collapse_fwd(x, w):
+        n, hc, h = x.shape
+        y = torch.empty(n, h, device=x.device, dtype=x.dtype)
+        _compiled(target, "collapse_fwd", hc, h, _dt(x))(_c(x), _c(w, f32), y)
+        return y
+
+    def collapse_bwd(dy, x, w):
+        n, hc, h = x.shape
+        dx = torch.empty(n, hc, h, device=x.device, dtype=f32)
+        dw = torch.empty(n, hc, device=x.device, dtype=f32)
+        _compiled(target, "collapse_bwd", hc, h, _dt(x))(_c(dy, x.dtype), _c(x), _c(w, f32), dx, dw)
+        return dx, dw
+
+    def post_fwd(f, x, post, comb):
+        n, hc, h = x.shape
+        out = torch.empty(n, hc, h, device=x.device, dtype=x.dtype)
+        _compiled(target, "post_fwd", hc, h, _dt(x), _dt(f))(_c(f), _c(x), _c(post, f32), _c(comb, f32), out)
+        return out
+
+    def post_bwd(dout, f, x, post, comb):
+        n, hc, h = x.shape
+        df = torch.empty(n, h, device=x.device, dtype=f32)
+        dx = torch.empty(n, hc, h, device=x.device, dtype=f32)
+        dp = torch.empty(n, hc, device=x.device, dtype=f32)
+        dc = torch.empty(n, hc, hc, device=x.device, dtype=f32)
+        _compiled(target, "post_bwd", hc, h, _dt(x), _dt(f))(_c(dout, x.dtype), _c(f), _c(x), _c(post, f32),
+                                                             _c(comb, f32), df, dx, dp, dc)
+        return df, dx, dp, dc
+
+    return {"mix_fwd": mix_fwd, "mix_bwd": mix_bwd, "collapse_fwd": collapse_fwd, "collapse_bwd": collapse_bwd,
+            "post_fwd": post_fwd, "post_bwd": post_bwd}
 
 
-def mix_bwd_tl(dmix, x, fn, mix, inv):
-    n, k = x.shape
-    m = fn.shape[0]
-    dx = torch.empty(n, k, device=x.device, dtype=torch.float32)
-    dfn = torch.zeros(m, k, device=x.device, dtype=torch.float32)
-    _compiled("mix_bwd", k, m, _dt(x))(_c(dmix, torch.float32), _c(x), _c(fn, torch.float32), _c(mix), _c(inv),
-                                       dx, dfn)
-    return dx, dfn
-
-
-def collapse_fwd_tl(x, w):
-    n, hc, h = x.shape
-    y = torch.empty(n, h, device=x.device, dtype=x.dtype)
-    _compiled("collapse_fwd", hc, h, _dt(x))(_c(x), _c(w, torch.float32), y)
-    return y
-
-
-def collapse_bwd_tl(dy, x, w):
-    n, hc, h = x.shape
-    dx = torch.empty(n, hc, h, device=x.device, dtype=torch.float32)
-    dw = torch.empty(n, hc, device=x.device, dtype=torch.float32)
-    _compiled("collapse_bwd", hc, h, _dt(x))(_c(dy, x.dtype), _c(x), _c(w, torch.float32), dx, dw)
-    return dx, dw
-
-
-def post_fwd_tl(f, x, post, comb):
-    n, hc, h = x.shape
-    out = torch.empty(n, hc, h, device=x.device, dtype=x.dtype)
-    _compiled("post_fwd", hc, h, _dt(x), _dt(f))(_c(f), _c(x), _c(post, torch.float32), _c(comb, torch.float32), out)
-    return out
-
-
-def post_bwd_tl(dout, f, x, post, comb):
-    n, hc, h = x.shape
-    df = torch.empty(n, h, device=x.device, dtype=torch.float32)
-    dx = torch.empty(n, hc, h, device=x.device, dtype=torch.float32)
-    dp = torch.empty(n, hc, device=x.device, dtype=torch.float32)
-    dc = torch.empty(n, hc, hc, device=x.device, dtype=torch.float32)
-    _compiled("post_bwd", hc, h, _dt(x), _dt(f))(_c(dout, x.dtype), _c(f), _c(x), _c(post, torch.float32),
-                                                 _c(comb, torch.float32), df, dx, dp, dc)
-    return df, dx, dp, dc
-
-
-TILELANG_OPS = {"mix_fwd": mix_fwd_tl, "mix_bwd": mix_bwd_tl, "collapse_fwd": collapse_fwd_tl,
-                "collapse_bwd": collapse_bwd_tl, "post_fwd": post_fwd_tl, "post_bwd": post_bwd_tl}
+TILELANG_OPS = make_ops("cuda")
