@@ -199,3 +199,17 @@ def test_markov_latent_reproduces_the_head(markov):
     latent, feat2 = markov_latent(head, prev, h)
     torch.testing.assert_close(head.project(latent), bias)
     torch.testing.assert_close(feat2, feat)
+
+
+def test_ops_backend_config_key_is_validated():
+    from conftest import compose
+
+    from dspark.factory import ConfigError, build_module
+    from dspark.ops import backend
+
+    with pytest.raises(ConfigError, match="ops_backend"):
+        build_module(compose(["ops_backend=cuda"]), None, None)
+    with pytest.raises(ValueError, match="ops_backend must be one of"):
+        backend.set_ops_backend("triton")
+    assert compose([]).ops_backend == "auto" and compose([]).train.fused_loss is True
+    assert backend.resolve(torch.zeros(1), "auto") == "torch"  # CPU tensors never go to the kernels
