@@ -34,7 +34,10 @@ def get_ops_backend() -> str:
 @functools.lru_cache(maxsize=1)
 def tilelang_available() -> bool:
     """True when the tilelang package can be found (it is only imported when a kernel is built)."""
-    return importlib.util.find_spec("tilelang") is not None
+    try:
+        return importlib.util.find_spec("tilelang") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def resolve(x: torch.Tensor, backend: str | None = None) -> str:
