@@ -257,7 +257,12 @@ def build_module(cfg: DictConfig, draft, target: FrozenTarget):
     from dspark.training.module import DraftLightningModule, OptimConfig
     from dspark.training.objectives import LossWeights
 
+    from dspark.ops.backend import OPS_BACKENDS, set_ops_backend
+
     tr = cfg.train
+    ops = str(cfg.get("ops_backend", "auto"))
+    require(ops in OPS_BACKENDS, "ops_backend", f"{ops!r} is not one of {OPS_BACKENDS}")
+    set_ops_backend(ops)
     lw = LossWeights(**OmegaConf.to_container(tr.loss_weights))
     optim = OptimConfig(lr=float(tr.lr), weight_decay=float(tr.weight_decay), betas=tuple(tr.betas),
                         warmup_ratio=float(tr.warmup_ratio), min_lr_ratio=float(tr.min_lr_ratio),
@@ -265,5 +270,5 @@ def build_module(cfg: DictConfig, draft, target: FrozenTarget):
     return DraftLightningModule(
         draft, target, num_drafts=int(cfg.draft.block_size), mask_token_id=draft.config.mask_token_id,
         layout=str(cfg.draft.layout), window=draft.config.sliding_window, decay_gamma=tr.decay_gamma,
-        loss_weights=lw, optim=optim,
+        loss_weights=lw, optim=optim, fused_loss=bool(tr.get("fused_loss", True)),
     )

@@ -1,12 +1,40 @@
 #!/usr/bin/env bash
-# GPU checks for a machine with CUDA: the CUDA-only tests plus a short bf16 benchmark of the default
-# experiment, results under ${OUT:-gpu_out}/. Usage: bash scripts/gpu_check.sh
+# GPU checks for a machine with CUDA, in well under 10 minutes; everything lands in ${OUT:-gpu_out}/:
+#   pytest_gpu.txt      CUDA-only tests: flex attention, tilelang fused loss + mHC kernels vs the torch
+#                       references (forward and backward), a tiny bf16 training run with each ops backend
+#   results.jsonl       one JSON line per benchmark row: fused loss (naive eager / torch.compile / chunked
+#                       torch / tilelang) at the issue size, mHC pieces (torch / tilelang) vs copy bandwidth
+#   bench_*.log, train_gpu.log, metrics_gpu.json, summary.txt
+# Usage: bash scripts/gpu_check.sh      (tilelang: pip install -e '.[kernels]')
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-python -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.txt"
-python train.py experiment=dspark_v4 trainer=gpu run_dir="$OUT/run_default_gpu" trainer.enable_progress_bar=false \
-  > "$OUT/train_gpu.log" 2>&1
+python -c "import tilelang; print('tilelang', tilelang.__version__)" > "$OUT/versions.txt" 2>&1
+python -c "import torch; print('torch', torch.__version__, torch.version.cuda)" >> "$OUT/versions.txt" 2>&1
+
+# 1. parity tests (kernels vs references) + the existing CUDA tests
+timeout 200 python -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.txt"
+
+# 2. fused loss at the issue size: V=129280, N=2560 rows, H=4096, Markov rank 256, bf16 weights
+timeout 150 python scripts/bench_loss.py --device cuda --dtype bfloat16 --n 2560 --v 129280 --h 4096 --r 256 \
+  --chunk 512 --reps 5 --warmup 2 --variants naive compiled chunked tilelang --out "$OUT/results.jsonl" \
+  > "$OUT/bench_loss.log" 2>&1
+
+# 3. mHC pieces (V4-Flash: hc 4, H 4096) vs the measured copy bandwidth
+timeout 60 python scripts/bench_mhc.py --device cuda --tokens 16384 --hc 4 --hidden 4096 --dtype bfloat16 \
+  --out "$OUT/results.jsonl" > "$OUT/bench_mhc.log" 2>&1
+
+# 4. the default experiment on the GPU (auto backend: the kernels); worst case of all steps ~9.5 min
+timeout 150 python train.py experiment=dspark_v4 trainer=gpu run_dir="$OUT/run_default_gpu" \
+  trainer.enable_progress_bar=false > "$OUT/train_gpu.log" 2>&1
 cp "$OUT/run_default_gpu/metrics.json" "$OUT/metrics_gpu.json" 2>/dev/null || true
+
+{
+  echo "== pytest"; tail -3 "$OUT/pytest_gpu.txt"
+  echo "== fused loss"; cat "$OUT/bench_loss.log"
+  echo "== mHC"; cat "$OUT/bench_mhc.log"
+} > "$OUT/summary.txt"
+cat "$OUT/summary.txt"
 echo "done: $OUT"

@@ -13,6 +13,17 @@ streams once more with its own (fn, base, scale) and no post/comb.
 
 Everything here is computed in float32, as the reference does; the collapsed / mixed activations are
 cast back to the input dtype, the mixing weights (post, comb) are returned in float32.
+
+`hc_pre`, `hc_post`, `hc_head` (the names the drafts call) are built from three memory-bound pieces with
+explicit forward/backward, each an autograd.Function over an implementation table (torch here, tilelang
+kernels in dspark.ops.kernels.mhc_tl), picked by dspark.ops.backend:
+    mix      x [T, K] -> (x @ fn^T) * rsqrt(mean(x^2) + eps)   [T, M]   (K = hc*H, M = mix outputs)
+    collapse x [T, hc, H], w [T, hc] -> sum_j w_j x_j           [T, H]
+    post     F [T, H], x [T, hc, H], post [T, hc], comb [T, hc, hc] -> post_k F + sum_j comb[j,k] x_j
+The per-token scalar math in between (sigmoids, Sinkhorn on hc x hc) stays in torch autograd: it touches
+(2+hc)*hc floats per token against hc*H for the pieces. The backward saves only the inputs (plus the
+[T, M] mix and [T] inverse RMS), never an fp32 copy of the streams. `*_reference` are the plain
+autograd transcriptions the tests compare against.
 """
 
 from __future__ import annotations
@@ -51,7 +62,7 @@ def _collapse(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (weights.float().unsqueeze(-1) * x.float()).sum(dim=-2).to(x.dtype)
 
 
-def hc_pre(
+def hc_pre_reference(
     x: torch.Tensor,
     fn: torch.Tensor,
     base: torch.Tensor,
@@ -82,7 +93,7 @@ def hc_pre(
     return _collapse(x, pre), post, comb
 
 
-def hc_post(
+def hc_post_reference(
     block_out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
     """Expand a block output back to the streams: out_k = post_k F + sum_j comb[j, k] x_j.
@@ -95,7 +106,7 @@ def hc_post(
     return (spread + mixed).to(residual.dtype)
 
 
-def hc_head(
+def hc_head_reference(
     x: torch.Tensor,
     hc_head_fn: torch.Tensor,
     hc_head_base: torch.Tensor,
@@ -110,3 +121,177 @@ def hc_head(
     mix = _normalised_mix(x, hc_head_fn, norm_eps)  # [..., hc]
     pre = torch.sigmoid(mix * hc_head_scale.float() + hc_head_base.float()) + eps  # [..., hc]
     return _collapse(x, pre)
+
+
+# ---- memory-bound pieces: torch forward/backward ---------------------------------------------------
+def _acc(t: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: float32, or float64 for float64 inputs (gradcheck)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def mix_fwd_torch(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K], fn [M, K] -> (mix [T, M] fp32, inv_rms [T] fp32)."""
+    xf = x.to(_acc(x))
+    inv = torch.rsqrt(xf.square().mean(dim=-1) + norm_eps)  # [T]
+    return (xf @ fn.to(_acc(x)).t()) * inv.unsqueeze(-1), inv
+
+
+def mix_bwd_torch(dmix, x, fn, mix, inv) -> tuple[torch.Tensor, torch.Tensor]:
+    """dmix [T, M] -> (dx [T, K] fp32, dfn [M, K] fp32). d inv / dx = -inv^3 x / K."""
+    xf = x.to(_acc(x))
+    draw = dmix.to(_acc(x)) * inv.unsqueeze(-1)  # [T, M] gradient of the raw projection
+    dinv = (dmix.to(_acc(x)) * mix).sum(-1) / inv  # [T] (raw = mix / inv)
+    dx = draw @ fn.to(_acc(x)) - (dinv * inv.pow(3) / x.shape[-1]).unsqueeze(-1) * xf
+    return dx, draw.t() @ xf
+
+
+def collapse_fwd_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, hc, H], w [T, hc] -> [T, H] in x.dtype (fp32 math)."""
+    return (w.to(_acc(x)).unsqueeze(-1) * x.to(_acc(x))).sum(dim=-2).to(x.dtype)
+
+
+def collapse_bwd_torch(dy, x, w) -> tuple[torch.Tensor, torch.Tensor]:
+    """dy [T, H] -> (dx [T, hc, H] fp32, dw [T, hc] fp32)."""
+    dyf = dy.to(_acc(x)).unsqueeze(-2)  # [T, 1, H]
+    return w.to(_acc(x)).unsqueeze(-1) * dyf, (dyf * x.to(_acc(x))).sum(-1)
+
+
+def post_fwd_torch(f, x, post, comb) -> torch.Tensor:
+    """F [T, H], x [T, hc, H], post [T, hc], comb [T, hc, hc] -> [T, hc, H] in x.dtype."""
+    spread = post.to(_acc(x)).unsqueeze(-1) * f.to(_acc(x)).unsqueeze(-2)  # [T, hc, H]
+    return (spread + torch.matmul(comb.to(_acc(x)).transpose(-1, -2), x.to(_acc(x)))).to(x.dtype)
+
+
+def post_bwd_torch(dout, f, x, post, comb):
+    """dout [T, hc, H] -> (dF [T, H], dx [T, hc, H], dpost [T, hc], dcomb [T, hc, hc]), all fp32."""
+    d = dout.to(_acc(x))
+    df = (post.to(_acc(x)).unsqueeze(-1) * d).sum(-2)
+    dx = torch.matmul(comb.to(_acc(x)), d)  # dx_j = sum_k comb[j, k] dout_k
+    dpost = (d * f.to(_acc(x)).unsqueeze(-2)).sum(-1)
+    dcomb = torch.matmul(x.to(_acc(x)), d.transpose(-1, -2))  # [j, k] = <x_j, dout_k>
+    return df, dx, dpost, dcomb
+
+
+TORCH_OPS = {"mix_fwd": mix_fwd_torch, "mix_bwd": mix_bwd_torch, "collapse_fwd": collapse_fwd_torch,
+             "collapse_bwd": collapse_bwd_torch, "post_fwd": post_fwd_torch, "post_bwd": post_bwd_torch}
+
+
+def _ops(x: torch.Tensor, backend: str | None) -> dict:
+    from dspark.ops.backend import resolve
+
+    if resolve(x, backend) == "tilelang":
+        from dspark.ops.kernels.mhc_tl import TILELANG_OPS
+
+        return TILELANG_OPS
+    return TORCH_OPS
+
+
+class MixFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fn, norm_eps, ops):
+        mix, inv = ops["mix_fwd"](x, fn, norm_eps)
+        ctx.save_for_backward(x, fn, mix, inv)
+        ctx.ops = ops
+        return mix
+
+    @staticmethod
+    def backward(ctx, dmix):
+        x, fn, mix, inv = ctx.saved_tensors
+        dx, dfn = ctx.ops["mix_bwd"](dmix.contiguous(), x, fn, mix, inv)
+        return dx.to(x.dtype), dfn.to(fn.dtype), None, None
+
+
+class CollapseFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, ops):
+        ctx.save_for_backward(x, w)
+        ctx.ops = ops
+        return ops["collapse_fwd"](x, w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx, dw = ctx.ops["collapse_bwd"](dy.contiguous(), x, w)
+        return dx.to(x.dtype), dw.to(w.dtype), None
+
+
+class PostFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, f, x, post, comb, ops):
+        ctx.save_for_backward(f, x, post, comb)
+        ctx.ops = ops
+        return ops["post_fwd"](f, x, post, comb)
+
+    @staticmethod
+    def backward(ctx, dout):
+        f, x, post, comb = ctx.saved_tensors
+        df, dx, dpost, dcomb = ctx.ops["post_bwd"](dout.contiguous(), f, x, post, comb)
+        return df.to(f.dtype), dx.to(x.dtype), dpost.to(post.dtype), dcomb.to(comb.dtype), None
+
+
+def _tokens(x: torch.Tensor, tail: int) -> torch.Tensor:
+    """[..., *tail] -> [T, *tail] contiguous."""
+    return x.reshape(-1, *x.shape[x.dim() - tail:]).contiguous()
+
+
+# ---- public ops (dispatching) ----------------------------------------------------------------------
+def hc_pre(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    hc_mult: int,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+    *,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hc_pre_reference's contract (x [..., hc, H] -> collapsed [..., H], post [..., hc], comb
+    [..., hc, hc]) through the dispatched pieces."""
+    hc = hc_mult
+    if x.shape[-2] != hc:
+        raise ValueError(f"hc_pre: expected {hc} streams on axis -2, got shape {tuple(x.shape)}")
+    lead = x.shape[:-2]
+    ops = _ops(x, backend)
+    xt = _tokens(x, 2)  # [T, hc, H]
+    mix = MixFn.apply(xt.flatten(-2), fn, norm_eps, ops)  # [T, (2+hc)*hc]
+    base, scale = base.to(_acc(x)), scale.to(_acc(x))
+    pre_logit, post_logit, comb_logit = mix.split([hc, hc, hc * hc], dim=-1)
+    pre_base, post_base, comb_base = base.split([hc, hc, hc * hc])
+    pre = torch.sigmoid(pre_logit * scale[0] + pre_base) + eps  # [T, hc]
+    post = 2.0 * torch.sigmoid(post_logit * scale[1] + post_base)  # [T, hc]
+    comb = sinkhorn((comb_logit * scale[2] + comb_base).unflatten(-1, (hc, hc)), iters, eps)  # [T, hc, hc]
+    y = CollapseFn.apply(xt, pre, ops)  # [T, H]
+    return y.view(*lead, -1), post.view(*lead, hc), comb.view(*lead, hc, hc)
+
+
+def hc_post(
+    block_out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+    *, backend: str | None = None,
+) -> torch.Tensor:
+    """hc_post_reference's contract: out_k = post_k F + sum_j comb[j, k] x_j, [..., hc, H] in residual.dtype."""
+    hc, h = residual.shape[-2:]
+    lead = residual.shape[:-2]
+    out = PostFn.apply(_tokens(block_out, 1), _tokens(residual, 2), _tokens(post, 1), _tokens(comb, 2),
+                       _ops(residual, backend))
+    return out.view(*lead, hc, h)
+
+
+def hc_head(
+    x: torch.Tensor,
+    hc_head_fn: torch.Tensor,
+    hc_head_base: torch.Tensor,
+    hc_head_scale: torch.Tensor,
+    eps: float,
+    norm_eps: float,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """hc_head_reference's contract: x [..., hc, H] -> [..., H] (x.dtype)."""
+    lead = x.shape[:-2]
+    ops = _ops(x, backend)
+    xt = _tokens(x, 2)
+    mix = MixFn.apply(xt.flatten(-2), hc_head_fn, norm_eps, ops)  # [T, hc]
+    pre = torch.sigmoid(mix * hc_head_scale.to(_acc(x)) + hc_head_base.to(_acc(x))) + eps
+    return CollapseFn.apply(xt, pre, ops).view(*lead, -1)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from dspark.targets.hf_target import FrozenTarget
 from dspark.training.blocks import Blocks, block_attention_mask, build_blocks
-from dspark.training.objectives import LossWeights, draft_losses, position_weights
+from dspark.training.objectives import LossWeights, draft_losses, draft_losses_fused, position_weights
 
 
 @dataclass
@@ -43,6 +43,29 @@ class DraftOutputs:
     final: torch.Tensor  # [B, S, H] target final hidden (teacher rows are gathered from it)
 
 
+def lm_head_input(draft: torch.nn.Module, h: torch.Tensor | None) -> torch.Tensor | None:
+    """The rows the draft feeds its (shared, frozen) LM head: base_logits(h) == lm_head(norm(h)) for the
+    DSpark drafts here. None when the draft's logits are not of that form (the unfused loss is used);
+    h=None only asks whether the draft qualifies."""
+    from dspark.models.dspark_dense import DSparkDenseDraft
+    from dspark.models.dspark_v4 import DSparkV4Draft
+
+    if not isinstance(draft, (DSparkV4Draft, DSparkDenseDraft)):
+        return None
+    return draft.norm if h is None else draft.norm(h)
+
+
+def markov_latent(head, prev: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Markov head as latent @ markov_w2^T: prev [B, A, g], h [B, A, g, H] -> (latent [B, A, g, r],
+    feat [B, A, g, r]) with head(prev, h) == (head.project(latent), feat) for every head kind."""
+    e = head.embed(prev)  # [B, A, g, r]
+    if head.kind == "vanilla":
+        return e, e
+    if head.kind == "gated":
+        return head._gated_latent(e, h), e
+    return head._rnn_scan(e, h), e
+
+
 def _numpy_state_to_plain(state) -> dict:
     """numpy's RNG state with tensors instead of arrays, so checkpoints load with weights_only=True."""
     name, keys, pos, has_gauss, cached = state
@@ -57,13 +80,15 @@ def _numpy_state_from_plain(d: dict):
 class DraftLightningModule(L.LightningModule):
     def __init__(self, draft: torch.nn.Module, target: FrozenTarget, *, num_drafts: int, mask_token_id: int,
                  layout: str = "anchor", window: int | None = None, decay_gamma: float | None = 4.0,
-                 loss_weights: LossWeights = LossWeights(), optim: OptimConfig = OptimConfig()):
+                 loss_weights: LossWeights = LossWeights(), optim: OptimConfig = OptimConfig(),
+                 fused_loss: bool = True):
         super().__init__()
         self.draft = draft
         self.__dict__["target"] = target  # not a submodule: never optimised, never checkpointed
         self.num_drafts, self.mask_token_id, self.layout = num_drafts, mask_token_id, layout
         self.window, self.decay_gamma = window, decay_gamma
         self.loss_weights, self.optim = loss_weights, optim
+        self.fused_loss = fused_loss  # losses from hidden rows (dspark.ops.fused_loss) when the draft allows
         self._val: dict[str, torch.Tensor] = {}
 
     # ---- target placement -------------------------------------------------------------------------
@@ -88,7 +113,8 @@ class DraftLightningModule(L.LightningModule):
         feats = self.target.features(batch["input_ids"], batch["attention_mask"])
         return feats.aux, feats.final
 
-    def draft_outputs(self, batch: dict[str, torch.Tensor]) -> DraftOutputs:
+    def _draft_hidden(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Blocks, torch.Tensor]:
+        """-> (h [B, A, g, H] backbone output at the prediction rows, blocks, target final [B, S, H])."""
         ids, am = batch["input_ids"], batch["attention_mask"]  # [B, S]
         B, S = ids.shape
         aux, final = self._target_features(batch)  # [B, S, n*H], [B, S, H]
@@ -103,6 +129,11 @@ class DraftLightningModule(L.LightningModule):
         mask = block_attention_mask(batch["anchors"], Lb, S, self.window)  # [B, A*Lb, S + A*Lb]
         h = draft.backbone(blocks.input_ids.flatten(1), blocks.positions.flatten(1), ctx, mask)  # [B, A*Lb, H]
         h = h.view(B, A, Lb, -1)[:, :, blocks.pred_offset : blocks.pred_offset + g]  # [B, A, g, H]
+        return h, blocks, final
+
+    def draft_outputs(self, batch: dict[str, torch.Tensor]) -> DraftOutputs:
+        h, blocks, final = self._draft_hidden(batch)
+        draft = self.draft
         logits = draft.base_logits(h)  # [B, A, g, V]
         feat = None
         if getattr(draft, "markov_head", None) is not None:
@@ -111,17 +142,42 @@ class DraftLightningModule(L.LightningModule):
         conf = draft.confidence_logit(h, feat) if getattr(draft, "confidence_head", None) is not None else None
         return DraftOutputs(logits=logits, conf_logits=conf, hidden=h, blocks=blocks, final=final)
 
+    def _teacher_rows(self, final: torch.Tensor, b: Blocks) -> torch.Tensor:
+        """Target final hidden at the teacher positions: [B, S, H] -> [B, A, g, H]."""
+        H = final.shape[-1]
+        rows = torch.gather(final, 1, b.teacher_positions.flatten(1).unsqueeze(-1).expand(-1, -1, H))
+        return rows.view(*b.labels.shape, H)
+
     def _losses(self, batch) -> tuple[dict[str, torch.Tensor], Blocks]:
+        if self.fused_loss and lm_head_input(self.draft, None) is not None:
+            return self._losses_fused(batch)
         out = self.draft_outputs(batch)
         b = out.blocks
-        H = out.final.shape[-1]
-        rows = torch.gather(out.final, 1, b.teacher_positions.flatten(1).unsqueeze(-1).expand(-1, -1, H))
-        teacher = self.target.logits_from_final(rows).view(*b.labels.shape, -1)  # [B, A, g, V]
+        teacher = self.target.logits_from_final(self._teacher_rows(out.final, b))  # [B, A, g, V]
         eval_mask = b.eval_mask.flatten(0, 1)  # [B*A, g]
         flat = lambda t: None if t is None else t.flatten(0, 1)  # noqa: E731  [B, A, ...] -> [B*A, ...]
         losses = draft_losses(
             flat(out.logits), flat(b.labels), eval_mask, flat(teacher), flat(out.conf_logits),
             decay_gamma=self.decay_gamma, weights=self.loss_weights,
+            normalizer=self._global_normalizer(eval_mask) if self.training else None,
+        )
+        return losses, b
+
+    def _losses_fused(self, batch) -> tuple[dict[str, torch.Tensor], Blocks]:
+        """The same losses through the fused LM loss (dspark.ops.fused_loss): no [B, A, g, V] logits."""
+        h, b, final = self._draft_hidden(batch)
+        draft = self.draft
+        head = getattr(draft, "markov_head", None)
+        latent = feat = None
+        if head is not None:
+            latent, feat = markov_latent(head, b.prev_ids, h)  # [B, A, g, r] x2
+        conf = draft.confidence_logit(h, feat) if getattr(draft, "confidence_head", None) is not None else None
+        eval_mask = b.eval_mask.flatten(0, 1)  # [B*A, g]
+        flat = lambda t: None if t is None else t.flatten(0, 1)  # noqa: E731  [B, A, ...] -> [B*A, ...]
+        losses = draft_losses_fused(
+            flat(lm_head_input(draft, h)), flat(self._teacher_rows(final, b)), self.target.lm_head_weight,
+            flat(latent), None if head is None else head.markov_w2.weight, flat(b.labels), eval_mask,
+            flat(conf), decay_gamma=self.decay_gamma, weights=self.loss_weights,
             normalizer=self._global_normalizer(eval_mask) if self.training else None,
         )
         return losses, b

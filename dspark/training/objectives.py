@@ -57,6 +57,22 @@ def tau_prob(c_star: torch.Tensor, eval_mask: torch.Tensor) -> torch.Tensor:
     return per_block[valid].mean()
 
 
+def _confidence_and_metrics(out, loss, w, denom, l1, hit, eval_mask, conf_logits, weights) -> torch.Tensor:
+    """Adds "conf", "tau_prob", "agree_count", "agree_total" to `out` from the per-row L1 [N, g] and the
+    top-1 agreement hit [N, g]; returns the loss with the confidence part added."""
+    c_star = acceptance_targets(l1)
+    if conf_logits is not None and weights.conf:
+        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), c_star, reduction="none")
+        out["conf"] = (w * bce).sum() / denom
+        loss = loss + weights.conf * out["conf"]
+    with torch.no_grad():
+        out["tau_prob"] = tau_prob(c_star, eval_mask)
+        m = eval_mask.float()
+        out["agree_count"] = (hit.float() * m).sum(0)  # [g]
+        out["agree_total"] = m.sum(0)  # [g]
+    return loss
+
+
 def draft_losses(
     draft_logits: torch.Tensor,
     labels: torch.Tensor,
@@ -86,19 +102,65 @@ def draft_losses(
         loss = loss + weights.ce * out["ce"]
     if teacher_logits is not None:
         l1 = l1_distance(draft_logits, teacher_logits)  # [N, g]
-        c_star = acceptance_targets(l1)
         if weights.l1:
             out["l1"] = (w * l1).sum() / denom
             loss = loss + weights.l1 * out["l1"]
-        if conf_logits is not None and weights.conf:
-            bce = F.binary_cross_entropy_with_logits(conf_logits.float(), c_star, reduction="none")
-            out["conf"] = (w * bce).sum() / denom
-            loss = loss + weights.conf * out["conf"]
         with torch.no_grad():
-            out["tau_prob"] = tau_prob(c_star, eval_mask)
             hit = draft_logits.argmax(-1) == teacher_logits.argmax(-1)  # [N, g]
-            m = eval_mask.float()
-            out["agree_count"] = (hit.float() * m).sum(0)  # [g]
-            out["agree_total"] = m.sum(0)  # [g]
+        loss = _confidence_and_metrics(out, loss, w, denom, l1, hit, eval_mask, conf_logits, weights)
     out["loss"] = loss
+    return out
+
+
+def draft_losses_fused(
+    draft_rows: torch.Tensor,
+    teacher_rows: torch.Tensor,
+    lm_head: torch.Tensor,
+    markov_latent: torch.Tensor | None,
+    markov_w2: torch.Tensor | None,
+    labels: torch.Tensor,
+    eval_mask: torch.Tensor,
+    conf_logits: torch.Tensor | None,
+    *,
+    decay_gamma: float | None,
+    weights: LossWeights,
+    normalizer: torch.Tensor | None = None,
+    backend: str | None = None,
+    chunk_rows: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """draft_losses computed from hidden rows by the fused LM loss (dspark.ops.fused_loss): no [N, g, V]
+    logits are ever materialised. Same returned dict and the same values as
+    draft_losses(lm_head(draft_rows) + markov_latent @ markov_w2^T, labels, eval_mask,
+    lm_head(teacher_rows), conf_logits, ...).
+
+    draft_rows [N, g, H] (the LM head input: the draft's normed hidden), teacher_rows [N, g, H] (target
+    final hidden), lm_head [V, H] (frozen), markov_latent [N, g, r] or None, markov_w2 [V, r] or None,
+    labels / eval_mask [N, g], conf_logits [N, g] or None. Only rows with eval_mask set are computed.
+    "ce" and "l1" are reported detached; "loss" carries the gradient of every part.
+    """
+    from dspark.ops.fused_loss import DEFAULT_CHUNK_ROWS, lm_loss
+
+    w = position_weights(eval_mask, decay_gamma)  # [N, g]
+    denom = (w.sum() if normalizer is None else normalizer).clamp_min(1e-8)
+    shape = eval_mask.shape
+    idx = eval_mask.flatten().nonzero().squeeze(1)  # valid rows [M]
+    rows = lambda t: t.flatten(0, 1).index_select(0, idx)  # noqa: E731  [N, g, ...] -> [M, ...]
+    wv = rows(w) / denom  # [M]
+    lm, ce_v, l1_v, d_arg, t_arg = lm_loss(
+        rows(draft_rows), rows(teacher_rows), lm_head,
+        None if markov_latent is None else rows(markov_latent), markov_w2,
+        rows(labels), wv * weights.ce, wv * weights.l1,
+        backend=backend, chunk_rows=chunk_rows or DEFAULT_CHUNK_ROWS,
+    )
+    scatter = lambda v, fill=0: torch.full((shape.numel(),), fill, dtype=v.dtype, device=v.device).index_copy(  # noqa: E731
+        0, idx, v).view(shape)
+    l1 = scatter(l1_v)  # [N, g]
+    hit = scatter(d_arg, 0) == scatter(t_arg, -1)  # invalid rows never hit
+    out: dict[str, torch.Tensor] = {}
+    if weights.ce:
+        out["ce"] = (wv * ce_v).sum()
+    if weights.l1:
+        out["l1"] = (wv * l1_v).sum()
+    loss = lm if (weights.ce or weights.l1) else torch.zeros((), device=draft_rows.device)
+    out["loss"] = _confidence_and_metrics(out, loss, w, denom, l1, hit, eval_mask, conf_logits, weights)
     return out

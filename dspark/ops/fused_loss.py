@@ -1,0 +1,217 @@
+"""Fused DSpark LM loss: L_ce and L_l1 straight from hidden rows, without an [N, V] fp32 tensor.
+
+Per row n (one drafted position), with the frozen LM head W [V, H] and the Markov projection W2 [V, r]:
+    d_n = W x_n + W2 e_n          draft logits (e_n: the Markov latent; absent for drafts without one)
+    t_n = W y_n                   teacher logits (y_n: the target's final hidden row)
+    q = softmax(d_n), p = softmax(t_n)
+    ce_n = -log q[label_n],  l1_n = ||q - p||_1
+    loss = sum_n a_n ce_n + b_n l1_n            (a_n, b_n: per-row coefficients, loss weights folded in)
+Gradient w.r.t. the draft logits (s = sign(q - p), c_n = sum_v q s):
+    dloss/dd_n = a_n (q - onehot(label_n)) + b_n q (s - c_n)
+and from there grad x = dD W, grad e = dD W2, grad W2 = dD^T E.
+
+Because the loss is a weighted sum with coefficients known in the forward, the forward computes the
+gradients too (row chunk by row chunk, every [n, V] temporary freed before the next chunk) and the
+backward only scales them by the incoming scalar gradient: no second pass over the vocabulary.
+The teacher side (y, W) is frozen and gets no gradient.
+
+`lm_loss` dispatches (dspark.ops.backend) between the chunked torch reference here and the tilelang
+kernels (dspark.ops.kernels.fused_loss_tl) on CUDA.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dspark.ops import backend as _backend
+
+DEFAULT_CHUNK_ROWS = 256  # rows per chunk: big enough that the LM-head GEMMs stay efficient on CPU
+
+
+@dataclass
+class LMLossParts:
+    """Everything one pass produces. Rows are [N]; gradients are of `sum a ce + b l1` (None when not asked)."""
+
+    ce: torch.Tensor  # [N] fp32
+    l1: torch.Tensor  # [N] fp32
+    draft_argmax: torch.Tensor  # [N] long
+    teacher_argmax: torch.Tensor  # [N] long
+    grad_x: torch.Tensor | None = None  # [N, H] fp32
+    grad_latent: torch.Tensor | None = None  # [N, r] fp32
+    grad_w2: torch.Tensor | None = None  # [V, r] fp32
+
+
+def _check_inputs(x, y, w, latent, w2, labels, coef_ce, coef_l1) -> None:
+    if x.dim() != 2 or y.shape != x.shape:
+        raise ValueError(f"lm_loss: draft rows [N, H] and teacher rows must match, got {tuple(x.shape)} "
+                         f"and {tuple(y.shape)}")
+    n, h = x.shape
+    if w.dim() != 2 or w.shape[1] != h:
+        raise ValueError(f"lm_loss: lm_head must be [V, {h}], got {tuple(w.shape)}")
+    v = w.shape[0]
+    if (latent is None) != (w2 is None):
+        raise ValueError("lm_loss: pass both the Markov latent and markov_w2, or neither")
+    if latent is not None:
+        if latent.dim() != 2 or latent.shape[0] != n:
+            raise ValueError(f"lm_loss: Markov latent must be [{n}, r], got {tuple(latent.shape)}")
+        if tuple(w2.shape) != (v, latent.shape[1]):
+            raise ValueError(f"lm_loss: markov_w2 must be [{v}, {latent.shape[1]}], got {tuple(w2.shape)}")
+    for name, t in (("labels", labels), ("coef_ce", coef_ce), ("coef_l1", coef_l1)):
+        if tuple(t.shape) != (n,):
+            raise ValueError(f"lm_loss: {name} must be [{n}], got {tuple(t.shape)}")
+    if n and (int(labels.min()) < 0 or int(labels.max()) >= v):
+        raise ValueError(f"lm_loss: labels must lie in [0, {v}), got range [{int(labels.min())}, "
+                         f"{int(labels.max())}]")
+
+
+def _acc(t: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: float32 (float64 only for float64 inputs, i.e. gradcheck)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def draft_logits_rows(x, w, latent=None, w2=None) -> torch.Tensor:
+    """Draft logits for a few rows, as the draft computes them: x [n, H] -> [n, V] fp32."""
+    d = F.linear(x.to(w.dtype), w).to(_acc(w))
+    if latent is not None:
+        d += F.linear(latent.to(w2.dtype), w2).to(_acc(w))
+    return d
+
+
+def lm_loss_reference(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    w: torch.Tensor,
+    latent: torch.Tensor | None,
+    w2: torch.Tensor | None,
+    labels: torch.Tensor,
+    coef_ce: torch.Tensor,
+    coef_l1: torch.Tensor,
+    *,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    need_grads: bool = True,
+) -> LMLossParts:
+    """Chunked torch reference: rows in chunks of `chunk_rows`, peak extra memory ~4 x chunk_rows x V fp32.
+
+    x, y [N, H]; w [V, H]; latent [N, r] | None; w2 [V, r] | None; labels [N]; coef_ce, coef_l1 [N].
+    """
+    _check_inputs(x, y, w, latent, w2, labels, coef_ce, coef_l1)
+    if chunk_rows < 1:
+        raise ValueError(f"lm_loss: chunk_rows must be >= 1, got {chunk_rows}")
+    n = x.shape[0]
+    dev = x.device
+    acc = _acc(w)
+    ce = torch.empty(n, device=dev, dtype=acc)
+    l1 = torch.empty(n, device=dev, dtype=acc)
+    d_arg = torch.empty(n, dtype=torch.long, device=dev)
+    t_arg = torch.empty(n, dtype=torch.long, device=dev)
+    gx = torch.empty(n, x.shape[1], device=dev, dtype=acc) if need_grads else None
+    ge = torch.empty(n, latent.shape[1], device=dev, dtype=acc) if (need_grads and latent is not None) else None
+    gw2 = torch.zeros(w2.shape, device=dev, dtype=acc) if (need_grads and latent is not None) else None
+    a_all, b_all = coef_ce.to(acc), coef_l1.to(acc)
+    with torch.no_grad():
+        for lo in range(0, n, chunk_rows):
+            hi = min(n, lo + chunk_rows)
+            lab = labels[lo:hi].long().unsqueeze(1)  # [n, 1]
+            e = None if latent is None else latent[lo:hi]
+            d = draft_logits_rows(x[lo:hi], w, e, w2)  # [n, V]
+            d_arg[lo:hi] = d.argmax(-1)
+            q = torch.log_softmax(d, -1)  # log q
+            del d
+            ce[lo:hi] = -q.gather(1, lab).squeeze(1)
+            q.exp_()  # q
+            p = F.linear(y[lo:hi].to(w.dtype), w).to(acc)  # teacher logits [n, V]
+            t_arg[lo:hi] = p.argmax(-1)
+            p = torch.softmax(p, -1)
+            s = p.neg_().add_(q)  # q - p (in p's storage)
+            l1[lo:hi] = torch.linalg.vector_norm(s, 1, dim=-1)
+            s.sign_()  # s = sign(q - p)
+            if not need_grads:
+                continue
+            a = a_all[lo:hi].unsqueeze(1)  # [n, 1]
+            b = b_all[lo:hi].unsqueeze(1)
+            c = torch.linalg.vecdot(q, s).unsqueeze(1)  # sum_v q s  [n, 1]
+            dd = s.sub_(c).mul_(b).add_(a).mul_(q)  # a q + b q (s - c)
+            dd.scatter_add_(1, lab, -a)  # - a onehot(label)
+            del q
+            gx[lo:hi] = dd.to(w.dtype) @ w  # [n, H]
+            if latent is not None:
+                ge[lo:hi] = dd.to(w2.dtype) @ w2  # [n, r]
+                gw2.addmm_(dd.t(), e.to(acc))  # [V, r]
+            del dd, s
+    return LMLossParts(ce, l1, d_arg, t_arg, gx, ge, gw2)
+
+
+def _impl(backend_name: str):
+    if backend_name == "tilelang":
+        from dspark.ops.kernels.fused_loss_tl import lm_loss_tilelang
+
+        return lm_loss_tilelang
+    return lm_loss_reference
+
+
+class _LMLoss(torch.autograd.Function):
+    """loss = sum a ce + b l1 as a differentiable scalar; the gradients are computed in the forward."""
+
+    @staticmethod
+    def forward(ctx, x, y, w, latent, w2, labels, coef_ce, coef_l1, impl, chunk_rows):
+        parts = impl(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows=chunk_rows, need_grads=True)
+        loss = (coef_ce.to(parts.ce.dtype) * parts.ce).sum() + (coef_l1.to(parts.l1.dtype) * parts.l1).sum()
+        ctx.save_for_backward(parts.grad_x, parts.grad_latent, parts.grad_w2)
+        ctx.dtypes = (x.dtype, None if latent is None else latent.dtype, None if w2 is None else w2.dtype)
+        rows = (parts.ce, parts.l1, parts.draft_argmax, parts.teacher_argmax)
+        ctx.mark_non_differentiable(*rows)
+        return (loss, *rows)
+
+    @staticmethod
+    def backward(ctx, g_loss, *_):
+        gx, ge, gw2 = ctx.saved_tensors
+        dx, de, dw2 = ctx.dtypes
+        out_x = (gx * g_loss).to(dx) if ctx.needs_input_grad[0] else None
+        out_e = (ge * g_loss).to(de) if (ge is not None and ctx.needs_input_grad[3]) else None
+        out_w2 = (gw2 * g_loss).to(dw2) if (gw2 is not None and ctx.needs_input_grad[4]) else None
+        return out_x, None, None, out_e, out_w2, None, None, None, None, None
+
+
+def lm_loss(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    w: torch.Tensor,
+    latent: torch.Tensor | None,
+    w2: torch.Tensor | None,
+    labels: torch.Tensor,
+    coef_ce: torch.Tensor,
+    coef_l1: torch.Tensor,
+    *,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused DSpark LM loss (see module doc).
+
+    x [N, H] draft rows at the LM head input (after the final norm), y [N, H] teacher final rows,
+    w [V, H] frozen LM head, latent [N, r] Markov latent or None, w2 [V, r] markov_w2 weight or None,
+    labels [N], coef_ce / coef_l1 [N] (zero rows contribute nothing).
+    Returns (loss scalar fp32, differentiable w.r.t. x, latent, w2; ce [N]; l1 [N]; draft argmax [N];
+    teacher argmax [N]); the per-row outputs carry no gradient.
+    """
+    impl = _impl(_backend.resolve(x, backend))
+    needs = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, latent, w2))
+    if needs:
+        return _LMLoss.apply(x, y, w, latent, w2, labels, coef_ce, coef_l1, impl, chunk_rows)
+    parts = impl(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows=chunk_rows, need_grads=False)
+    loss = (coef_ce.to(parts.ce.dtype) * parts.ce).sum() + (coef_l1.to(parts.l1.dtype) * parts.l1).sum()
+    return loss, parts.ce, parts.l1, parts.draft_argmax, parts.teacher_argmax
+
+
+def lm_loss_naive(x, y, w, latent, w2, labels, coef_ce, coef_l1):
+    """The materialised computation (full [N, V] logits, autograd), for tests and the benchmark."""
+    d = F.linear(x.to(w.dtype), w).float()
+    if latent is not None:
+        d = d + F.linear(latent.to(w2.dtype), w2).float()
+    t = F.linear(y.to(w.dtype), w).float()
+    ce = F.cross_entropy(d, labels.long(), reduction="none")
+    l1 = (d.softmax(-1) - t.softmax(-1)).abs().sum(-1)
+    loss = (coef_ce.float() * ce).sum() + (coef_l1.float() * l1).sum()
+    return loss, ce.detach(), l1.detach(), d.argmax(-1), t.argmax(-1)

@@ -1,0 +1,215 @@
+"""The chunked fused DSpark loss against the materialised computation (values and gradients), its
+autograd wrapper (gradcheck), draft_losses_fused against draft_losses, and dispatch errors."""
+import pytest
+import torch
+
+from dspark.ops.fused_loss import lm_loss, lm_loss_naive, lm_loss_reference
+from dspark.training.objectives import LossWeights, draft_losses, draft_losses_fused
+
+
+def _case(seed=0, n=11, h=6, v=13, r=3, dtype=torch.float32, markov=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g, dtype=dtype)
+    y = torch.randn(n, h, generator=g, dtype=dtype)
+    w = torch.randn(v, h, generator=g, dtype=dtype)
+    e = torch.randn(n, r, generator=g, dtype=dtype) if markov else None
+    w2 = torch.randn(v, r, generator=g, dtype=dtype) if markov else None
+    labels = torch.randint(0, v, (n,), generator=g)
+    a = torch.rand(n, generator=g, dtype=dtype)
+    b = torch.rand(n, generator=g, dtype=dtype)
+    a[3] = b[3] = 0.0  # a masked row
+    return x, y, w, e, w2, labels, a, b
+
+
+def _leaves(case):
+    x, y, w, e, w2, labels, a, b = case
+    lf = lambda t: None if t is None else t.clone().requires_grad_(True)  # noqa: E731
+    return lf(x), y, w, lf(e), lf(w2), labels, a, b
+
+
+@pytest.mark.parametrize("markov", [True, False])
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_chunked_matches_naive_values_and_gradients(markov, chunk):
+    case = _case(markov=markov)
+    xn, _, _, en, w2n, *_ = args_n = _leaves(case)
+    ln, ce_n, l1_n, da_n, ta_n = lm_loss_naive(*args_n)
+    ln.backward()
+    xf, _, _, ef, w2f, *_ = args_f = _leaves(case)
+    lf, ce_f, l1_f, da_f, ta_f = lm_loss(*args_f, chunk_rows=chunk, backend="torch")
+    (2.5 * lf).backward()  # the upstream gradient must scale the stored one
+    torch.testing.assert_close(lf, ln, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ce_f, ce_n, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(l1_f, l1_n, atol=1e-5, rtol=1e-5)
+    assert torch.equal(da_f, da_n) and torch.equal(ta_f, ta_n)
+    torch.testing.assert_close(xf.grad, 2.5 * xn.grad, atol=1e-5, rtol=1e-5)
+    if markov:
+        torch.testing.assert_close(ef.grad, 2.5 * en.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(w2f.grad, 2.5 * w2n.grad, atol=1e-5, rtol=1e-5)
+    assert xn.grad[3].abs().sum() == 0 and xf.grad.abs().sum() > 0
+
+
+def test_gradcheck_float64():
+    x, y, w, e, w2, labels, a, b = _case(1, n=5, h=4, v=7, r=2, dtype=torch.float64)
+    # keep |q - p| away from 0 so sign() is locally constant (L1 is not differentiable there)
+    f = lambda x_, e_, w2_: lm_loss(x_, y, w, e_, w2_, labels, a, b, chunk_rows=2, backend="torch")[0]  # noqa: E731
+    inputs = tuple(t.clone().requires_grad_(True) for t in (x, e, w2))
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-5)
+
+
+def test_l1_gradient_formula_by_hand():
+    """2 rows, V=3, W = I: the logits are x itself; compare with q (s - sum q s) written out."""
+    x = torch.tensor([[1.0, 0.0, -1.0], [0.5, 2.0, 0.0]], requires_grad=True)
+    y = torch.tensor([[0.0, 1.0, 0.0], [0.5, 2.0, 1.0]])
+    w = torch.eye(3)
+    labels = torch.tensor([0, 2])
+    loss, *_ = lm_loss(x, y, w, None, None, labels, torch.zeros(2), torch.ones(2), backend="torch")
+    loss.backward()
+    q, p = x.detach().softmax(-1), y.softmax(-1)
+    s = torch.sign(q - p)
+    expect = q * (s - (q * s).sum(-1, keepdim=True))
+    torch.testing.assert_close(x.grad, expect)
+    torch.testing.assert_close(loss, (q - p).abs().sum())
+
+
+def test_no_grad_path_and_bad_inputs():
+    x, y, w, e, w2, labels, a, b = _case(2)
+    with torch.no_grad():
+        l0, *_ = lm_loss(x, y, w, e, w2, labels, a, b, backend="torch")
+    torch.testing.assert_close(l0, lm_loss_naive(x, y, w, e, w2, labels, a, b)[0], atol=1e-5, rtol=1e-5)
+    assert lm_loss_reference(x, y, w, e, w2, labels, a, b, need_grads=False).grad_x is None
+    with pytest.raises(ValueError, match="labels must lie in"):
+        lm_loss(x, y, w, e, w2, labels + 100, a, b, backend="torch")
+    with pytest.raises(ValueError, match="markov_w2 must be"):
+        lm_loss(x, y, w, e, w2[:, :2], labels, a, b, backend="torch")
+    with pytest.raises(ValueError, match="both the Markov latent"):
+        lm_loss(x, y, w, e, None, labels, a, b, backend="torch")
+    with pytest.raises(ValueError, match="ops_backend must be one of"):
+        lm_loss(x, y, w, e, w2, labels, a, b, backend="cuda")
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        lm_loss(x, y, w, e, w2, labels, a, b, backend="tilelang")
+
+
+def test_draft_losses_fused_matches_draft_losses():
+    g = torch.Generator().manual_seed(3)
+    N, G, H, V, R = 5, 4, 6, 9, 3
+    rows = torch.randn(N, G, H, generator=g)
+    teach = torch.randn(N, G, H, generator=g)
+    w = torch.randn(V, H, generator=g)
+    lat = torch.randn(N, G, R, generator=g)
+    w2 = torch.randn(V, R, generator=g)
+    labels = torch.randint(0, V, (N, G), generator=g)
+    labels[2] = 0
+    conf = torch.randn(N, G, generator=g)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]]).bool()
+    for weights in (LossWeights(), LossWeights(ce=1.0, l1=0.0, conf=0.0)):
+        leaves_a = [t.clone().requires_grad_(True) for t in (rows, lat, w2, conf)]
+        leaves_b = [t.clone().requires_grad_(True) for t in (rows, lat, w2, conf)]
+        ra, la, wa, ca = leaves_a
+        logits = ra @ w.t() + la @ wa.t()
+        ref = draft_losses(logits, labels, mask, teach @ w.t(), ca, decay_gamma=4.0, weights=weights,
+                           normalizer=torch.tensor(3.0))
+        rb, lb, wb, cb = leaves_b
+        got = draft_losses_fused(rb, teach, w, lb, wb, labels, mask, cb, decay_gamma=4.0, weights=weights,
+                                 normalizer=torch.tensor(3.0), backend="torch", chunk_rows=3)
+        assert set(got) == set(ref)
+        for k in ref:
+            torch.testing.assert_close(got[k].detach(), ref[k].detach(), atol=1e-5, rtol=1e-5, msg=k)
+        ref["loss"].backward()
+        got["loss"].backward()
+        for a, b in zip(leaves_b, leaves_a):
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+# ---- the training module: fused path == unfused path --------------------------------------------------
+V, S, G, MASK = 40, 24, 3, 39
+
+
+def _module(kind: str, markov: str, fused: bool):
+    from conftest import tiny_v4_config
+    from transformers import DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
+    from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
+    from dspark.targets.hf_target import FrozenTarget
+    from dspark.training.module import DraftLightningModule
+
+    torch.manual_seed(0)
+    if kind == "v4":
+        cfg = tiny_v4_config(vocab_size=V, sliding_window=6)
+        target = FrozenTarget(DeepseekV4ForCausalLM(cfg), [1, 2])
+        draft = DSparkV4Draft(DSparkV4Config.from_hf_config(
+            cfg, num_layers=1, block_size=G, mask_token_id=MASK, target_layer_ids=[1, 2], markov_rank=4,
+            sliding_window=5, markov_head_type=markov))
+        window = 5
+    else:
+        cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2)
+        target = FrozenTarget(LlamaForCausalLM(cfg), [0, 2])
+        draft = DSparkDenseDraft(DSparkDenseConfig.from_hf_config(
+            cfg, num_layers=1, block_size=G, mask_token_id=MASK, target_layer_ids=[0, 2], markov_rank=4,
+            markov_head_type=markov))
+        window = None
+    draft.share_target_weights(target.embed_weight, target.lm_head_weight)
+    return DraftLightningModule(draft, target, num_drafts=G, mask_token_id=MASK, window=window, fused_loss=fused)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, MASK, (2, S), generator=g)
+    loss_mask = torch.ones(2, S, dtype=torch.long)
+    loss_mask[1, 18:] = 0  # some blocks end early: eval_mask prefixes of different lengths
+    return {"input_ids": ids, "attention_mask": torch.ones(2, S, dtype=torch.long), "loss_mask": loss_mask,
+            "anchors": torch.tensor([[3, 9, 15, 20], [2, 8, 14, 16]]),
+            "keep": torch.tensor([[True] * 4, [True, True, True, False]])}
+
+
+@pytest.mark.parametrize("kind,markov", [("v4", "vanilla"), ("v4", "gated"), ("v4", "rnn"), ("dense", "vanilla")])
+def test_module_fused_losses_equal_unfused(kind, markov):
+    ref_m, fused_m = _module(kind, markov, False), _module(kind, markov, True)
+    fused_m.draft.load_state_dict(ref_m.draft.state_dict())
+    ref, _ = ref_m._losses(_batch())
+    got, _ = fused_m._losses(_batch())
+    assert set(got) == set(ref)
+    for k in ref:
+        torch.testing.assert_close(got[k].detach(), ref[k].detach(), atol=2e-5, rtol=2e-5, msg=k)
+    ref["loss"].backward()
+    got["loss"].backward()
+    grads = dict(ref_m.draft.named_parameters())
+    n_checked = 0
+    for name, p in fused_m.draft.named_parameters():
+        r = grads[name].grad
+        if r is None:
+            assert p.grad is None or p.grad.abs().max() == 0, name
+            continue
+        torch.testing.assert_close(p.grad, r, atol=2e-5, rtol=1e-3, msg=name)
+        n_checked += 1
+    assert fused_m.draft.markov_head.markov_w2.weight.grad.abs().sum() > 0 and n_checked > 5
+
+
+@pytest.mark.parametrize("markov", ["vanilla", "gated", "rnn"])
+def test_markov_latent_reproduces_the_head(markov):
+    from dspark.models.heads import MarkovHead
+    from dspark.training.module import markov_latent
+
+    torch.manual_seed(0)
+    head = MarkovHead(20, 20, 3, 5, markov)
+    prev = torch.randint(0, 20, (2, 3, 4))
+    h = torch.randn(2, 3, 4, 5)
+    bias, feat = head(prev, h)
+    latent, feat2 = markov_latent(head, prev, h)
+    torch.testing.assert_close(head.project(latent), bias)
+    torch.testing.assert_close(feat2, feat)
+
+
+def test_ops_backend_config_key_is_validated():
+    from conftest import compose
+
+    from dspark.factory import ConfigError, build_module
+    from dspark.ops import backend
+
+    with pytest.raises(ConfigError, match="ops_backend"):
+        build_module(compose(["ops_backend=cuda"]), None, None)
+    with pytest.raises(ValueError, match="ops_backend must be one of"):
+        backend.set_ops_backend("triton")
+    assert compose([]).ops_backend == "auto" and compose([]).train.fused_loss is True
+    assert backend.resolve(torch.zeros(1), "auto") == "torch"  # CPU tensors never go to the kernels
