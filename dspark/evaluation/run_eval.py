@@ -74,7 +74,8 @@ def _load_draft_group(path: Path) -> DictConfig:
     node = OmegaConf.load(str(path))
     if "kind" not in node and "draft" in node:
         node = node.draft
-    require("kind" in node and "block_size" in node, "draft_config", f"{str(path)!r} holds no draft group")
+    require("kind" in node and ("block_size" in node or "num_steps" in node), "draft_config",
+            f"{str(path)!r} holds no draft group")
     return node
 
 
@@ -216,10 +217,13 @@ def run_eval(cfg: DictConfig) -> dict[str, dict]:
     torch.manual_seed(int(cfg.seed))
     target, draft, draft_group, weights, run_dir = build(cfg)
     require(target.tokenizer is not None, "target", "the target has no tokenizer; eval renders chat prompts")
-    dcfg = draft_config(draft)
-    mask_id, window = int(dcfg.mask_token_id), dcfg.sliding_window
-    g = int(cfg.num_drafts) if cfg.num_drafts is not None else int(dcfg.block_size)
-    layout = str(draft_group.layout)
+    # MTP drafts (own propose, chain drafting) have no mask token / layout; gamma defaults to num_steps.
+    mtp = hasattr(draft, "propose") and hasattr(getattr(draft, "config", None), "num_steps")
+    dcfg = draft.config if mtp else draft_config(draft)
+    mask_id = None if getattr(dcfg, "mask_token_id", None) is None else int(dcfg.mask_token_id)
+    window = getattr(dcfg, "sliding_window", None)
+    g = int(cfg.num_drafts) if cfg.num_drafts is not None else int(dcfg.num_steps if mtp else dcfg.block_size)
+    layout = str(draft_group.get("layout", "chain"))
     temperature, eos = float(cfg.temperature), eos_ids(cfg, target)
     data_dir = resolve_path(cfg.data_dir)
     out_dir = resolve_path(cfg.out) if cfg.out else run_dir / "eval"
