@@ -35,22 +35,25 @@ class MTPLightningModule(DraftLightningModule):
             return TargetFeatures(aux=batch["aux"].to(dtype), final=batch["final"].to(dtype))
         return self.target.features(batch["input_ids"], batch["attention_mask"], pre_head=self.needs_pre_head)
 
-    def _mtp_losses(self, batch) -> dict[str, torch.Tensor]:
+    def _mtp_losses(self, batch, metrics: bool = True) -> dict[str, torch.Tensor]:
         ids, lm = batch["input_ids"], batch["loss_mask"] * batch["attention_mask"]  # [B, S]
         feats = self._features(batch)
         steps = recursive_forward(self.draft, self.draft.context_hidden(feats), ids, lm, feats.final, self.num_steps)
         teacher = [self.target.logits_from_final(st.teacher_final) for st in steps]  # [N_k, V] each
         return mtp_losses(steps, teacher, num_steps=self.num_steps, beta=self.beta, weights=self.mtp_weights,
-                          batch_rows=(ids.shape[0], max(ids.shape[1] - 2, 0)))
+                          batch_rows=(ids.shape[0], max(ids.shape[1] - 2, 0)), metrics=metrics)
 
     # ---- steps -----------------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
-        out = self._mtp_losses(batch)
+        # the vocabulary-sized metrics only on the steps the logger writes
+        every = int(getattr(self.trainer, "log_every_n_steps", 1) or 1) if self._trainer is not None else 1
+        out = self._mtp_losses(batch, metrics=(self.global_step + 1) % every == 0)
         bs = batch["input_ids"].shape[0]
         for k in ("loss", "ce", "kl", "tau_prob", "l1"):
-            self.log(f"train/{k}", out[k].detach(), prog_bar=k in ("loss", "tau_prob"), batch_size=bs)
-        agree = out["agree_count"].sum() / out["agree_total"].sum().clamp_min(1)
-        self.log("train/agree", agree, batch_size=bs)
+            if k in out:
+                self.log(f"train/{k}", out[k].detach(), prog_bar=k in ("loss", "tau_prob"), batch_size=bs)
+        if "agree_count" in out:
+            self.log("train/agree", out["agree_count"].sum() / out["agree_total"].sum().clamp_min(1), batch_size=bs)
         self.log("train/tokens", float(batch["attention_mask"].sum()), reduce_fx="sum", batch_size=bs)
         return out["loss"]
 

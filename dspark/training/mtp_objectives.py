@@ -21,9 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from dspark.training.objectives import acceptance_targets, l1_distance, tau_prob
+from dspark.training.objectives import acceptance_targets, tau_prob
 
 
 @dataclass(frozen=True)
@@ -121,11 +120,12 @@ def kl_to_teacher(draft_logits: torch.Tensor, teacher_logits: torch.Tensor) -> t
 
 
 def mtp_losses(steps: list[StepOutputs], teacher_logits: list[torch.Tensor], *, num_steps: int, beta: float,
-               weights: MTPLossWeights, batch_rows: tuple[int, int]) -> dict[str, torch.Tensor]:
+               weights: MTPLossWeights, batch_rows: tuple[int, int], metrics: bool = True) -> dict[str, torch.Tensor]:
     """Loss and metrics from recursive_forward's outputs and the teacher logits of each step's rows.
 
     teacher_logits[k] [N_k, V]; batch_rows = (B, L_0 - 1) for the dense metric grid.
-    Returns loss, ce, kl (weighted over steps), ce_k / kl_k per step, tau_prob, l1, agree_count [K],
+    Returns loss, ce, kl (weighted over steps), ce_k / kl_k per step and, with `metrics` (vocabulary-sized
+    work on every row; training skips it on steps that are not logged), tau_prob, l1, agree_count [K],
     agree_total [K], rows (scored rows of step 0).
     """
     w = step_weights(num_steps, beta)
@@ -140,20 +140,27 @@ def mtp_losses(steps: list[StepOutputs], teacher_logits: list[torch.Tensor], *, 
     for k, (st, teacher) in enumerate(zip(steps, teacher_logits)):
         if st.labels.numel() == 0:
             continue
-        ce = F.cross_entropy(st.logits.float(), st.labels)
-        kl = kl_to_teacher(st.logits, teacher).mean()
+        logq = st.logits.float().log_softmax(-1)  # [N_k, V]
+        logp = teacher.float().log_softmax(-1)
+        ce = -logq.gather(-1, st.labels.unsqueeze(-1)).mean()
+        kl = (logp.exp() * (logp - logq)).sum(-1).mean()  # KL(teacher || draft), as kl_to_teacher
         out[f"ce_{k}"], out[f"kl_{k}"] = ce.detach(), kl.detach()
         ce_all = ce_all + w[k] * ce
         kl_all = kl_all + w[k] * kl
-        with torch.no_grad():
-            bi, ti = st.rows[:, 0], st.rows[:, 1]
-            c_grid[bi, ti, k] = acceptance_targets(l1_distance(st.logits, teacher))
-            hit_grid[bi, ti, k] = st.logits.argmax(-1) == teacher.argmax(-1)
-            valid_grid[bi, ti, k] = True
+        if metrics:
+            with torch.no_grad():
+                bi, ti = st.rows[:, 0], st.rows[:, 1]
+                l1 = (logq.exp() - logp.exp()).abs().sum(-1)  # [N_k], as objectives.l1_distance
+                c_grid[bi, ti, k] = acceptance_targets(l1)
+                hit_grid[bi, ti, k] = st.logits.argmax(-1) == teacher.argmax(-1)
+                valid_grid[bi, ti, k] = True
     if weights.ce:
         loss = loss + weights.ce * ce_all
     if weights.kl:
         loss = loss + weights.kl * kl_all
+    out.update(loss=loss, ce=ce_all, kl=kl_all)
+    if not metrics:
+        return out
     with torch.no_grad():
         eval_mask = valid_grid.flatten(0, 1).long().cumprod(-1).bool()  # [B*rows, K]
         c = c_grid.flatten(0, 1)
@@ -163,5 +170,4 @@ def mtp_losses(steps: list[StepOutputs], teacher_logits: list[torch.Tensor], *, 
         out["agree_count"] = (hit_grid.flatten(0, 1).float() * m).sum(0)  # [K]
         out["agree_total"] = m.sum(0)  # [K]
         out["rows"] = m[:, 0].sum()
-    out.update(loss=loss, ce=ce_all, kl=kl_all)
     return out
