@@ -279,3 +279,18 @@ def test_config_errors_name_the_key():
         HYV4MTPConfig.from_target_config(tiny_hy_config(rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                                                          "rope_theta": 1e4,
                                                                          "original_max_position_embeddings": 16}))
+
+
+def test_gradients_reach_the_trainable_block():
+    """Every MTP parameter except the DSA indexer (scored under no_grad, as in transformers) gets a gradient;
+    the shared target weights get none."""
+    cfg = tiny_hy_config()
+    draft = draft_for(cfg, initializer_range=0.3).train()
+    embed = torch.randn(V, cfg.hidden_size, requires_grad=True)
+    draft.share_target_weights(embed, embed)
+    ids, pos = torch.randint(0, V, (2, 6)), torch.arange(6).expand(2, 6)
+    hidden = draft.step(ids, torch.randn(2, 6, cfg.hidden_size), pos, 0)
+    F.cross_entropy(draft.logits(hidden).flatten(0, 1), torch.randint(0, V, (12,))).backward()
+    missing = [n for n, p in draft.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert missing and all(".indexer." in n for n in missing), missing
+    assert embed.grad is None
