@@ -125,3 +125,9 @@ def test_real_size_hy4_on_meta():
     assert ref == {k: s for k, s in own.items() if not k.startswith(hy_v4_names.LAYER_LEVEL)}
     assert own["eh_proj.weight"] == (2816, 2 * 2816)
     assert sum(p.numel() for p in layer.parameters()) == mtp_layer_params(cfg)
+
+
+def test_init_from_target_refuses_a_mismatched_block(target):
+    draft = HYV4MTPDraft(HYV4MTPConfig.from_target_config(target.model.config, mlp_type="dense"))
+    with pytest.raises(ValueError, match="mlp_type='dense'"):
+        draft.init_from_target(target.model)

@@ -484,11 +484,21 @@ class HYV4MTPDraft(nn.Module):
             if donor is not None:
                 hf_state.update({f"self_attn.indexer.{k}": v for k, v in donor.self_attn.indexer.state_dict().items()})
         hf_state["final_layernorm.weight"] = hf_model.model.norm.weight
+        own = self.mtp_layers[0].state_dict()
+        wanted = [k for k in own if not k.startswith(("enorm.", "hnorm.", "eh_proj."))]
+        missing = [k for k in wanted if k not in hf_state]
+        if self.config.use_indexer and all(k.startswith("self_attn.indexer.") for k in missing):
+            missing = []  # a target without any indexer: the draft's indexer keeps its init
+        bad = missing + [k for k in wanted if k in hf_state and hf_state[k].shape != own[k].shape]
+        if bad:
+            raise ValueError(f"init_from_target: the target's last layer does not match the MTP block "
+                             f"(mlp_type={self.config.mlp_type!r}, use_indexer={self.config.use_indexer}); "
+                             f"missing or mis-shaped: {bad}")
         for layer in self.mtp_layers:
-            own = layer.state_dict()
-            for k, v in hf_state.items():
-                if k in own and own[k].shape == v.shape:
-                    own[k].copy_(v)
+            layer_state = layer.state_dict()
+            for k in wanted:
+                if k in hf_state:
+                    layer_state[k].copy_(hf_state[k])
         return self
 
     # -- interface ---------------------------------------------------------------------------------
