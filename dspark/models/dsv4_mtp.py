@@ -199,6 +199,24 @@ class DSV4MTPDraft(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.layers[0].e_proj.weight.dtype
 
+    @torch.no_grad()
+    def init_from_target(self, hf_model: nn.Module) -> "DSV4MTPDraft":
+        """Start every MTP layer from the target: its last decoder layer into the block (compressor / indexer
+        tensors dropped, see v4_names), its hc_head into hc_head_*, its final norm into norm. enorm / hnorm /
+        e_proj / h_proj keep their init."""
+        from dspark.models.v4_names import hf_layer_to_draft_state
+
+        base = getattr(hf_model, "model", hf_model)
+        block_state = hf_layer_to_draft_state(base.layers[-1].state_dict())
+        head = base.hc_head
+        for layer in self.layers:
+            layer.block.load_state_dict(block_state, strict=True)
+            layer.hc_head_fn.copy_(head.hc_fn)
+            layer.hc_head_base.copy_(head.hc_base)
+            layer.hc_head_scale.copy_(head.hc_scale)
+            layer.norm.weight.copy_(base.norm.weight)
+        return self
+
     # -- shared target weights ---------------------------------------------------------------------
     def share_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """The target's embedding [V, H] and LM head [V, H]: detached plain attributes, never saved or trained."""
