@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=850)
+    ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=40)
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--train-records", type=int, default=6000)
     ap.add_argument("--heldout-records", type=int, default=64)
-    ap.add_argument("--max-minutes", type=float, default=10.0,
+    ap.add_argument("--max-minutes", type=float, default=18.0,
                     help="training time cap: stop early, keeping the --steps schedule (0 = no cap)")
     ap.add_argument("--stop-at-step", type=int, default=None,
                     help="stop after this many steps of the --steps schedule (replays a time-capped build)")
