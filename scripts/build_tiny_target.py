@@ -46,7 +46,8 @@ from transformers import (  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dspark.data.sharegpt import ShareGPTStats, is_heldout, iter_sharegpt  # noqa: E402
+from dspark.targets.tiny_train import batchify, collect_records, evaluate, lr_at, make_windows  # noqa: E402,F401
+from dspark.targets.tiny_train import train as _train  # noqa: E402
 
 DEFAULT_OUT = REPO / "dspark" / "assets" / "tiny_v4"
 
@@ -66,17 +67,6 @@ def log(msg: str) -> None:
 
 
 # --------------------------------------------------------------------------- data
-
-
-def collect_records(max_train: int, max_heldout: int) -> tuple[list[dict], list[dict], ShareGPTStats]:
-    """English ShareGPT records split into train / held-out by id (is_heldout)."""
-    stats = ShareGPTStats()
-    train, heldout = [], []
-    for rec in iter_sharegpt(english_only=True, stats=stats):
-        (heldout if is_heldout(rec["id"]) else train).append(rec)
-        if len(train) >= max_train and len(heldout) >= max_heldout:
-            break
-    return train[:max_train], heldout[:max_heldout], stats
 
 
 def tokenizer_corpus(records: list[dict], max_chars_per_record: int) -> list[str]:
@@ -116,45 +106,6 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     return hf
 
 
-# --------------------------------------------------------------------------- windows
-
-
-def make_windows(
-    records: list[dict],
-    tokenizer: PreTrainedTokenizerFast,
-    seq_len: int,
-    extra_window_prob: float,
-    max_chars: int,
-    rng: random.Random,
-) -> list[list[int]]:
-    """Token windows of up to seq_len: each conversation's start, plus sometimes a later window.
-
-    Conversations are rendered with the chat template (cut at max_chars characters to bound the
-    tokenizer work) and end with <|endoftext|>. Windows shorter than seq_len get padded later.
-    """
-    texts = [tokenizer.apply_chat_template(r["messages"], tokenize=False)[:max_chars] for r in records]
-    encs = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
-    windows = []
-    for enc in encs:
-        ids = enc.ids + [tokenizer.eos_token_id]
-        windows.append(ids[:seq_len])
-        if len(ids) > 2 * seq_len and rng.random() < extra_window_prob:
-            start = rng.randrange(seq_len, len(ids) - seq_len)
-            windows.append(ids[start : start + seq_len])
-    return windows
-
-
-def batchify(windows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad to the longest window: input_ids [B,S], attention_mask [B,S]."""
-    width = max(len(w) for w in windows)
-    ids = torch.full((len(windows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(windows), width), dtype=torch.long)
-    for i, w in enumerate(windows):
-        ids[i, : len(w)] = torch.tensor(w)
-        mask[i, : len(w)] = 1
-    return ids, mask
-
-
 # --------------------------------------------------------------------------- model
 
 
@@ -191,73 +142,8 @@ def tiny_config(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) ->
     )
 
 
-@torch.no_grad()
-def evaluate(model, windows: list[list[int]], pad_id: int, batch_size: int) -> dict:
-    """Mean next-token loss, entropy and max-probability over all non-pad predicted positions."""
-    model.eval()
-    tot_loss = tot_ent = tot_max = 0.0
-    count = 0
-    for i in range(0, len(windows), batch_size):
-        ids, mask = batchify(windows[i : i + batch_size], pad_id)
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-        logp = torch.log_softmax(logits, -1)
-        valid = (mask[:, 1:] * mask[:, :-1]).bool()
-        nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-        ent = -(logp.exp() * logp).sum(-1)
-        tot_loss += nll[valid].sum().item()
-        tot_ent += ent[valid].sum().item()
-        tot_max += logp.max(-1).values.exp()[valid].sum().item()
-        count += int(valid.sum())
-    model.train()
-    return {"loss": tot_loss / count, "entropy": tot_ent / count, "max_prob": tot_max / count, "tokens": count}
-
-
-def lr_at(step: int, args: argparse.Namespace) -> float:
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def train(model, windows: list[list[int]], pad_id: int, args: argparse.Namespace, t_start: float) -> dict:
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if p.ndim < 2 or "norm" in name or name.endswith("bias") else decay).append(p)
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-    )
-    model.train()
-    ema = None
-    step = 0
-    stopped_early = False
-    last = args.steps if args.stop_at_step is None else min(args.steps, args.stop_at_step)
-    for step in range(last):
-        batch = windows[step * args.batch_size : (step + 1) * args.batch_size]
-        if len(batch) < args.batch_size:
-            raise RuntimeError(f"ran out of training windows at step {step}; raise --train-records")
-        ids, mask = batchify(batch, pad_id)
-        labels = ids.masked_fill(mask == 0, -100)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args)
-        out = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        lm_loss = out.loss.item() - model.router_aux_loss_coef * out.aux_loss.item()
-        ema = lm_loss if ema is None else 0.95 * ema + 0.05 * lm_loss
-        elapsed = time.time() - t_start
-        if step % args.log_every == 0 or step == args.steps - 1:
-            log(f"step {step:4d}/{args.steps} lm_loss {lm_loss:.3f} (ema {ema:.3f}) lr {lr_at(step, args):.2e} "
-                f"elapsed {elapsed:.0f}s")
-        if args.max_minutes > 0 and elapsed > args.max_minutes * 60 and step + 1 < last:
-            log(f"time budget of {args.max_minutes} min reached: stopping after step {step} "
-                f"(replay with --stop-at-step {step + 1} --max-minutes 0)")
-            stopped_early = True
-            break
-    return {"steps": step + 1, "train_loss_ema": ema, "stopped_by_time_cap": stopped_early}
+    return _train(model, windows, pad_id, args, t_start, log=log, router_aux_loss=True)
 
 
 # --------------------------------------------------------------------------- main

@@ -25,7 +25,6 @@ from omegaconf import DictConfig, OmegaConf
 from dspark import factory
 from dspark.evaluation import analysis, plots
 from dspark.evaluation.metrics import AcceptanceCounter
-from dspark.evaluation.propose import draft_config
 from dspark.evaluation.scheduler import SPSTable
 from dspark.evaluation.speculative import Decoded, Timing, acceptance_counter, plain_generate, \
     speculative_generate_batch
@@ -95,7 +94,8 @@ def _load_draft_group(path: Path) -> DictConfig:
     node = OmegaConf.load(str(path))
     if "kind" not in node and "draft" in node:
         node = node.draft
-    require("kind" in node and "block_size" in node, "draft_config", f"{str(path)!r} holds no draft group")
+    require("kind" in node and ("block_size" in node or "num_steps" in node), "draft_config",
+            f"{str(path)!r} holds no draft group")
     return node
 
 
@@ -290,11 +290,12 @@ def run_eval(cfg: DictConfig) -> dict[str, dict]:
     torch.manual_seed(int(cfg.seed))
     target, draft, draft_group, weights, run_dir = build(cfg)
     require(target.tokenizer is not None, "target", "the target has no tokenizer; eval renders chat prompts")
+    # MTP drafts (own propose, chain drafting) have no mask token / layout; gamma defaults to num_steps.
     dcfg = draft.config
     mask_id, window = getattr(dcfg, "mask_token_id", None), getattr(dcfg, "sliding_window", None)
     default_g = getattr(dcfg, "block_size", None) or getattr(dcfg, "num_steps", None)
     g = int(cfg.num_drafts) if cfg.num_drafts is not None else int(default_g)
-    layout = str(draft_group.get("layout", "anchor"))
+    layout = str(draft_group.get("layout", "chain"))
     temperature, eos = float(cfg.temperature), eos_ids(cfg, target)
     max_new, bs, seed = int(cfg.max_new_tokens), int(cfg.batch_size), int(cfg.seed)
     data_dir = resolve_path(cfg.data_dir)

@@ -41,7 +41,8 @@ def check_cacheable(target: FrozenTarget) -> None:
 def _cat_features(parts: list[TargetFeatures]) -> TargetFeatures:
     if len(parts) == 1:
         return parts[0]
-    return type(parts[0])(**{k: torch.cat([getattr(p, k) for p in parts], dim=1) for k in vars(parts[0])})
+    return type(parts[0])(**{k: None if v is None else torch.cat([getattr(p, k) for p in parts], dim=1)
+                             for k, v in vars(parts[0]).items()})
 
 
 class TargetSession:
@@ -146,7 +147,7 @@ class TargetSession:
 
     @staticmethod
     def _row(feats: TargetFeatures, row: int, start: int, stop: int) -> TargetFeatures:
-        return type(feats)(**{k: v[row : row + 1, start:stop] for k, v in vars(feats).items()})
+        return type(feats)(**{k: None if v is None else v[row : row + 1, start:stop] for k, v in vars(feats).items()})
 
     def _repack(self, old_valid_end: int, new_lengths: list[int], width: int | None = None) -> None:
         """Right-align every row's first new_lengths[i] tokens (they start at slot old_valid_end - len_i)."""

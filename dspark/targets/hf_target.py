@@ -3,6 +3,10 @@
 Layer outputs are captured with forward hooks on the decoder layers (output_hidden_states would hand
 back post-norm or pre-layer states depending on the model). DeepSeek-V4 layers output hc_mult copies
 [B, S, hc, H]; they are averaged over hc (SPEC.md 2.1).
+
+Optionally (`pre_head=True`, or `capture_pre_head` set on the target) the raw output of the LAST decoder
+layer is kept as well: for DeepSeek-V4 the pre-hc_head stream [B, S, hc, H] (before hc_head and the final
+norm) that the official V4 MTP consumes; it costs nothing when not asked for.
 """
 from __future__ import annotations
 
@@ -16,10 +20,11 @@ from torch import nn
 class TargetFeatures:
     aux: torch.Tensor  # [B, S, n*H] concatenated outputs of target_layer_ids
     final: torch.Tensor  # [B, S, H] final hidden after the model's final norm
+    pre_head: torch.Tensor | None = None  # [B, S, hc, H] (V4) / [B, S, H]: raw last-layer output, when asked
 
     def prefix(self, length: int) -> "TargetFeatures":
-        """The features of positions 0..length-1 (every field is sliced on dim 1)."""
-        return type(self)(**{k: v[:, :length] for k, v in vars(self).items()})
+        """The features of positions 0..length-1 (every present field is sliced on dim 1)."""
+        return type(self)(**{k: None if v is None else v[:, :length] for k, v in vars(self).items()})
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -37,13 +42,15 @@ class FrozenTarget:
     its weights as trainable or saved state.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], tokenizer=None):
+    def __init__(self, model: nn.Module, layer_ids: list[int], tokenizer=None, *, require_aux: bool = True):
+        """`require_aux=False` allows an empty `layer_ids` (drafts that read no intermediate layers, e.g.
+        MTP heads); `aux` is then [B, S, 0]."""
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.layers = _decoder_layers(model)
         n = len(self.layers)
         bad = [i for i in layer_ids if not 0 <= int(i) < n]
-        if not layer_ids or bad:
+        if (not layer_ids and require_aux) or bad:
             raise ValueError(
                 f"draft.target_layer_ids={list(layer_ids)}: ids must be 0-based layer indices in [0, {n - 1}] "
                 f"of the target ({type(model).__name__} has {n} layers); bad: {bad or 'empty list'}"
@@ -53,6 +60,9 @@ class FrozenTarget:
         self.hidden_size = int(cfg.hidden_size)
         self.vocab_size = int(cfg.vocab_size)
         self.hc_mult = int(getattr(cfg, "hc_mult", 0) or 0)
+        # features() also returns the raw last-layer output (pre-hc_head stream) when this is set;
+        # the DSV4 MTP draft sets it when it is built against this target.
+        self.capture_pre_head = False
 
     # ---- shared weights ---------------------------------------------------------------------------
     @property
@@ -80,11 +90,13 @@ class FrozenTarget:
 
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 position_ids: torch.Tensor | None = None, cache=None) -> TargetFeatures:
-        """input_ids [B, S] -> TargetFeatures (aux [B,S,n*H], final [B,S,H]) of those S tokens.
+                 position_ids: torch.Tensor | None = None, cache=None, pre_head: bool | None = None) -> TargetFeatures:
+        """input_ids [B, S] -> TargetFeatures (aux [B,S,n*H], final [B,S,H], and with `pre_head` (default:
+        self.capture_pre_head) the raw last-layer output [B,S,hc,H] / [B,S,H]) of those S tokens.
 
         attention_mask [B, S_cache + S] (1 = real token), position_ids [B, S] and an HF `cache` (updated in
         place) are passed through to the model for KV-cached decoding (dspark.evaluation.target_session)."""
+        pre_head = self.capture_pre_head if pre_head is None else pre_head
         captured: dict[int, torch.Tensor] = {}
         handles = [
             self.layers[i].register_forward_hook(
@@ -92,6 +104,10 @@ class FrozenTarget:
             )
             for i in self.layer_ids
         ]
+        if pre_head:  # the last layer's output as is: no hc averaging
+            handles.append(self.layers[-1].register_forward_hook(
+                lambda _m, _inp, out: captured.__setitem__("pre_head", out[0] if isinstance(out, tuple) else out)
+            ))
         try:
             base = getattr(self.model, "model", self.model)
             out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -99,8 +115,12 @@ class FrozenTarget:
         finally:
             for h in handles:
                 h.remove()
-        aux = torch.cat([captured[i] for i in self.layer_ids], dim=-1)
-        return TargetFeatures(aux=aux, final=out.last_hidden_state)
+        final = out.last_hidden_state
+        if self.layer_ids:
+            aux = torch.cat([captured[i] for i in self.layer_ids], dim=-1)
+        else:
+            aux = final.new_zeros(*final.shape[:2], 0)  # [B, S, 0]
+        return TargetFeatures(aux=aux, final=final, pre_head=captured.get("pre_head"))
 
     @torch.no_grad()
     def logits_from_final(self, final: torch.Tensor) -> torch.Tensor:
@@ -112,7 +132,7 @@ class FrozenTarget:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
 
-def load_hf_target(path: str, layer_ids: list[int], dtype: str = "float32") -> FrozenTarget:
+def load_hf_target(path: str, layer_ids: list[int], dtype: str = "float32", *, require_aux: bool = True) -> FrozenTarget:
     """Any local HF causal-LM folder (offline)."""
     from pathlib import Path
 
@@ -123,4 +143,4 @@ def load_hf_target(path: str, layer_ids: list[int], dtype: str = "float32") -> F
     torch_dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return FrozenTarget(model, layer_ids, tok)
+    return FrozenTarget(model, layer_ids, tok, require_aux=require_aux)

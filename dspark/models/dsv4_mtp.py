@@ -1,0 +1,357 @@
+"""DeepSeek-V4 native MTP draft (SPEC.md 4, last paragraph; vLLM `DeepSeekV4MTP`).
+
+One MTP layer i (checkpoint prefix `mtp.{i}.`) applied to a sequence:
+
+    e    = embed(ids)                          [B, S, H]   (zeroed at position 0, as vLLM does)
+    x_in = h_proj(hnorm(h)) + e_proj(enorm(e))  [B, S, hc, H]   hnorm / h_proj per stream, e broadcast over hc
+    x    = V4 block(x_in)                       [B, S, hc, H]   mHC + shared-KV MQA (causal sliding window, sink) + MoE
+    logits = head(norm(hc_head(x)))             [B, S, V]       head = the target's LM head (shared, frozen)
+
+`h` is the main model's pre-hc_head stream (the last decoder layer's raw output) for step 0 and the
+previous step's block output `x` for later steps (chain drafting, step k uses layer k % num_layers).
+Row p combines the hidden of position p with the token at p + 1 and predicts the token at p + 2.
+
+The block is dspark.models.dspark_v4.DSparkV4Layer (serving names `attn.*`, `ffn.*`, `attn_norm`,
+`ffn_norm`, `hc_attn_*`, `hc_ffn_*`) run with no context KV and a causal sliding-window mask.
+Export: `layers.{i}.block.X` <-> `mtp.{i}.X`, `layers.{i}.Y` <-> `mtp.{i}.Y` for the layer-level tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.models.dspark_v4 import FP32_PARAM_RE, DSparkV4Config, DSparkV4Layer, _hc_params, _normal_linear, _reset_hc
+from dspark.ops.mhc import hc_head
+from dspark.ops.norms import RMSNorm
+
+# Fields of the V4 block, read from the target config (the same as DSparkV4Config's).
+BLOCK_FIELDS = (
+    "hidden_size", "vocab_size", "num_attention_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_groups",
+    "o_lora_rank", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size",
+    "routed_scaling_factor", "swiglu_limit", "scoring_func", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
+    "rms_norm_eps", "rope_theta", "sliding_window", "initializer_range",
+)
+# DSparkV4Config keys that a single decoder layer never reads (block drafting / Markov head only).
+_DSPARK_ONLY = {"block_size": 1, "mask_token_id": 0, "target_layer_ids": [0], "markov_rank": 1}
+
+
+@dataclass(kw_only=True)
+class DSV4MTPConfig:
+    """Sizes of a DeepSeek-V4 MTP draft; block sizes are the target's."""
+
+    kind: str = "dsv4_mtp"
+    num_layers: int = 1  # MTP layers (mtp.0 ... mtp.{n-1}); step k uses layer k % num_layers
+    num_steps: int = 3  # K: training depth and default number of drafts per verify step
+    mask_first_embedding: bool = True  # vLLM zeroes the token embedding at position 0
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    head_dim: int
+    rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int = 1
+    moe_intermediate_size: int
+    routed_scaling_factor: float
+    swiglu_limit: float
+    scoring_func: str = "sqrtsoftplus"
+    hc_mult: int
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    sliding_window: int = 128
+    initializer_range: float = 0.02
+
+    @property
+    def block_size(self) -> int:
+        """Drafts per verify step (eval's default gamma), = num_steps."""
+        return self.num_steps
+
+    def block_config(self) -> DSparkV4Config:
+        """The DSparkV4Config of one V4 block (the DSpark-only keys get inert values a layer never reads)."""
+        values = {k: getattr(self, k) for k in BLOCK_FIELDS}
+        return DSparkV4Config(num_layers=1, **values, **_DSPARK_ONLY)
+
+    def validate(self) -> "DSV4MTPConfig":
+        """Raise ValueError naming the offending key; returns self."""
+        if self.kind != "dsv4_mtp":
+            raise ValueError(f"DSV4MTPConfig.kind must be 'dsv4_mtp', got {self.kind!r}")
+        for key in ("num_layers", "num_steps"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"DSV4MTPConfig.{key} must be a positive int, got {value!r}")
+        try:
+            self.block_config().validate()
+        except ValueError as e:
+            raise ValueError(str(e).replace("DSparkV4Config.", "DSV4MTPConfig.")) from None
+        return self
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "DSV4MTPConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"DSV4MTPConfig: unknown keys {unknown}")
+        missing = sorted(
+            f.name for f in dataclasses.fields(cls)
+            if f.name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
+        if missing:
+            raise ValueError(f"DSV4MTPConfig: missing keys {missing}")
+        return cls(**dict(values))
+
+    @classmethod
+    def from_hf_config(cls, hf_cfg: Any, **keys: Any) -> "DSV4MTPConfig":
+        """Block sizes from a transformers DeepseekV4Config (its main RoPE theta; YaRN is not modelled),
+        num_layers from `num_nextn_predict_layers` when the config has MTP layers; `keys` override."""
+        block = DSparkV4Config.from_hf_config(hf_cfg, **_DSPARK_ONLY)
+        values: dict[str, Any] = {k: getattr(block, k) for k in BLOCK_FIELDS}
+        main_rope = (getattr(hf_cfg, "rope_parameters", None) or {}).get("main") or {}
+        values["rope_theta"] = float(main_rope.get("rope_theta") or getattr(hf_cfg, "rope_theta", None) or 10000.0)
+        n_mtp = getattr(hf_cfg, "num_nextn_predict_layers", 0) or 0
+        if n_mtp > 0:
+            values["num_layers"] = int(n_mtp)
+        values.update(keys)
+        return cls.from_dict(values).validate()
+
+
+def causal_window_mask(position_ids: torch.Tensor, window: int) -> torch.Tensor:
+    """position_ids [B, S] -> bool [B, S, S]: key j visible to query i iff j <= i and pos_i - window < pos_j."""
+    s = position_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()  # [S, S]
+    gap = position_ids[:, :, None] - position_ids[:, None, :]  # [B, S, S] pos_i - pos_j
+    return causal & (gap < window)
+
+
+class DSV4MTPLayer(nn.Module):
+    """One `mtp.{i}`: enorm/hnorm/e_proj/h_proj, the V4 block, and its own hc_head + norm."""
+
+    def __init__(self, cfg: DSV4MTPConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, hc = cfg.hidden_size, cfg.hc_mult
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.e_proj = nn.Linear(h, h, bias=False)
+        self.h_proj = nn.Linear(h, h, bias=False)
+        self.block = DSparkV4Layer(cfg.block_config())
+        self.hc_head_fn, self.hc_head_base, self.hc_head_scale = _hc_params(hc, h, hc, 1)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.initializer_range
+        self.enorm.reset_parameters()
+        self.hnorm.reset_parameters()
+        self.norm.reset_parameters()
+        _normal_linear(self.e_proj, std)
+        _normal_linear(self.h_proj, std)
+        self.block.reset_parameters(std)
+        _reset_hc(self.hc_head_fn, self.hc_head_base, self.hc_head_scale, std)
+
+    def combine(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """emb [B, S, H], hidden [B, S, hc, H] -> h_proj(hnorm(hidden)) + e_proj(enorm(emb)) [B, S, hc, H]."""
+        return self.h_proj(self.hnorm(hidden)) + self.e_proj(self.enorm(emb)).unsqueeze(-2)
+
+    def collapse(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., hc, H] -> norm(hc_head(x)) [..., H]."""
+        c = self.cfg
+        return self.norm(hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps))
+
+
+class DSV4MTPDraft(nn.Module):
+    """DeepSeek-V4 MTP draft; the MTP-draft interface is in docs/CONTRACTS.md ("MTP drafts")."""
+
+    # FrozenTarget must capture the last layer's raw output (factory.build_draft sets it).
+    needs_pre_head = True
+
+    def __init__(self, config: DSV4MTPConfig):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.layers = nn.ModuleList([DSV4MTPLayer(config) for _ in range(config.num_layers)])
+        self._embed_weight: torch.Tensor | None = None
+        self._lm_head_weight: torch.Tensor | None = None
+
+    def reset_parameters(self) -> None:
+        for layer in self.layers:
+            layer.reset_parameters()
+
+    def set_dtype(self, dtype: torch.dtype) -> "DSV4MTPDraft":
+        """Cast the compute weights to `dtype`, keeping mHC, norms, sinks and the gate bias in fp32."""
+        for name, param in self.named_parameters():
+            if not FP32_PARAM_RE.search(name):
+                param.data = param.data.to(dtype)
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].e_proj.weight.dtype
+
+    @torch.no_grad()
+    def init_from_target(self, hf_model: nn.Module) -> "DSV4MTPDraft":
+        """Start every MTP layer from the target: its last decoder layer into the block (compressor / indexer
+        tensors dropped, see v4_names), its hc_head into hc_head_*, its final norm into norm. enorm / hnorm /
+        e_proj / h_proj keep their init."""
+        from dspark.models.v4_names import hf_layer_to_draft_state
+
+        base = getattr(hf_model, "model", hf_model)
+        block_state = hf_layer_to_draft_state(base.layers[-1].state_dict())
+        head = base.hc_head
+        for layer in self.layers:
+            layer.block.load_state_dict(block_state, strict=True)
+            layer.hc_head_fn.copy_(head.hc_fn)
+            layer.hc_head_base.copy_(head.hc_base)
+            layer.hc_head_scale.copy_(head.hc_scale)
+            layer.norm.weight.copy_(base.norm.weight)
+        return self
+
+    # -- shared target weights ---------------------------------------------------------------------
+    def share_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        """The target's embedding [V, H] and LM head [V, H]: detached plain attributes, never saved or trained."""
+        v, h = self.config.vocab_size, self.config.hidden_size
+        for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
+            if tuple(w.shape) != (v, h):
+                raise ValueError(f"share_target_weights: {name} must be [{v}, {h}], got {tuple(w.shape)}")
+        object.__setattr__(self, "_embed_weight", embed_weight.detach())
+        object.__setattr__(self, "_lm_head_weight", lm_head_weight.detach())
+
+    def _shared(self, name: str) -> torch.Tensor:
+        w = getattr(self, f"_{name}")
+        if w is None:
+            raise RuntimeError(f"DSV4MTPDraft: call share_target_weights() before using {name}")
+        return w
+
+    # -- interface ---------------------------------------------------------------------------------
+    def context_hidden(self, feats) -> torch.Tensor:
+        """TargetFeatures -> the main model's pre-hc_head stream [B, S, hc, H] (step 0's hidden)."""
+        h = getattr(feats, "pre_head", None)
+        if h is None:
+            raise ValueError("DSV4MTPDraft needs TargetFeatures.pre_head (the last layer's raw output): "
+                             "call target.features(..., pre_head=True) or set target.capture_pre_head")
+        c = self.config
+        if h.dim() != 4 or tuple(h.shape[-2:]) != (c.hc_mult, c.hidden_size):
+            raise ValueError(f"pre_head must be [B, S, {c.hc_mult}, {c.hidden_size}], got {tuple(h.shape)}")
+        return h.to(self.dtype)
+
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+             layer_idx: int) -> torch.Tensor:
+        """One MTP application over a sequence (causal): input_ids [B, S], hidden [B, S, hc, H],
+        position_ids [B, S] -> the block output [B, S, hc, H] (pre-hc_head; fed to the next step)."""
+        b, s = input_ids.shape
+        if tuple(hidden.shape[:2]) != (b, s) or tuple(position_ids.shape) != (b, s):
+            raise ValueError(f"step: input_ids {tuple(input_ids.shape)}, hidden {tuple(hidden.shape)} and "
+                             f"position_ids {tuple(position_ids.shape)} must share [B, S]")
+        layer = self.layers[layer_idx % len(self.layers)]
+        emb = F.embedding(input_ids, self._shared("embed_weight")).to(self.dtype)  # [B, S, H]
+        if self.config.mask_first_embedding:
+            emb = emb.masked_fill((position_ids == 0).unsqueeze(-1), 0.0)
+        x = layer.combine(emb, hidden.to(self.dtype))  # [B, S, hc, H]
+        mask = causal_window_mask(position_ids, self.config.sliding_window)  # [B, S, S]
+        no_ctx = x.new_zeros(b, 0, self.config.head_dim)
+        return layer.block(x, position_ids, no_ctx, mask)
+
+    def logits(self, hidden_out: torch.Tensor, layer_idx: int = 0) -> torch.Tensor:
+        """hidden_out [..., hc, H] -> head(norm(hc_head(.))) [..., V] with layer `layer_idx % num_layers`'s head stack."""
+        w = self._shared("lm_head_weight")
+        h = self.layers[layer_idx % len(self.layers)].collapse(hidden_out)  # [..., H]
+        return F.linear(h.to(w.dtype), w)
+
+    @torch.no_grad()
+    def propose(self, feats, tokens: torch.Tensor, *, num_drafts: int, temperature: float = 0.0,
+                generator: torch.Generator | None = None):
+        """Chain drafting with the MTP layers (see chain_propose)."""
+        return chain_propose(self, feats, tokens, num_drafts=num_drafts, temperature=temperature, generator=generator)
+
+
+# ---- inference: chain drafting ------------------------------------------------------------------
+@torch.no_grad()
+def chain_propose(draft: nn.Module, feats, tokens: torch.Tensor, *, num_drafts: int, temperature: float = 0.0,
+                  generator: torch.Generator | None = None):
+    """`num_drafts` drafts after x0 = tokens[a] with any MTP draft (context_hidden / step / logits).
+
+    tokens [a+1] long (prompt + generated, x0 last); feats: TargetFeatures of batch 1 covering positions
+    0..a-1. Step 0 runs over rows 0..a-1 with ids tokens[1..a] (row a-1: hidden of a-1 and x0) and its last
+    row gives y_0; step k runs over step k-1's outputs with the ids shifted once more and y_{k-1} appended,
+    positions + k, layer k % num_layers. No KV cache: every step recomputes its whole prefix (the same
+    computation as teacher-forced training, with the draft's own tokens at the end).
+    """
+    from dspark.evaluation.propose import Proposal, sample_from_logits
+
+    a = int(tokens.numel()) - 1
+    if a < 1:
+        raise ValueError("chain_propose: tokens must hold at least one context token before x0")
+    if num_drafts < 1:
+        raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
+    hidden = draft.context_hidden(feats)[:, :a]  # [1, a, ...]
+    if hidden.shape[0] != 1 or hidden.shape[1] != a:
+        raise ValueError(f"chain_propose: features must be batch 1 with >= {a} positions, got {tuple(hidden.shape)}")
+    dev = hidden.device
+    ids = tokens.to(dev).long()[1 : a + 1].unsqueeze(0)  # [1, a]
+    pos = torch.arange(a, device=dev).unsqueeze(0)  # [1, a]
+    ys, q_rows, logit_rows = [], [], []
+    for k in range(int(num_drafts)):
+        hidden = draft.step(ids, hidden, pos + k, k)  # [1, a, ...]
+        logits = draft.logits(hidden[:, -1:], k)[0, 0].float() if _takes_layer(draft) else \
+            draft.logits(hidden[:, -1:])[0, 0].float()  # [V]
+        y, q = sample_from_logits(logits, temperature, generator)
+        ys.append(y)
+        q_rows.append(q)
+        logit_rows.append(logits)
+        ids = torch.cat([ids[:, 1:], y.view(1, 1).to(dev)], dim=1)  # shift once more, append the draft
+    return Proposal(tokens=torch.stack(ys), q_probs=torch.stack(q_rows), conf=None, logits=torch.stack(logit_rows))
+
+
+def _takes_layer(draft: nn.Module) -> bool:
+    """Whether draft.logits accepts the step's layer index (per-layer head stacks, as DSV4 MTP has)."""
+    import inspect
+
+    return "layer_idx" in inspect.signature(draft.logits).parameters
+
+
+# ---- serving checkpoint names -------------------------------------------------------------------
+_LAYER_LEVEL = ("enorm.", "hnorm.", "e_proj.", "h_proj.", "norm.", "hc_head_fn", "hc_head_base", "hc_head_scale")
+_TRAIN_NAME = re.compile(r"^layers\.(\d+)\.(block\.)?(.+)$")
+_SERVING_NAME = re.compile(r"^mtp\.(\d+)\.(.+)$")
+
+
+def to_serving_names(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DSV4MTPDraft state_dict -> official V4 checkpoint names (`mtp.{i}.e_proj.weight`, `mtp.{i}.attn.wq_a.weight`,
+    `mtp.{i}.hc_head_fn`, `mtp.{i}.norm.weight`, ...). Embedding / head are shared with the target: not written."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        m = _TRAIN_NAME.match(name)
+        if m is None or (m.group(2) is None) != m.group(3).startswith(_LAYER_LEVEL):
+            raise ValueError(f"to_serving_names: unexpected DSV4 MTP parameter {name!r}")
+        out[f"mtp.{m.group(1)}.{m.group(3)}"] = tensor
+    return out
+
+
+def from_serving_names(serving: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Official V4 `mtp.{i}.*` tensors -> DSV4MTPDraft state_dict. Shared `mtp.{i}.emb.*` / `mtp.{i}.head.*`
+    copies, if a checkpoint carries them, are skipped (the draft uses the target's)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in serving.items():
+        m = _SERVING_NAME.match(name)
+        if m is None:
+            raise ValueError(f"from_serving_names: {name!r} is not an mtp.{{i}}.* tensor")
+        i, rest = m.groups()
+        if rest.startswith(("emb.", "head.")):
+            continue
+        out[f"layers.{i}.{rest}" if rest.startswith(_LAYER_LEVEL) else f"layers.{i}.block.{rest}"] = tensor
+    return out
+
+
+__all__ = ["DSV4MTPConfig", "DSV4MTPDraft", "DSV4MTPLayer", "causal_window_mask", "chain_propose", "to_serving_names",
+           "from_serving_names", "BLOCK_FIELDS"]

