@@ -188,14 +188,24 @@ def test_sampled_batch_does_not_depend_on_batch_mates(llama_target):
         assert alone.tolist() == batched.tokens[i].tolist()
 
 
-def test_session_cache_matches_full_recompute_after_rollbacks():
+def _session_target(kind: str) -> FrozenTarget:
+    if kind == "v4":  # sliding window smaller than the sequences, hc streams averaged
+        torch.manual_seed(0)
+        return FrozenTarget(DeepseekV4ForCausalLM(tiny_v4_config(vocab_size=V, sliding_window=5)).eval(), [0, 2])
+    from dspark.targets.tiny_hy_v4 import load_tiny_hy_v4_target  # MLA + DSA indexer keys in the cache
+
+    target = load_tiny_hy_v4_target(layer_ids=[0, 2])
+    target.capture_pre_head = True  # an optional feature field travels through the session too
+    return target
+
+
+@pytest.mark.parametrize("kind", ["v4", "hy_v4"])
+def test_session_cache_matches_full_recompute_after_rollbacks(kind):
     """The KV session's features/logits after commits with rejected slots == a fresh forward of the kept
-    tokens (DeepSeek-V4 target: sliding window smaller than the sequence, hc streams averaged)."""
+    tokens, for rows of different lengths (left padding)."""
     from dspark.evaluation.target_session import TargetSession
 
-    torch.manual_seed(0)
-    model = DeepseekV4ForCausalLM(tiny_v4_config(vocab_size=V, sliding_window=5)).eval()
-    target = FrozenTarget(model, [0, 2])
+    target = _session_target(kind)
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, V, (n,), generator=gen) for n in (3, 7)]
     sess = TargetSession(target, seqs)
@@ -210,7 +220,10 @@ def test_session_cache_matches_full_recompute_after_rollbacks():
         seqs = [torch.cat([s, new[i, :k]]) for i, (s, k) in enumerate(zip(seqs, keep))]
         for i in range(2):
             full, _ = spec.score(target, seqs[i])
-            assert torch.allclose(sess.features(i).aux, full.aux, atol=1e-4)
+            got = sess.features(i)
+            assert torch.allclose(got.aux, full.aux, atol=1e-4)
+            assert (got.pre_head is None) == (kind == "v4")
+            assert got.pre_head is None or torch.allclose(got.pre_head, full.pre_head, atol=1e-4)
     sess.retain([1])
     new = torch.randint(0, V, (1, 2), generator=gen)
     _, ref_logits = spec.score(target, torch.cat([seqs[1], new[0]]))

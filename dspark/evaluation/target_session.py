@@ -1,8 +1,8 @@
 """A batch of requests decoding together against one KV-cached target (the verify side of eval.py).
 
-Cache layout: one HF `DynamicCache` built WITHOUT the model config, so every layer keeps all of its keys
-(no sliding-window eviction: a rejected draft must be removable, and the window is applied by the
-attention mask from the true positions). Rows are requests; each row's cached tokens are right-aligned
+Cache layout: one HF `DynamicCache` whose layers keep all of their keys (no sliding-window eviction: a
+rejected draft must be removable, and the window is applied by the attention mask from the true
+positions); DSA layers (`indexed_attention`, HY V4) also keep their indexer keys, re-packed the same way. Rows are requests; each row's cached tokens are right-aligned
 and left-padded:
 
     slot   0 .. pad_i-1      padding (attention_mask 0)
@@ -25,7 +25,20 @@ import torch
 
 from dspark.targets.hf_target import FrozenTarget, TargetFeatures
 
-SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "indexed_attention"})
+
+
+def _new_cache(target: FrozenTarget):
+    """DynamicCache with one non-evicting layer per decoder layer (an indexed layer where the model has DSA)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer
+
+    types = list(getattr(target.model.config, "layer_types", None) or [])
+    if "indexed_attention" not in types:
+        return DynamicCache()  # lazily filled with DynamicLayer
+    cache = DynamicCache(config=target.model.config)
+    cache.layers = [DynamicIndexedLayer() if t == "indexed_attention" else DynamicLayer() for t in types]
+    return cache
 
 
 def check_cacheable(target: FrozenTarget) -> None:
@@ -36,6 +49,11 @@ def check_cacheable(target: FrozenTarget) -> None:
             f"KV-cached verification supports layer types {sorted(SUPPORTED_LAYER_TYPES)}; the target has {bad} "
             "(compressor state cannot be rolled back after a rejected draft)"
         )
+
+
+def _gather_slots(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, L, D], src [B, W] slot indices -> [B, heads, W, D]."""
+    return x.gather(2, src[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))
 
 
 def _cat_features(parts: list[TargetFeatures]) -> TargetFeatures:
@@ -49,14 +67,12 @@ class TargetSession:
     """prompts: one [P_i] long tensor per request (P_i >= 1)."""
 
     def __init__(self, target: FrozenTarget, prompts: Sequence[torch.Tensor]):
-        from transformers import DynamicCache
-
         check_cacheable(target)
         if not prompts:
             raise ValueError("TargetSession needs at least one prompt")
         self.target = target
         self.device = target.device
-        self.cache = DynamicCache()
+        self.cache = _new_cache(target)
         self.lengths: list[int] = []  # cached tokens per row
         self.attention_mask = torch.zeros(len(prompts), 0, dtype=torch.long, device=self.device)  # [B, L]
         self._feats: list[list[TargetFeatures]] = [[] for _ in prompts]  # kept features per row, in chunks
@@ -130,6 +146,10 @@ class TargetSession:
         for layer in self.cache.layers:
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+            if getattr(layer, "indexer_keys", None) is not None and layer.indexer_keys.numel():
+                layer.indexer_keys = layer.indexer_keys[idx]  # [B, L, D]
+            if getattr(layer, "indexer_position_ids", None) is not None:
+                layer.indexer_position_ids = layer.indexer_position_ids[:, idx]  # [P, B, L]
         self.attention_mask = self.attention_mask[idx]
         self.lengths = [self.lengths[r] for r in rows]
         self._feats = [self._feats[r] for r in rows]
@@ -158,10 +178,14 @@ class TargetSession:
         pad = (width - new_len).unsqueeze(1)  # [B, 1]
         src = (starts.unsqueeze(1) + j - pad).clamp_min(0)  # [B, W] source slot of destination slot j
         for layer in self.cache.layers:
-            if getattr(layer, "keys", None) is None or not layer.keys.numel():
-                continue
-            index = src[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            layer.keys = layer.keys.gather(2, index)
-            layer.values = layer.values.gather(2, index)
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = _gather_slots(layer.keys, src)  # [B, heads, W, D]
+                layer.values = _gather_slots(layer.values, src)  # (MLA: other heads / dim than the keys)
+            ik = getattr(layer, "indexer_keys", None)
+            if ik is not None and ik.numel():
+                layer.indexer_keys = ik.gather(1, src[:, :, None].expand(-1, -1, ik.shape[-1]))  # [B, W, D]
+            ip = getattr(layer, "indexer_position_ids", None)
+            if ip is not None:
+                layer.indexer_position_ids = ip.gather(2, src[None].expand(ip.shape[0], -1, -1))  # [P, B, W]
         self.attention_mask = (j >= pad).long()
         self.lengths = list(new_lengths)
