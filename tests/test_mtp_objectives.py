@@ -122,6 +122,29 @@ def test_losses_and_metrics_against_direct_computation():
     torch.testing.assert_close(d0g.grad, ref)
 
 
+def test_row_normalizers_make_two_shards_average_to_the_full_batch():
+    """DDP contract: each 'rank' divides by the global rows per step / world size; the mean of the ranks'
+    losses and gradients is then the one-process loss and gradient (shards of unequal size)."""
+    torch.manual_seed(0)
+    d = torch.randn(5, 4, requires_grad=True)
+    t = torch.randn(5, 4)
+    lab = torch.tensor([0, 3, 1, 2, 2])
+    rows = torch.tensor([[0, i] for i in range(5)])
+    kw = dict(num_steps=1, beta=0.6, weights=MTPLossWeights(ce=0.4, kl=0.6), batch_rows=(1, 5), metrics=False)
+    full = mtp_losses([StepOutputs(d, lab, torch.zeros(5, 1), rows, d)], [t], **kw)["loss"]
+    (g_full,) = torch.autograd.grad(full, d)
+    shards = [slice(0, 1), slice(1, 5)]  # 1 row and 4 rows
+    per_rank = [mtp_losses([StepOutputs(d[sl], lab[sl], torch.zeros(1, 1), rows[sl], d[sl])], [t[sl]],
+                           row_normalizers=torch.tensor([5 / 2]), **kw)["loss"] for sl in shards]
+    mean = sum(per_rank) / 2
+    (g_mean,) = torch.autograd.grad(mean, d)
+    torch.testing.assert_close(mean, full)
+    torch.testing.assert_close(g_mean, g_full)
+    naive = sum(mtp_losses([StepOutputs(d[sl], lab[sl], torch.zeros(1, 1), rows[sl], d[sl])], [t[sl]], **kw)["loss"]
+                for sl in shards) / 2
+    assert abs(float(naive) - float(full)) > 1e-3  # per-rank means would optimise something else
+
+
 def test_kl_is_zero_for_equal_distributions_and_positive_otherwise():
     x = torch.randn(4, 7)
     torch.testing.assert_close(kl_to_teacher(x, x + 3.0), torch.zeros(4), atol=1e-6, rtol=0)

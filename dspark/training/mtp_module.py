@@ -41,7 +41,17 @@ class MTPLightningModule(DraftLightningModule):
         steps = recursive_forward(self.draft, self.draft.context_hidden(feats), ids, lm, feats.final, self.num_steps)
         teacher = [self.target.logits_from_final(st.teacher_final) for st in steps]  # [N_k, V] each
         return mtp_losses(steps, teacher, num_steps=self.num_steps, beta=self.beta, weights=self.mtp_weights,
-                          batch_rows=(ids.shape[0], max(ids.shape[1] - 2, 0)), metrics=metrics)
+                          batch_rows=(ids.shape[0], max(ids.shape[1] - 2, 0)), metrics=metrics,
+                          row_normalizers=self._global_rows(steps) if self.training else None)
+
+    def _global_rows(self, steps) -> torch.Tensor | None:
+        """Scored rows per step summed over ranks / world size (None in one process): DDP then optimises
+        exactly the single-process objective (see DraftLightningModule._global_normalizer)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        counts = torch.tensor([float(st.labels.numel()) for st in steps], device=steps[0].logits.device)  # [K]
+        dist.all_reduce(counts)
+        return counts / dist.get_world_size()
 
     # ---- steps -----------------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):

@@ -120,13 +120,16 @@ def kl_to_teacher(draft_logits: torch.Tensor, teacher_logits: torch.Tensor) -> t
 
 
 def mtp_losses(steps: list[StepOutputs], teacher_logits: list[torch.Tensor], *, num_steps: int, beta: float,
-               weights: MTPLossWeights, batch_rows: tuple[int, int], metrics: bool = True) -> dict[str, torch.Tensor]:
+               weights: MTPLossWeights, batch_rows: tuple[int, int], metrics: bool = True,
+               row_normalizers: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Loss and metrics from recursive_forward's outputs and the teacher logits of each step's rows.
 
     teacher_logits[k] [N_k, V]; batch_rows = (B, L_0 - 1) for the dense metric grid.
     Returns loss, ce, kl (weighted over steps), ce_k / kl_k per step and, with `metrics` (vocabulary-sized
     work on every row; training skips it on steps that are not logged), tau_prob, l1, agree_count [K],
     agree_total [K], rows (scored rows of step 0).
+    row_normalizers [K]: divide step k's summed CE / KL by this instead of its own row count N_k (DDP: the
+    global N_k / world size, so that averaging the ranks' gradients gives the single-process objective).
     """
     w = step_weights(num_steps, beta)
     dev = steps[0].logits.device if steps else torch.device("cpu")
@@ -142,8 +145,9 @@ def mtp_losses(steps: list[StepOutputs], teacher_logits: list[torch.Tensor], *, 
             continue
         logq = st.logits.float().log_softmax(-1)  # [N_k, V]
         logp = teacher.float().log_softmax(-1)
-        ce = -logq.gather(-1, st.labels.unsqueeze(-1)).mean()
-        kl = (logp.exp() * (logp - logq)).sum(-1).mean()  # KL(teacher || draft), as kl_to_teacher
+        denom = st.labels.numel() if row_normalizers is None else row_normalizers[k].clamp_min(1e-8)
+        ce = -logq.gather(-1, st.labels.unsqueeze(-1)).sum() / denom
+        kl = (logp.exp() * (logp - logq)).sum(-1).sum() / denom  # KL(teacher || draft), as kl_to_teacher
         out[f"ce_{k}"], out[f"kl_{k}"] = ce.detach(), kl.detach()
         ce_all = ce_all + w[k] * ce
         kl_all = kl_all + w[k] * kl
