@@ -598,3 +598,29 @@ def test_eval_sampling_and_input_errors(eval_setup, tmp_path):
         run_eval(_eval_cfg(root))  # neither run_dir nor draft_ckpt
     with pytest.raises(ConfigError, match="run_dir"):
         run_eval(_eval_cfg(root, f"run_dir={tmp_path}"))  # no exported draft there
+
+
+def test_eval_refuses_a_target_with_other_weights(eval_setup, tmp_path):
+    """draft/target.json (written at the end of training) pins the target's weights: the same target passes,
+    a retrained one under the same path is refused naming `target`, unless allow_target_mismatch."""
+    import json
+    import shutil
+
+    from dspark.evaluation.run_eval import run_eval
+    from dspark.factory import ConfigError
+    from dspark.targets.hf_target import load_hf_target
+
+    root = eval_setup
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)
+    cfg = _eval_cfg(root, f"run_dir={run}", "benchmarks=[math]", "compare_target=false", "plots=false")
+    target = load_hf_target(str(root / "target"), [0, 1])
+    (run / "draft" / "target.json").write_text(json.dumps({"kind": "hf", "path": "x", "fingerprint": target.fingerprint()}))
+    assert run_eval(cfg)["math"]["num_drafts"] > 0
+    with torch.no_grad():
+        target.model.get_output_embeddings().weight.mul_(1.01)  # "retrained": one tensor differs
+    (run / "draft" / "target.json").write_text(json.dumps({"kind": "hf", "path": "x", "fingerprint": target.fingerprint()}))
+    with pytest.raises(ConfigError, match="target.*different weights"):
+        run_eval(cfg)
+    cfg.allow_target_mismatch = True
+    assert run_eval(cfg)["math"]["num_drafts"] > 0

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, TINY_RUN, compose
+from dspark import factory
 from dspark.factory import ConfigError
 from dspark.training.run import run_training
 
@@ -35,6 +36,8 @@ def test_tiny_run_writes_checkpoint_metrics_and_draft(tmp_path):
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
     weights = load_file(tmp_path / "draft" / "model.safetensors")
     assert "main_proj.weight" in weights and not any("embed" in k or "lm_head" in k for k in weights)
+    pinned = json.loads((tmp_path / "draft" / "target.json").read_text())  # eval refuses other target weights
+    assert pinned["kind"] == "tiny_v4" and pinned["fingerprint"] == factory.build_target(cfg).fingerprint()
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["global_step"] == 6 == summary["global_step"]
     for part in ("step0", "final"):
@@ -50,7 +53,6 @@ def test_tiny_run_writes_checkpoint_metrics_and_draft(tmp_path):
                         "--out", str(tmp_path / "export"), "--dtype", "float32"]) == 0
     from dspark.export.verify import verify_folder
     from dspark.export.dspark_v4 import import_v4_sidecar
-    from dspark import factory
 
     assert verify_folder(tmp_path / "export").ok
     target = factory.build_target(cfg)

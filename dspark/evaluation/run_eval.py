@@ -151,11 +151,27 @@ def build(cfg: DictConfig) -> tuple[FrozenTarget, torch.nn.Module, DictConfig, P
     target.to(device)
     draft.to(device).eval()
     draft.share_target_weights(target.embed_weight, target.lm_head_weight)
-    _check_training_target(cfg, run_dir)
+    _check_training_target(cfg, run_dir, target)
     return target, draft, draft_group, weights, run_dir
 
 
-def _check_training_target(cfg: DictConfig, run_dir: Path) -> None:
+def _check_training_target(cfg: DictConfig, run_dir: Path, target: FrozenTarget) -> None:
+    """Refuse a target other than the one the draft was trained against (draft/target.json fingerprint), unless
+    allow_target_mismatch; older runs without that file only get the kind/path comparison, as a warning."""
+    from dspark.training.run import TARGET_FILE
+
+    recorded = run_dir / "draft" / TARGET_FILE
+    if recorded.is_file():
+        trained = json.loads(recorded.read_text())
+        now = target.fingerprint()
+        if trained.get("fingerprint") != now:
+            msg = (f"the draft was trained against target kind={trained.get('kind')} path={trained.get('path')} "
+                   f"(fingerprint {str(trained.get('fingerprint'))[:12]}), this target (kind={cfg.target.kind} "
+                   f"path={cfg.target.path}) has fingerprint {now[:12]}: different weights")
+            require(bool(cfg.get("allow_target_mismatch", False)), "target", msg + "; set allow_target_mismatch=true "
+                    "to evaluate anyway")
+            log.warning(msg)
+        return
     hydra_cfg = run_dir / ".hydra" / "config.yaml"
     if not hydra_cfg.is_file():
         return

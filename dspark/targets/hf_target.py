@@ -81,6 +81,23 @@ class FrozenTarget:
         self.model.to(device)
         return self
 
+    @torch.no_grad()
+    def fingerprint(self, samples: int = 4096) -> str:
+        """sha256 over every parameter's name, shape, dtype and a fixed strided sample of `samples` values
+        (first and last included): cheap at any size; retraining changes it (an edit of single values between
+        the samples would not). Stored with a trained
+        draft (draft/target.json) so eval refuses a different target under the same name."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, p in sorted(self.model.state_dict().items()):
+            flat = p.detach().reshape(-1)
+            h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
+            if flat.numel():
+                idx = torch.linspace(0, flat.numel() - 1, min(samples, flat.numel()), device=flat.device).long()
+                h.update(flat[idx].float().cpu().numpy().tobytes())
+        return h.hexdigest()
+
     # ---- forward ------------------------------------------------------------------------------------
     def _layer_output(self, out) -> torch.Tensor:
         h = out[0] if isinstance(out, tuple) else out

@@ -120,6 +120,9 @@ def resolve_resume(cfg: DictConfig, run_dir: Path) -> str | None:
     return str(path)
 
 
+TARGET_FILE = "target.json"  # the target a draft was trained against: kind, path, FrozenTarget.fingerprint()
+
+
 def export_draft(draft: torch.nn.Module, cfg: DictConfig, out_dir: Path) -> None:
     """Trained draft weights (safetensors, training names) + the resolved draft config."""
     state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
@@ -161,6 +164,9 @@ def run_training(cfg: DictConfig, callbacks: tuple[Callback, ...] = ()) -> dict:
     )
     if trainer.is_global_zero:
         export_draft(draft, cfg, run_dir / "draft")
+        atomic_write_json(run_dir / "draft" / TARGET_FILE, {
+            "kind": str(cfg.target.kind), "path": None if cfg.target.path is None else str(cfg.target.path),
+            "fingerprint": target.fingerprint()})
         atomic_write_json(summary_path, summary)
         log.info("metrics: %s", json.dumps(summary))
     return summary
