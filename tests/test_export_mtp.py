@@ -255,6 +255,62 @@ def test_cli_exports_verifies_and_reimports_a_tiny_mtp_run(tmp_path, experiment,
     back = import_mtp(out)
     back.share_target_weights(target.embed_weight, target.lm_head_weight)
     assert torch.equal(_chain_logits(draft), _chain_logits(back))
+    if experiment == "hyv4_mtp":  # --merge-into: a copy of the target checkpoint with the draft added
+        from dspark.targets.tiny_hy_v4 import TINY_HY_V4_DIR
+
+        merged = tmp_path / "merged"
+        res = _cli("mtp", "--run-dir", str(run), "--out", str(merged), "--merge-into", str(TINY_HY_V4_DIR))
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert res.stdout.strip().splitlines()[-1].startswith(f"OK {merged}: {fmt}")
+        assert (merged / "model-mtp-draft.safetensors").is_file()
     if experiment == "dsv4_mtp":  # HY-only options are refused for a DeepSeek-V4 draft
         res = _cli("mtp", "--run-dir", str(run), "--out", str(tmp_path / "x"), "--layer-names", "layers")
         assert res.returncode != 0 and "HY V4 MTP drafts only" in res.stderr
+
+
+@pytest.mark.parametrize("experiment", ["hyv4_mtp", "dsv4_mtp"])
+def test_merge_into_a_target_checkpoint(tmp_path, experiment):
+    from conftest import compose
+    from dspark import factory
+    from dspark.export.mtp import MERGED_SHARD, merge_mtp_into_target
+    from dspark.targets.tiny_hy_v4 import TINY_HY_V4_DIR
+    from dspark.targets.tiny_v4 import TINY_V4_DIR
+
+    target_dir = TINY_HY_V4_DIR if experiment == "hyv4_mtp" else TINY_V4_DIR
+    cfg = compose([f"experiment={experiment}", "draft.num_layers=2"])
+    target = factory.build_target(cfg)
+    draft = factory.build_draft(cfg, target)
+    _randomise(draft, seed=15)
+    kw = {"layer_names": "layers"} if experiment == "hyv4_mtp" else {}
+    out = merge_mtp_into_target(draft, target_dir, tmp_path / "merged", dtype=torch.float32, **kw)
+    assert main_verify(out) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(target_dir / "model.safetensors"), framework="pt") as fh:
+        own = set(fh.keys())
+    drafted = {n for n, f in index.items() if f == MERGED_SHARD}
+    assert set(index) == own | drafted and not own & drafted
+    n_layers = json.loads((target_dir / "config.json").read_text())["num_hidden_layers"]
+    probe = f"model.layers.{n_layers + 1}.eh_proj.weight" if experiment == "hyv4_mtp" else "mtp.1.e_proj.weight"
+    assert probe in drafted
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 2
+    back = import_mtp(out)
+    back.share_target_weights(target.embed_weight, target.lm_head_weight)
+    assert torch.equal(_chain_logits(draft), _chain_logits(back))
+    # merging again into the merged folder replaces its MTP tensors (nothing of the first draft survives)
+    _randomise(draft, seed=17)
+    again = merge_mtp_into_target(draft, out, tmp_path / "again", dtype=torch.float32, **kw)
+    index2 = json.loads((again / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index2 == index and main_verify(again) == 0
+    back2 = import_mtp(again)
+    back2.share_target_weights(target.embed_weight, target.lm_head_weight)
+    assert torch.equal(_chain_logits(draft), _chain_logits(back2))
+    assert not torch.equal(_chain_logits(back), _chain_logits(back2))
+    # the verifier still judges the MTP tensors of a merged folder
+    t = load_file(str(out / MERGED_SHARD))
+    t[probe] = t[probe].to(torch.float16)
+    save_file(t, str(out / MERGED_SHARD))
+    assert [p.split()[0] for p in verify_folder(out).problems] == ["dtype:"]
+    # a draft whose sizes are not the target's is refused (vLLM builds the MTP layers from the target config)
+    wrong = _hy_draft(16) if experiment == "hyv4_mtp" else _dsv4_draft(16)
+    with pytest.raises(ValueError, match="hidden_size: draft 16 vs target"):
+        merge_mtp_into_target(wrong, target_dir, tmp_path / "wrong")

@@ -125,6 +125,9 @@ def _run_dense(target, draft, cfg, args, dtype, shard: int) -> None:
 
 
 def _add_mtp(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--merge-into", type=Path, default=None,
+                   help="a target checkpoint folder: OUT becomes a copy of it with the MTP tensors added (its own "
+                        "MTP tensors replaced, config.json num_nextn_predict_layers updated)")
     p.add_argument("--layer-names", choices=("mtp_layers", "layers"), default="mtp_layers",
                    help="HY V4: model.mtp_layers.{i}.* (default) or model.layers.{N+i}.* (N = target layers)")
     p.add_argument("--split-experts", action="store_true",
@@ -132,7 +135,7 @@ def _add_mtp(p: argparse.ArgumentParser) -> None:
 
 
 def _run_mtp(target, draft, cfg, args, dtype, shard: int) -> None:
-    from dspark.export.mtp import export_mtp
+    from dspark.export.mtp import export_mtp, merge_mtp_into_target
     from dspark.models.dsv4_mtp import DSV4MTPDraft
     from dspark.models.hy_v4_mtp import HYV4MTPDraft
 
@@ -141,8 +144,12 @@ def _run_mtp(target, draft, cfg, args, dtype, shard: int) -> None:
     if isinstance(draft, DSV4MTPDraft) and (args.layer_names != "mtp_layers" or args.split_experts):
         raise SystemExit("--layer-names / --split-experts apply to HY V4 MTP drafts only (DeepSeek-V4 uses mtp.{i}.*)")
     try:
-        export_mtp(draft, args.out, dtype=dtype, max_shard_bytes=shard, layer_names=args.layer_names,
-                   split_experts=args.split_experts)
+        if args.merge_into is not None:
+            merge_mtp_into_target(draft, args.merge_into, args.out, dtype=dtype, layer_names=args.layer_names,
+                                  split_experts=args.split_experts)
+        else:
+            export_mtp(draft, args.out, dtype=dtype, max_shard_bytes=shard, layer_names=args.layer_names,
+                       split_experts=args.split_experts)
     except ValueError as err:
         raise SystemExit(str(err))
 

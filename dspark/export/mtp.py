@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, write_tensors
+from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, write_tensors
 from dspark.io import atomic_write_json
 from dspark.models import dsv4_mtp, hy_v4_names
 from dspark.models.dspark_v4 import FP32_PARAM_RE
@@ -168,6 +168,142 @@ def export_mtp(draft, out_dir, dtype: torch.dtype = torch.bfloat16, *, max_shard
     return out_dir
 
 
+MERGED_SHARD = "model-mtp-draft.safetensors"
+_NOT_SERVED = ("num_steps", "initializer_range", "learnable_sink_init")  # training-only draft fields
+
+
+def _is_mtp_name(name: str, is_hy: bool, start: int) -> bool:
+    """Whether a checkpoint tensor belongs to the MTP layers (HY V4: model.mtp_layers.* or model.layers.{>=N}.*)."""
+    if not is_hy:
+        return name.startswith("mtp.")
+    if name.startswith("model.mtp_layers."):
+        return True
+    m = re.match(r"^model\.layers\.(\d+)\.", name)
+    return m is not None and start > 0 and int(m.group(1)) >= start
+
+
+def _served_config(config: dict, draft):
+    """The draft config vLLM would build from a target config.json (block sizes from the target)."""
+    keys = {"num_layers": draft.config.num_layers, "num_steps": draft.config.num_steps}
+    if isinstance(draft, HYV4MTPDraft):
+        from transformers import HYV4Config
+
+        hf = HYV4Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+        return HYV4MTPConfig.from_target_config(hf, **keys)
+    from transformers import DeepseekV4Config
+
+    hf = DeepseekV4Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    return DSV4MTPConfig.from_hf_config(hf, **keys)
+
+
+def _check_merge(config: dict, draft, target_dir: Path) -> None:
+    want = "hy_v4" if isinstance(draft, HYV4MTPDraft) else "deepseek_v4"
+    if config.get("model_type") != want:
+        raise ValueError(f"merge: {target_dir}/config.json model_type {config.get('model_type')!r} is not {want!r} "
+                         f"({type(draft).__name__})")
+    if config.get("quantization_config"):
+        raise ValueError(f"merge: {target_dir}/config.json is quantised; MTP merges are unquantised only")
+    try:
+        served = _served_config(config, draft)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"merge: {target_dir}/config.json does not describe the draft's target: {err}") from err
+    own = draft.config
+    diff = [f"{f.name}: draft {getattr(own, f.name)!r} vs target {getattr(served, f.name)!r}"
+            for f in dataclasses.fields(own) if f.name not in _NOT_SERVED and getattr(own, f.name) != getattr(served, f.name)]
+    if diff:
+        raise ValueError(f"merge: vLLM builds the MTP layers from {target_dir}/config.json, whose values differ "
+                         "from the draft's:\n  " + "\n  ".join(diff))
+
+
+def merge_mtp_into_target(draft, target_dir, out_dir, dtype: torch.dtype = torch.bfloat16, *,
+                          layer_names: str = "mtp_layers", split_experts: bool = False) -> Path:
+    """A copy of a target checkpoint folder with the draft's MTP tensors added in their own shard.
+
+    Files are hard-linked when possible (copied otherwise). MTP tensors the target already holds (its own MTP
+    layers: `mtp.*`, or HY V4 `model.mtp_layers.*` / `model.layers.{N+i}.*`) are removed from the copy (their
+    shards rewritten, the originals untouched); the draft goes into `model-mtp-draft.safetensors`; the index
+    gains its names (a single-file target gets an index); config.json gets num_nextn_predict_layers (and
+    n_mtp_layers for DeepSeek-V4) = the draft's layer count. mtp_config.json (with `mtp_merged: true`) is
+    written too, so the verifier and import_mtp read the folder. The target config must yield the draft's own
+    sizes (vLLM builds the MTP layers from it); quantised targets are refused.
+    """
+    import os
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from dspark.export._io import INDEX_NAME, SINGLE_NAME
+    from dspark.io import save_safetensors_atomic
+
+    _check_draft(draft)
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    if out_dir.resolve() == target_dir.resolve():
+        raise ValueError("merge: out_dir must differ from target_dir (the target stays untouched)")
+    config = json.loads((target_dir / "config.json").read_text())
+    _check_merge(config, draft, target_dir)
+    is_hy = isinstance(draft, HYV4MTPDraft)
+    start = draft.config.mtp_start_layer if is_hy else 0
+    tensors = mtp_tensors(draft, dtype, layer_names=layer_names, split_experts=split_experts)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for src in target_dir.iterdir():
+        if src.is_file() and src.name not in ("config.json", INDEX_NAME, MERGED_SHARD, CONFIG_NAME):
+            dst = out_dir / src.name
+            if dst.exists():
+                dst.unlink()
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+    if (target_dir / INDEX_NAME).is_file():
+        index = json.loads((target_dir / INDEX_NAME).read_text())
+    else:
+        from safetensors import safe_open
+
+        with safe_open(str(target_dir / SINGLE_NAME), framework="pt") as fh:
+            index = {"metadata": {}, "weight_map": {k: SINGLE_NAME for k in fh.keys()}}
+    weight_map = dict(index["weight_map"])
+    old = {k: f for k, f in weight_map.items() if _is_mtp_name(k, is_hy, start)}
+    for fname in sorted(set(old.values())):  # shards holding old MTP tensors: rewritten without them
+        kept = {k: t for k, t in load_file(str(target_dir / fname)).items() if k not in old}
+        (out_dir / fname).unlink(missing_ok=True)  # MERGED_SHARD (a re-merge) was never linked
+        if kept:
+            save_safetensors_atomic(kept, out_dir / fname, {"format": "pt"})
+    for k in old:
+        del weight_map[k]
+    save_safetensors_atomic(tensors, out_dir / MERGED_SHARD, {"format": "pt"})
+    weight_map.update({k: MERGED_SHARD for k in tensors})
+    index["weight_map"] = dict(sorted(weight_map.items()))
+    index.setdefault("metadata", {}).pop("total_size", None)  # no longer exact; optional in the format
+    atomic_write_json(out_dir / INDEX_NAME, index)
+    config["num_nextn_predict_layers"] = draft.config.num_layers
+    if not is_hy:
+        config["n_mtp_layers"] = draft.config.num_layers
+    atomic_write_json(out_dir / "config.json", config)
+    side = hy_config_json(draft.config, dtype, layer_names, split_experts) if is_hy else \
+        dsv4_config_json(draft.config, dtype)
+    atomic_write_json(out_dir / CONFIG_NAME, side | {"mtp_merged": True})
+    return out_dir
+
+
+def _read_tensors(folder: Path, keep) -> dict[str, torch.Tensor]:
+    """{name: tensor} for the names `keep(name)` accepts, reading only the shards that hold them."""
+    from safetensors import safe_open
+
+    from dspark.export._io import INDEX_NAME, SINGLE_NAME
+
+    index = folder / INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({f for name, f in weight_map.items() if keep(name)})
+    else:
+        files = [SINGLE_NAME]
+    out = {}
+    for fname in files:
+        with safe_open(str(folder / fname), framework="pt") as fh:
+            out.update({name: fh.get_tensor(name) for name in fh.keys() if keep(name)})
+    return out
+
+
 def read_mtp_config(folder) -> dict:
     path = Path(folder) / CONFIG_NAME
     if not path.is_file():
@@ -201,12 +337,12 @@ def import_mtp(folder, draft=None):
         draft = HYV4MTPDraft(cfg) if is_hy else DSV4MTPDraft(cfg)
     if is_hy != isinstance(draft, HYV4MTPDraft) or not isinstance(draft, (HYV4MTPDraft, DSV4MTPDraft)):
         raise ValueError(f"import_mtp({folder}): a {c['dspark_format']} folder cannot load into {type(draft).__name__}")
-    if is_hy:
-        raw = dict(iter_tensors(folder, prefix="model."))
-        state = draft.from_serving_names(raw)
-    else:
-        raw = dict(iter_tensors(folder, prefix="mtp."))
-        state = dsv4_mtp.from_serving_names(raw)
+    merged = c.get("mtp_merged") is True  # a target checkpoint + the draft: read the MTP tensors only
+    start = draft.config.mtp_start_layer if is_hy else 0
+    raw = _read_tensors(folder, (lambda n: _is_mtp_name(n, is_hy, start)) if merged else (lambda n: True))
+    mtp = {n: t for n, t in raw.items() if _is_mtp_name(n, is_hy, start)}
+    state = draft.from_serving_names(mtp) if is_hy else dsv4_mtp.from_serving_names(mtp)
+    state.update({n: t for n, t in raw.items() if n not in mtp})  # not MTP names: reported as unexpected
     _load_state_strict(draft, state, f"import_mtp({folder})")
     return draft
 
@@ -229,4 +365,4 @@ def _load_state_strict(module: torch.nn.Module, tensors: dict[str, torch.Tensor]
 
 
 __all__ = ["CONFIG_NAME", "HY_FORMAT", "DSV4_FORMAT", "mtp_tensors", "export_mtp", "import_mtp", "read_mtp_config",
-           "mtp_config_from_folder", "hy_config_json", "dsv4_config_json"]
+           "mtp_config_from_folder", "hy_config_json", "dsv4_config_json", "merge_mtp_into_target"]

@@ -36,6 +36,8 @@ MTP sidecars (mtp_config.json, `dspark_format`):
   mlp.gate.e_score_correction_bias [E] F32, mlp.experts.gate_up_proj [E, 2I, H] + down_proj [E, H, I] (or split
   per expert when mtp_split_experts), mlp.shared_experts.{gate,up,down}_proj (I * n_shared); dense:
   mlp.{gate,up,down}_proj (intermediate_size). Everything not marked F32 is torch_dtype.
+  mtp_merged: true (a target checkpoint with the draft merged in): only the MTP tensors (mtp.* / HY V4
+  model.mtp_layers.* and model.layers.{>=N}.*) are judged.
 """
 from __future__ import annotations
 
@@ -445,7 +447,20 @@ def _verify_mtp(folder: Path) -> Report:
     except (ValueError, TypeError, KeyError) as err:
         return Report("mtp", problems=[str(err)])
     found, problems = _headers(folder)
+    if cfg.get("mtp_merged") is True:  # a target checkpoint with the draft merged in: judge the MTP tensors only
+        start = cfg.get("num_hidden_layers") or 0
+        found = {k: v for k, v in found.items() if _is_mtp_tensor(k, fmt, start)}
     return _compare(Report(fmt, n_tensors=len(found), problems=problems), expected, found)
+
+
+def _is_mtp_tensor(name: str, fmt: str, start: int) -> bool:
+    if fmt != "hy_v4_mtp":
+        return name.startswith("mtp.")
+    parts = name.split(".")
+    if name.startswith("model.mtp_layers."):
+        return True
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and start > 0 \
+        and int(parts[2]) >= start
 
 
 def _compare(report: Report, expected: dict, found: dict) -> Report:
