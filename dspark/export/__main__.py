@@ -1,4 +1,5 @@
 """python -m dspark.export verify PATH | v4 --run-dir RUN --out OUT | dense --run-dir RUN --out OUT
+                       | mtp --run-dir RUN --out OUT (HY V4 / DeepSeek-V4 MTP drafts)
 
 Each export format is one `_add_<format>` (its options) + one `_run_<format>` (target, draft, args -> writes
 args.out) registered in FORMATS; every export ends with the independent verifier unless --no-verify.
@@ -123,12 +124,56 @@ def _run_dense(target, draft, cfg, args, dtype, shard: int) -> None:
                  layout=str(cfg.draft.get("layout") or "") or None, fmt=args.format, verifier=args.verifier)
 
 
+def _add_mtp(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--merge-into", type=Path, default=None,
+                   help="a target checkpoint folder: OUT becomes a copy of it with the MTP tensors added (its own "
+                        "MTP tensors replaced, config.json num_nextn_predict_layers updated)")
+    p.add_argument("--layer-names", choices=("mtp_layers", "layers"), default="mtp_layers",
+                   help="HY V4: model.mtp_layers.{i}.* (default) or model.layers.{N+i}.* (N = target layers)")
+    p.add_argument("--split-experts", action="store_true",
+                   help="HY V4: routed experts per expert (mlp.experts.{e}.{gate,up,down}_proj.weight), not fused")
+
+
+def _run_mtp(target, draft, cfg, args, dtype, shard: int) -> None:
+    from dspark.export.mtp import export_mtp, merge_mtp_into_target
+    from dspark.models.dsv4_mtp import DSV4MTPDraft
+    from dspark.models.hy_v4_mtp import HYV4MTPDraft
+
+    if not isinstance(draft, (HYV4MTPDraft, DSV4MTPDraft)):
+        raise SystemExit(f"{args.run_dir}: the draft is {type(draft).__name__}, not an MTP draft (hyv4_mtp / dsv4_mtp)")
+    if isinstance(draft, DSV4MTPDraft) and (args.layer_names != "mtp_layers" or args.split_experts):
+        raise SystemExit("--layer-names / --split-experts apply to HY V4 MTP drafts only (DeepSeek-V4 uses mtp.{i}.*)")
+    try:
+        if args.merge_into is not None:
+            merge_mtp_into_target(draft, args.merge_into, args.out, dtype=dtype, layer_names=args.layer_names,
+                                  split_experts=args.split_experts)
+        else:
+            export_mtp(draft, args.out, dtype=dtype, max_shard_bytes=shard, layer_names=args.layer_names,
+                       split_experts=args.split_experts)
+    except ValueError as err:
+        raise SystemExit(str(err))
+
+
+# draft kind -> default target kind when --target is not given (format default None)
+_MTP_TARGETS = {"hyv4_mtp": "tiny_hy_v4", "dsv4_mtp": "tiny_v4"}
+
+
+def _default_target(run_dir: Path) -> str:
+    path = run_dir / "draft" / "draft_config.json"
+    kind = json.loads(path.read_text()).get("kind") if path.is_file() else None
+    if kind not in _MTP_TARGETS:
+        raise SystemExit(f"{path}: draft kind {kind!r} has no default target; pass --target")
+    return _MTP_TARGETS[kind]
+
+
 # name -> (help, default target kind, add options, run)
 FORMATS = {
     "v4": ("export a training run's draft as a DeepSeek-V4 mtp.* sidecar (or merged into a target checkpoint)",
            "tiny_v4", _add_v4, _run_v4),
     "dense": ("export a training run's dense draft as a vLLM Qwen3DSparkModel / DFlash folder", "smollm2",
               _add_dense, _run_dense),
+    "mtp": ("export a training run's MTP draft (HY V4 model.mtp_layers.{i}.* / DeepSeek-V4 mtp.{i}.*) as a sidecar",
+            None, _add_mtp, _run_mtp),
 }
 
 
@@ -142,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--run-dir", required=True, type=Path)
         p.add_argument("--target", default=default_target,
-                       help="target kind as in configs/target (tiny_v4, smollm2, hf)")
+                       help="target kind as in configs/target (tiny_v4, tiny_hy_v4, smollm2, hf)"
+                            + ("; default: by draft kind" if default_target is None else ""))
         p.add_argument("--target-path", default=None, help="HF folder of the target (target kind hf)")
         p.add_argument("--out", required=True, type=Path)
         p.add_argument("--dtype", default="bfloat16", choices=_DTYPES)
@@ -157,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         return main_verify(args.path)
     import torch
 
-    target, draft, cfg = _load_run_draft(args.run_dir, args.target, args.target_path)
+    target_kind = args.target or _default_target(args.run_dir)
+    target, draft, cfg = _load_run_draft(args.run_dir, target_kind, args.target_path)
     FORMATS[args.cmd][3](target, draft, cfg, args, getattr(torch, args.dtype), int(args.max_shard_gb * 2**30))
     print(f"wrote {args.out}")
     return 0 if args.no_verify else main_verify(args.out)

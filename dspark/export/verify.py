@@ -22,6 +22,22 @@ Dense (config.json with architectures Qwen3DSparkModel / DFlashDraftModel, or a 
   (+ confidence_head.proj.{weight,bias} when enable_confidence_head, width H + r with
   confidence_head_with_markov else H, as vLLM builds it). Reduced vocab (draft_vocab_size < vocab_size):
   lm_head.weight [Vd, H] and d2t [Vd] I64 required, t2d [V] BOOL allowed; embed_tokens allowed.
+MTP sidecars (mtp_config.json, `dspark_format`):
+  "deepseek_v4_mtp_native": per layer i < num_nextn_predict_layers, mtp.{i}.{enorm,hnorm,norm}.weight [H] F32,
+  mtp.{i}.{e_proj,h_proj}.weight [H, H], mtp.{i}.hc_head_{fn [hc, hc*H], base [hc], scale [1]} F32, and the V4
+  block tensors above (attn.*, ffn.*, attn_norm, ffn_norm, hc_attn_*, hc_ffn_*) with the same dtype rules.
+  "hy_v4_mtp": per layer i, prefix model.mtp_layers.{i}. (mtp_layer_names "layers": model.layers.{N+i}.,
+  N = num_hidden_layers): enorm, hnorm, final_layernorm, input_layernorm, post_attention_layernorm [H],
+  eh_proj [H, 2H], self_attn.{q_a_proj [ql, H], q_a_layernorm [ql], q_b_proj [nh*(nope+rope), ql],
+  kv_a_proj_with_mqa [kvl+rope, H], kv_a_layernorm [kvl], kv_b_proj [nh*(nope+v), kvl], o_proj [H, nh*v],
+  linear_gate [nh*v (elementwise) | nh (headwise), H]}, self_attn.learnable_sink_param [nh] F32 (learnable_sink),
+  self_attn.indexer.{wq_b [n*d, ql], wk [d, H], k_norm.{weight,bias} [d], weights_proj [n, H]} when
+  mtp_layer_type is sparse; MoE (mtp_mlp_layer_type "sparse"): mlp.gate.weight [E, H] F32,
+  mlp.gate.e_score_correction_bias [E] F32, mlp.experts.gate_up_proj [E, 2I, H] + down_proj [E, H, I] (or split
+  per expert when mtp_split_experts), mlp.shared_experts.{gate,up,down}_proj (I * n_shared); dense:
+  mlp.{gate,up,down}_proj (intermediate_size). Everything not marked F32 is torch_dtype.
+  mtp_merged: true (a target checkpoint with the draft merged in): only the MTP tensors (mtp.* / HY V4
+  model.mtp_layers.* and model.layers.{>=N}.*) are judged.
 """
 from __future__ import annotations
 
@@ -51,42 +67,13 @@ class Report:
 def _v4_expected(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
     wide = _DTYPES[c.get("dspark_torch_dtype") or c.get("torch_dtype") or "bfloat16"]
     f32 = "F32"
-    H, V, nh, D = c["hidden_size"], c["vocab_size"], c["num_attention_heads"], c["head_dim"]
-    ql, G, R = c["q_lora_rank"], c["o_groups"], c["o_lora_rank"]
-    E, I, hc = c["n_routed_experts"], c["moe_intermediate_size"], c["hc_mult"]
+    H, V, hc = c["hidden_size"], c["vocab_size"], c["hc_mult"]
     r = c["dspark_markov_rank"]
     n_layers = c.get("n_mtp_layers") or c.get("num_nextn_predict_layers")
     n_ctx = len(c["dspark_target_layer_ids"])
-    shared = c.get("n_shared_experts", 1)
-    mix = (2 + hc) * hc
     exp: dict[str, tuple[tuple[int, ...], str]] = {}
     for i in range(n_layers):
-        p = f"mtp.{i}."
-        exp.update({
-            p + "attn.wq_a.weight": ((ql, H), wide),
-            p + "attn.q_norm.weight": ((ql,), f32),
-            p + "attn.wq_b.weight": ((nh * D, ql), wide),
-            p + "attn.wkv.weight": ((D, H), wide),
-            p + "attn.kv_norm.weight": ((D,), f32),
-            p + "attn.wo_a.weight": ((G * R, nh * D // G), wide),
-            p + "attn.wo_b.weight": ((H, G * R), wide),
-            p + "attn.attn_sink": ((nh,), f32),
-            p + "attn_norm.weight": ((H,), f32),
-            p + "ffn_norm.weight": ((H,), f32),
-            p + "ffn.gate.weight": ((E, H), wide),
-            p + "ffn.gate.bias": ((E,), f32),
-        })
-        for which in ("attn", "ffn"):
-            exp[f"{p}hc_{which}_fn"] = ((mix, hc * H), f32)
-            exp[f"{p}hc_{which}_base"] = ((mix,), f32)
-            exp[f"{p}hc_{which}_scale"] = ((3,), f32)
-        experts = [(f"ffn.experts.{e}.", I) for e in range(E)]
-        if shared:
-            experts.append(("ffn.shared_experts.", I * shared))
-        for stem, inter in experts:
-            exp[p + stem + "w1.weight"] = ((inter, H), wide)
-            exp[p + stem + "w2.weight"] = ((H, inter), wide)
-            exp[p + stem + "w3.weight"] = ((inter, H), wide)
+        exp.update(_v4_block(f"mtp.{i}.", c, wide))
     exp["mtp.0.main_proj.weight"] = ((H, n_ctx * H), wide)
     exp["mtp.0.main_norm.weight"] = ((H,), f32)
     last = f"mtp.{n_layers - 1}."
@@ -102,6 +89,151 @@ def _v4_expected(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
     if qc:
         _v4_quantised(exp, qc, c.get("expert_dtype") or qc.get("expert_dtype") or "fp4")
     return exp
+
+
+def _v4_block(p: str, c: dict, wide: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """One DeepSeek-V4 decoder block under prefix p (sliding-window attention, no compressor / indexer)."""
+    f32 = "F32"
+    H, nh, D = c["hidden_size"], c["num_attention_heads"], c["head_dim"]
+    ql, G, R = c["q_lora_rank"], c["o_groups"], c["o_lora_rank"]
+    E, I, hc = c["n_routed_experts"], c["moe_intermediate_size"], c["hc_mult"]
+    shared = c.get("n_shared_experts", 1)
+    mix = (2 + hc) * hc
+    exp: dict[str, tuple[tuple[int, ...], str]] = {}
+    exp.update({
+        p + "attn.wq_a.weight": ((ql, H), wide),
+        p + "attn.q_norm.weight": ((ql,), f32),
+        p + "attn.wq_b.weight": ((nh * D, ql), wide),
+        p + "attn.wkv.weight": ((D, H), wide),
+        p + "attn.kv_norm.weight": ((D,), f32),
+        p + "attn.wo_a.weight": ((G * R, nh * D // G), wide),
+        p + "attn.wo_b.weight": ((H, G * R), wide),
+        p + "attn.attn_sink": ((nh,), f32),
+        p + "attn_norm.weight": ((H,), f32),
+        p + "ffn_norm.weight": ((H,), f32),
+        p + "ffn.gate.weight": ((E, H), wide),
+        p + "ffn.gate.bias": ((E,), f32),
+    })
+    for which in ("attn", "ffn"):
+        exp[f"{p}hc_{which}_fn"] = ((mix, hc * H), f32)
+        exp[f"{p}hc_{which}_base"] = ((mix,), f32)
+        exp[f"{p}hc_{which}_scale"] = ((3,), f32)
+    experts = [(f"ffn.experts.{e}.", I) for e in range(E)]
+    if shared:
+        experts.append(("ffn.shared_experts.", I * shared))
+    for stem, inter in experts:
+        exp[p + stem + "w1.weight"] = ((inter, H), wide)
+        exp[p + stem + "w2.weight"] = ((H, inter), wide)
+        exp[p + stem + "w3.weight"] = ((inter, H), wide)
+    return exp
+
+
+MTP_CONFIG = "mtp_config.json"
+MTP_FORMATS = ("hy_v4_mtp", "deepseek_v4_mtp_native")
+
+
+def _need(c: dict, *keys: str) -> list:
+    missing = [k for k in keys if k not in c]
+    if missing:
+        raise ValueError(f"{MTP_CONFIG}: missing keys {missing}")
+    return [c[k] for k in keys]
+
+
+def _dsv4_mtp_expected(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """DeepSeek-V4 native MTP: mtp.{i}.* = layer-level tensors + one V4 block."""
+    _need(c, "hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+          "n_routed_experts", "moe_intermediate_size", "hc_mult", "torch_dtype")
+    wide = _DTYPES[c["torch_dtype"]]
+    H, hc = c["hidden_size"], c["hc_mult"]
+    n_layers = c.get("num_nextn_predict_layers") or c.get("n_mtp_layers")
+    if not isinstance(n_layers, int) or n_layers < 1:
+        raise ValueError(f"{MTP_CONFIG}: num_nextn_predict_layers must be a positive int, got {n_layers!r}")
+    exp: dict[str, tuple[tuple[int, ...], str]] = {}
+    for i in range(n_layers):
+        p = f"mtp.{i}."
+        exp.update(_v4_block(p, c, wide))
+        for norm in ("enorm", "hnorm", "norm"):
+            exp[f"{p}{norm}.weight"] = ((H,), "F32")
+        exp[p + "e_proj.weight"] = ((H, H), wide)
+        exp[p + "h_proj.weight"] = ((H, H), wide)
+        exp[p + "hc_head_fn"] = ((hc, hc * H), "F32")
+        exp[p + "hc_head_base"] = ((hc,), "F32")
+        exp[p + "hc_head_scale"] = ((1,), "F32")
+    return exp
+
+
+def _hy_mtp_expected(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """HY V4 MTP: model.mtp_layers.{i}.* (or model.layers.{N+i}.*), flat block names (SPEC.md 6)."""
+    H, nh, ql, kvl, nope, rope, vd, n_layers, dt = _need(
+        c, "hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+        "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers", "torch_dtype")
+    wide = _DTYPES[dt]
+    if not isinstance(n_layers, int) or n_layers < 1:
+        raise ValueError(f"{MTP_CONFIG}: num_nextn_predict_layers must be a positive int, got {n_layers!r}")
+    layout = c.get("mtp_layer_names", "mtp_layers")
+    if layout == "layers":
+        start = c.get("num_hidden_layers")
+        if not isinstance(start, int) or start < 1:
+            raise ValueError(f"{MTP_CONFIG}: mtp_layer_names 'layers' needs num_hidden_layers >= 1, got {start!r}")
+    elif layout != "mtp_layers":
+        raise ValueError(f"{MTP_CONFIG}: mtp_layer_names {layout!r} is not 'mtp_layers' or 'layers'")
+    gating = c.get("gating_type", "elementwise")
+    if gating not in ("elementwise", "headwise"):
+        raise ValueError(f"{MTP_CONFIG}: gating_type {gating!r} is not 'elementwise' or 'headwise'")
+    mlp = c.get("mtp_mlp_layer_type", "sparse")
+    if mlp not in ("sparse", "dense"):
+        raise ValueError(f"{MTP_CONFIG}: mtp_mlp_layer_type {mlp!r} is not 'sparse' or 'dense'")
+    exp: dict[str, tuple[tuple[int, ...], str]] = {}
+    for i in range(n_layers):
+        p = f"model.mtp_layers.{i}." if layout == "mtp_layers" else f"model.layers.{c['num_hidden_layers'] + i}."
+        for norm in ("enorm", "hnorm", "final_layernorm", "input_layernorm", "post_attention_layernorm"):
+            exp[f"{p}{norm}.weight"] = ((H,), wide)
+        exp[p + "eh_proj.weight"] = ((H, 2 * H), wide)
+        a = p + "self_attn."
+        exp.update({
+            a + "q_a_proj.weight": ((ql, H), wide),
+            a + "q_a_layernorm.weight": ((ql,), wide),
+            a + "q_b_proj.weight": ((nh * (nope + rope), ql), wide),
+            a + "kv_a_proj_with_mqa.weight": ((kvl + rope, H), wide),
+            a + "kv_a_layernorm.weight": ((kvl,), wide),
+            a + "kv_b_proj.weight": ((nh * (nope + vd), kvl), wide),
+            a + "o_proj.weight": ((H, nh * vd), wide),
+            a + "linear_gate.weight": ((nh * (vd if gating == "elementwise" else 1), H), wide),
+        })
+        if c.get("learnable_sink", True):
+            exp[a + "learnable_sink_param"] = ((nh,), "F32")
+        if c.get("mtp_layer_type", "full_attention") in ("indexed_attention", "sparse_attention", "sparse"):
+            n, d = _need(c, "index_n_heads", "index_head_dim")
+            exp.update({
+                a + "indexer.wq_b.weight": ((n * d, ql), wide),
+                a + "indexer.wk.weight": ((d, H), wide),
+                a + "indexer.k_norm.weight": ((d,), wide),
+                a + "indexer.k_norm.bias": ((d,), wide),
+                a + "indexer.weights_proj.weight": ((n, H), wide),
+            })
+        m = p + "mlp."
+        if mlp == "dense":
+            (inter,) = _need(c, "intermediate_size")
+            exp.update(_swiglu(m, H, inter, wide))
+            continue
+        E, I = _need(c, "n_routed_experts", "moe_intermediate_size")
+        exp[m + "gate.weight"] = ((E, H), "F32")
+        exp[m + "gate.e_score_correction_bias"] = ((E,), "F32")
+        if c.get("mtp_split_experts"):
+            for e in range(E):
+                exp.update(_swiglu(f"{m}experts.{e}.", H, I, wide))
+        else:
+            exp[m + "experts.gate_up_proj"] = ((E, 2 * I, H), wide)
+            exp[m + "experts.down_proj"] = ((E, H, I), wide)
+        shared = c.get("n_shared_experts", 1)
+        if shared:
+            exp.update(_swiglu(m + "shared_experts.", H, I * shared, wide))
+    return exp
+
+
+def _swiglu(p: str, H: int, inter: int, dt: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {p + "gate_proj.weight": ((inter, H), dt), p + "up_proj.weight": ((inter, H), dt),
+            p + "down_proj.weight": ((H, inter), dt)}
 
 
 def _v4_quantised(exp: dict, qc: dict, expert_dtype: str) -> None:
@@ -257,6 +389,8 @@ def _headers(folder: Path) -> tuple[dict[str, tuple[tuple[int, ...], str]], list
 
 def verify_folder(path) -> Report:
     folder = Path(path)
+    if (folder / MTP_CONFIG).is_file():
+        return _verify_mtp(folder)
     if (folder / "dspark_config.json").is_file():
         cfg, kind = json.loads((folder / "dspark_config.json").read_text()), "deepseek_v4 dspark (mtp.*)"
     elif (folder / "config.json").is_file():
@@ -288,6 +422,51 @@ def verify_folder(path) -> Report:
     for name in sorted(set(found) & set(optional)):
         if name not in expected:
             expected[name] = optional[name]
+    for name in sorted(set(found) - set(expected)):
+        report.problems.append(f"unexpected: {name} {list(found[name][0])} {found[name][1]} (no draft parameter)")
+    for name in sorted(set(found) & set(expected)):
+        (fs, fd), (es, ed) = found[name], expected[name]
+        if fs != es:
+            report.problems.append(f"shape: {name} is {list(fs)}, expected {list(es)}")
+        if fd != ed:
+            report.problems.append(f"dtype: {name} is {fd}, expected {ed}")
+    report.n_bytes = sum(_SIZES.get(d, 0) * _numel(s) for s, d in found.values())
+    return report
+
+
+def _verify_mtp(folder: Path) -> Report:
+    """An MTP sidecar: every tensor named, shaped and typed as mtp_config.json implies, nothing more or less."""
+    try:
+        cfg = json.loads((folder / MTP_CONFIG).read_text())
+        fmt = cfg.get("dspark_format")
+        if fmt not in MTP_FORMATS:
+            return Report(str(fmt), problems=[f"{MTP_CONFIG}: dspark_format {fmt!r} is not one of {MTP_FORMATS}"])
+        if cfg.get("torch_dtype") not in _DTYPES:
+            raise ValueError(f"{MTP_CONFIG}: torch_dtype {cfg.get('torch_dtype')!r} is not one of {sorted(_DTYPES)}")
+        expected = _hy_mtp_expected(cfg) if fmt == "hy_v4_mtp" else _dsv4_mtp_expected(cfg)
+    except (ValueError, TypeError, KeyError) as err:
+        return Report("mtp", problems=[str(err)])
+    found, problems = _headers(folder)
+    if cfg.get("mtp_merged") is True:  # a target checkpoint with the draft merged in: judge the MTP tensors only
+        start = cfg.get("num_hidden_layers") or 0
+        found = {k: v for k, v in found.items() if _is_mtp_tensor(k, fmt, start)}
+    return _compare(Report(fmt, n_tensors=len(found), problems=problems), expected, found)
+
+
+def _is_mtp_tensor(name: str, fmt: str, start: int) -> bool:
+    if fmt != "hy_v4_mtp":
+        return name.startswith("mtp.")
+    parts = name.split(".")
+    if name.startswith("model.mtp_layers."):
+        return True
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and start > 0 \
+        and int(parts[2]) >= start
+
+
+def _compare(report: Report, expected: dict, found: dict) -> Report:
+    """Missing / unexpected / shape / dtype problems of `found` against `expected` (both {name: (shape, dtype)})."""
+    for name in sorted(set(expected) - set(found)):
+        report.problems.append(f"missing: {name} {list(expected[name][0])} {expected[name][1]}")
     for name in sorted(set(found) - set(expected)):
         report.problems.append(f"unexpected: {name} {list(found[name][0])} {found[name][1]} (no draft parameter)")
     for name in sorted(set(found) & set(expected)):
