@@ -309,3 +309,11 @@ def test_merge_into_a_target_checkpoint(tmp_path):
     import_v4_sidecar(out, dst)
     for (n, a), (_, b) in zip(src.named_parameters(), dst.named_parameters()):
         assert torch.equal(a, b), n
+    # merging again INTO the merged folder replaces its draft (its draft shard is not copied across)
+    _randomise(src, 10)
+    again = merge_v4_into_target(src, out, tmp_path / "merged2", dtype=torch.float32)
+    index2 = json.loads((again / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index2 == index and verify_folder(again).ok, verify_folder(again).problems
+    dst2 = DSparkV4Draft(src.config)
+    import_v4_sidecar(again, dst2)
+    assert all(torch.equal(a, b) for a, b in zip(src.parameters(), dst2.parameters()))

@@ -326,8 +326,9 @@ def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch
     old_mtp = {k: f for k, f in weight_map.items() if k.startswith("mtp.")}
     for fname in sorted(set(old_mtp.values())):
         kept = {k: t for k, t in load_file(str(target_dir / fname)).items() if not k.startswith("mtp.")}
-        (out_dir / fname).unlink()
-        save_safetensors_atomic(kept, out_dir / fname, {"format": "pt"})
+        (out_dir / fname).unlink(missing_ok=True)  # absent: the target is itself a merge (its draft shard)
+        if kept:
+            save_safetensors_atomic(kept, out_dir / fname, {"format": "pt"})
     for k in old_mtp:
         del weight_map[k]
     tensors, errors = v4_tensors(draft, dtype, quant)
