@@ -12,7 +12,6 @@ model level `main_proj`, `main_norm`, `norm`, `hc_head_{fn,base,scale}`, `markov
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.models.common import SharedTargetWeights, config_from_dict
 from dspark.models.heads import MARKOV_HEAD_KINDS, ConfidenceHead, MarkovHead
 from dspark.models.v4_names import init_draft_layers_from_target  # re-exported for callers of this module
 from dspark.ops.attention import masked_attention
@@ -126,18 +126,7 @@ class DSparkV4Config:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "DSparkV4Config":
         """Build from a plain mapping (e.g. a Hydra/OmegaConf node); unknown keys are an error."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"DSparkV4Config: unknown keys {unknown}")
-        missing = sorted(
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        )
-        if missing:
-            raise ValueError(f"DSparkV4Config: missing keys {missing}")
-        return cls(**dict(values))
+        return config_from_dict(cls, values)
 
     @classmethod
     def from_hf_config(cls, hf_cfg: Any, **draft_keys: Any) -> "DSparkV4Config":
@@ -432,7 +421,7 @@ class DSparkV4Layer(nn.Module):
         return hc_post(self.ffn(self.ffn_norm(y)), x, post, comb)
 
 
-class DSparkV4Draft(nn.Module):
+class DSparkV4Draft(SharedTargetWeights, nn.Module):
     """DeepSeek-V4 DSpark draft; interface in docs/CONTRACTS.md."""
 
     def __init__(self, cfg: DSparkV4Config):
@@ -474,26 +463,6 @@ class DSparkV4Draft(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.main_proj.weight.dtype
-
-    # -- shared target weights ---------------------------------------------------------------------
-    def share_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        """Use the target's embedding [V, H] and lm_head [V, H]; stored detached, outside the module tree.
-
-        They are neither parameters nor buffers, so they never reach the optimizer, state_dict, or
-        `.to()`; move the target weights yourself if the draft changes device.
-        """
-        v, h = self.config.vocab_size, self.config.hidden_size
-        for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
-            if tuple(w.shape) != (v, h):
-                raise ValueError(f"share_target_weights: {name} must be [{v}, {h}], got {tuple(w.shape)}")
-        object.__setattr__(self, "_embed_weight", embed_weight.detach())
-        object.__setattr__(self, "_lm_head_weight", lm_head_weight.detach())
-
-    def _shared(self, name: str) -> torch.Tensor:
-        w = getattr(self, f"_{name}")
-        if w is None:
-            raise RuntimeError(f"DSparkV4Draft: call share_target_weights() before using {name}")
-        return w
 
     # -- interface ---------------------------------------------------------------------------------
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
