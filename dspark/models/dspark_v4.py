@@ -13,6 +13,7 @@ model level `main_proj`, `main_norm`, `norm`, `hc_head_{fn,base,scale}`, `markov
 from __future__ import annotations
 
 import re
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -37,12 +38,11 @@ FP32_PARAM_RE = re.compile(r"(^|\.)(hc_\w+|\w*norm\.weight|attn_sink|gate\.bias|
 # Config
 # ------------------------------------------------------------------------------------------------
 @dataclass(kw_only=True)
-class DSparkV4Config:
-    """Sizes of a DeepSeek-V4 DSpark draft. Attention / MoE / mHC sizes are the target's."""
+class V4BlockSizes:
+    """Sizes of one DeepSeek-V4 decoder block (attention / MoE / mHC): the target's. Shared by every V4 draft config."""
 
     hidden_size: int
     vocab_size: int
-    num_layers: int = 3
     num_attention_heads: int
     head_dim: int
     rope_head_dim: int
@@ -62,13 +62,24 @@ class DSparkV4Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     sliding_window: int = 128
+    initializer_range: float = 0.02
+
+
+# The block-size keys, in declaration order (what a V4 draft config copies from the target config).
+V4_BLOCK_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(V4BlockSizes))
+
+
+@dataclass(kw_only=True)
+class DSparkV4Config(V4BlockSizes):
+    """Sizes of a DeepSeek-V4 DSpark draft. Attention / MoE / mHC sizes (V4BlockSizes) are the target's."""
+
+    num_layers: int = 3
     block_size: int
     mask_token_id: int
     target_layer_ids: list[int]
     markov_rank: int
     markov_head_type: str = "vanilla"
     confidence_bias: bool = False
-    initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]

@@ -27,52 +27,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.common import SharedTargetWeights, config_from_dict
-from dspark.models.dspark_v4 import FP32_PARAM_RE, DSparkV4Config, DSparkV4Layer, _hc_params, _normal_linear, _reset_hc
+from dspark.models.dspark_v4 import (
+    FP32_PARAM_RE,
+    V4_BLOCK_FIELDS,
+    DSparkV4Config,
+    DSparkV4Layer,
+    V4BlockSizes,
+    _hc_params,
+    _normal_linear,
+    _reset_hc,
+)
 from dspark.models.mtp_common import chain_propose  # re-exported: the chain drafting of every MTP draft
 from dspark.ops.mhc import hc_head
 from dspark.ops.norms import RMSNorm
 
-# Fields of the V4 block, read from the target config (the same as DSparkV4Config's).
-BLOCK_FIELDS = (
-    "hidden_size", "vocab_size", "num_attention_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_groups",
-    "o_lora_rank", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size",
-    "routed_scaling_factor", "swiglu_limit", "scoring_func", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
-    "rms_norm_eps", "rope_theta", "sliding_window", "initializer_range",
-)
+# Fields of the V4 block, read from the target config (V4BlockSizes: the same as DSparkV4Config's).
+BLOCK_FIELDS = V4_BLOCK_FIELDS
 # DSparkV4Config keys that a single decoder layer never reads (block drafting / Markov head only).
 _DSPARK_ONLY = {"block_size": 1, "mask_token_id": 0, "target_layer_ids": [0], "markov_rank": 1}
 
 
 @dataclass(kw_only=True)
-class DSV4MTPConfig:
-    """Sizes of a DeepSeek-V4 MTP draft; block sizes are the target's."""
+class DSV4MTPConfig(V4BlockSizes):
+    """Sizes of a DeepSeek-V4 MTP draft; block sizes (V4BlockSizes) are the target's."""
 
     kind: str = "dsv4_mtp"
     num_layers: int = 1  # MTP layers (mtp.0 ... mtp.{n-1}); step k uses layer k % num_layers
     num_steps: int = 3  # K: training depth and default number of drafts per verify step
     mask_first_embedding: bool = True  # vLLM zeroes the token embedding at position 0
-    hidden_size: int
-    vocab_size: int
-    num_attention_heads: int
-    head_dim: int
-    rope_head_dim: int
-    q_lora_rank: int
-    o_groups: int
-    o_lora_rank: int
-    n_routed_experts: int
-    num_experts_per_tok: int
-    n_shared_experts: int = 1
-    moe_intermediate_size: int
-    routed_scaling_factor: float
-    swiglu_limit: float
-    scoring_func: str = "sqrtsoftplus"
-    hc_mult: int
-    hc_sinkhorn_iters: int = 20
-    hc_eps: float = 1e-6
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    sliding_window: int = 128
-    initializer_range: float = 0.02
 
     @property
     def block_size(self) -> int:
