@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +30,18 @@ from dspark.ops.norms import RMSNorm, unweighted_rms_norm
 
 SCORING_FUNCS = ("sqrtsoftplus",)
 
+M = TypeVar("M", bound=nn.Module)
+
 # Parameters kept in float32 whatever the compute dtype (as in the serving checkpoint / reference).
 FP32_PARAM_RE = re.compile(r"(^|\.)(hc_\w+|\w*norm\.weight|attn_sink|gate\.bias|confidence_head\.proj\.\w+)$")
+
+
+def cast_compute_weights(module: M, dtype: torch.dtype) -> M:
+    """Cast `module`'s parameters to `dtype` in place, except those FP32_PARAM_RE keeps in float32; returns it."""
+    for name, param in module.named_parameters():
+        if not FP32_PARAM_RE.search(name):
+            param.data = param.data.to(dtype)
+    return module
 
 
 # ------------------------------------------------------------------------------------------------
@@ -466,10 +476,7 @@ class DSparkV4Draft(SharedTargetWeights, nn.Module):
 
     def set_dtype(self, dtype: torch.dtype) -> "DSparkV4Draft":
         """Cast the compute weights to `dtype`, keeping mHC, norms, sinks, gate bias, confidence in fp32."""
-        for name, param in self.named_parameters():
-            if not FP32_PARAM_RE.search(name):
-                param.data = param.data.to(dtype)
-        return self
+        return cast_compute_weights(self, dtype)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -533,5 +540,8 @@ __all__ = [
     "apply_rope",
     "rope_cos_sin",
     "FP32_PARAM_RE",
+    "V4BlockSizes",
+    "V4_BLOCK_FIELDS",
+    "cast_compute_weights",
     "init_draft_layers_from_target",
 ]

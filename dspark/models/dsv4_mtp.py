@@ -28,7 +28,6 @@ from torch import nn
 
 from dspark.models.common import SharedTargetWeights, config_from_dict
 from dspark.models.dspark_v4 import (
-    FP32_PARAM_RE,
     V4_BLOCK_FIELDS,
     DSparkV4Config,
     DSparkV4Layer,
@@ -36,6 +35,7 @@ from dspark.models.dspark_v4 import (
     _hc_params,
     _normal_linear,
     _reset_hc,
+    cast_compute_weights,
 )
 from dspark.models.mtp_common import chain_propose  # re-exported: the chain drafting of every MTP draft
 from dspark.ops.mhc import hc_head
@@ -163,10 +163,7 @@ class DSV4MTPDraft(SharedTargetWeights, nn.Module):
 
     def set_dtype(self, dtype: torch.dtype) -> "DSV4MTPDraft":
         """Cast the compute weights to `dtype`, keeping mHC, norms, sinks and the gate bias in fp32."""
-        for name, param in self.named_parameters():
-            if not FP32_PARAM_RE.search(name):
-                param.data = param.data.to(dtype)
-        return self
+        return cast_compute_weights(self, dtype)
 
     @property
     def dtype(self) -> torch.dtype:
