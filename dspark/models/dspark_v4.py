@@ -12,15 +12,16 @@ model level `main_proj`, `main_norm`, `norm`, `hc_head_{fn,base,scale}`, `markov
 
 from __future__ import annotations
 
-import dataclasses
 import re
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.models.common import SharedTargetWeights, config_from_dict
 from dspark.models.heads import MARKOV_HEAD_KINDS, ConfidenceHead, MarkovHead
 from dspark.models.v4_names import init_draft_layers_from_target  # re-exported for callers of this module
 from dspark.ops.attention import masked_attention
@@ -29,20 +30,29 @@ from dspark.ops.norms import RMSNorm, unweighted_rms_norm
 
 SCORING_FUNCS = ("sqrtsoftplus",)
 
+M = TypeVar("M", bound=nn.Module)
+
 # Parameters kept in float32 whatever the compute dtype (as in the serving checkpoint / reference).
 FP32_PARAM_RE = re.compile(r"(^|\.)(hc_\w+|\w*norm\.weight|attn_sink|gate\.bias|confidence_head\.proj\.\w+)$")
+
+
+def cast_compute_weights(module: M, dtype: torch.dtype) -> M:
+    """Cast `module`'s parameters to `dtype` in place, except those FP32_PARAM_RE keeps in float32; returns it."""
+    for name, param in module.named_parameters():
+        if not FP32_PARAM_RE.search(name):
+            param.data = param.data.to(dtype)
+    return module
 
 
 # ------------------------------------------------------------------------------------------------
 # Config
 # ------------------------------------------------------------------------------------------------
 @dataclass(kw_only=True)
-class DSparkV4Config:
-    """Sizes of a DeepSeek-V4 DSpark draft. Attention / MoE / mHC sizes are the target's."""
+class V4BlockSizes:
+    """Sizes of one DeepSeek-V4 decoder block (attention / MoE / mHC): the target's. Shared by every V4 draft config."""
 
     hidden_size: int
     vocab_size: int
-    num_layers: int = 3
     num_attention_heads: int
     head_dim: int
     rope_head_dim: int
@@ -62,13 +72,24 @@ class DSparkV4Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     sliding_window: int = 128
+    initializer_range: float = 0.02
+
+
+# The block-size keys, in declaration order (what a V4 draft config copies from the target config).
+V4_BLOCK_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(V4BlockSizes))
+
+
+@dataclass(kw_only=True)
+class DSparkV4Config(V4BlockSizes):
+    """Sizes of a DeepSeek-V4 DSpark draft. Attention / MoE / mHC sizes (V4BlockSizes) are the target's."""
+
+    num_layers: int = 3
     block_size: int
     mask_token_id: int
     target_layer_ids: list[int]
     markov_rank: int
     markov_head_type: str = "vanilla"
     confidence_bias: bool = False
-    initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -126,18 +147,7 @@ class DSparkV4Config:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "DSparkV4Config":
         """Build from a plain mapping (e.g. a Hydra/OmegaConf node); unknown keys are an error."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"DSparkV4Config: unknown keys {unknown}")
-        missing = sorted(
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        )
-        if missing:
-            raise ValueError(f"DSparkV4Config: missing keys {missing}")
-        return cls(**dict(values))
+        return config_from_dict(cls, values)
 
     @classmethod
     def from_hf_config(cls, hf_cfg: Any, **draft_keys: Any) -> "DSparkV4Config":
@@ -432,7 +442,7 @@ class DSparkV4Layer(nn.Module):
         return hc_post(self.ffn(self.ffn_norm(y)), x, post, comb)
 
 
-class DSparkV4Draft(nn.Module):
+class DSparkV4Draft(SharedTargetWeights, nn.Module):
     """DeepSeek-V4 DSpark draft; interface in docs/CONTRACTS.md."""
 
     def __init__(self, cfg: DSparkV4Config):
@@ -466,34 +476,11 @@ class DSparkV4Draft(nn.Module):
 
     def set_dtype(self, dtype: torch.dtype) -> "DSparkV4Draft":
         """Cast the compute weights to `dtype`, keeping mHC, norms, sinks, gate bias, confidence in fp32."""
-        for name, param in self.named_parameters():
-            if not FP32_PARAM_RE.search(name):
-                param.data = param.data.to(dtype)
-        return self
+        return cast_compute_weights(self, dtype)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.main_proj.weight.dtype
-
-    # -- shared target weights ---------------------------------------------------------------------
-    def share_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        """Use the target's embedding [V, H] and lm_head [V, H]; stored detached, outside the module tree.
-
-        They are neither parameters nor buffers, so they never reach the optimizer, state_dict, or
-        `.to()`; move the target weights yourself if the draft changes device.
-        """
-        v, h = self.config.vocab_size, self.config.hidden_size
-        for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
-            if tuple(w.shape) != (v, h):
-                raise ValueError(f"share_target_weights: {name} must be [{v}, {h}], got {tuple(w.shape)}")
-        object.__setattr__(self, "_embed_weight", embed_weight.detach())
-        object.__setattr__(self, "_lm_head_weight", lm_head_weight.detach())
-
-    def _shared(self, name: str) -> torch.Tensor:
-        w = getattr(self, f"_{name}")
-        if w is None:
-            raise RuntimeError(f"DSparkV4Draft: call share_target_weights() before using {name}")
-        return w
 
     # -- interface ---------------------------------------------------------------------------------
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
@@ -553,5 +540,8 @@ __all__ = [
     "apply_rope",
     "rope_cos_sin",
     "FP32_PARAM_RE",
+    "V4BlockSizes",
+    "V4_BLOCK_FIELDS",
+    "cast_compute_weights",
     "init_draft_layers_from_target",
 ]

@@ -18,7 +18,6 @@ Export: `layers.{i}.block.X` <-> `mtp.{i}.X`, `layers.{i}.Y` <-> `mtp.{i}.Y` for
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -27,51 +26,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.dspark_v4 import FP32_PARAM_RE, DSparkV4Config, DSparkV4Layer, _hc_params, _normal_linear, _reset_hc
+from dspark.models.common import SharedTargetWeights, config_from_dict
+from dspark.models.dspark_v4 import (
+    V4_BLOCK_FIELDS,
+    DSparkV4Config,
+    DSparkV4Layer,
+    V4BlockSizes,
+    _hc_params,
+    _normal_linear,
+    _reset_hc,
+    cast_compute_weights,
+)
+from dspark.models.mtp_common import chain_propose  # re-exported: the chain drafting of every MTP draft
 from dspark.ops.mhc import hc_head
 from dspark.ops.norms import RMSNorm
 
-# Fields of the V4 block, read from the target config (the same as DSparkV4Config's).
-BLOCK_FIELDS = (
-    "hidden_size", "vocab_size", "num_attention_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_groups",
-    "o_lora_rank", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size",
-    "routed_scaling_factor", "swiglu_limit", "scoring_func", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
-    "rms_norm_eps", "rope_theta", "sliding_window", "initializer_range",
-)
+# Fields of the V4 block, read from the target config (V4BlockSizes: the same as DSparkV4Config's).
+BLOCK_FIELDS = V4_BLOCK_FIELDS
 # DSparkV4Config keys that a single decoder layer never reads (block drafting / Markov head only).
 _DSPARK_ONLY = {"block_size": 1, "mask_token_id": 0, "target_layer_ids": [0], "markov_rank": 1}
 
 
 @dataclass(kw_only=True)
-class DSV4MTPConfig:
-    """Sizes of a DeepSeek-V4 MTP draft; block sizes are the target's."""
+class DSV4MTPConfig(V4BlockSizes):
+    """Sizes of a DeepSeek-V4 MTP draft; block sizes (V4BlockSizes) are the target's."""
 
     kind: str = "dsv4_mtp"
     num_layers: int = 1  # MTP layers (mtp.0 ... mtp.{n-1}); step k uses layer k % num_layers
     num_steps: int = 3  # K: training depth and default number of drafts per verify step
     mask_first_embedding: bool = True  # vLLM zeroes the token embedding at position 0
-    hidden_size: int
-    vocab_size: int
-    num_attention_heads: int
-    head_dim: int
-    rope_head_dim: int
-    q_lora_rank: int
-    o_groups: int
-    o_lora_rank: int
-    n_routed_experts: int
-    num_experts_per_tok: int
-    n_shared_experts: int = 1
-    moe_intermediate_size: int
-    routed_scaling_factor: float
-    swiglu_limit: float
-    scoring_func: str = "sqrtsoftplus"
-    hc_mult: int
-    hc_sinkhorn_iters: int = 20
-    hc_eps: float = 1e-6
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    sliding_window: int = 128
-    initializer_range: float = 0.02
 
     @property
     def block_size(self) -> int:
@@ -99,17 +82,7 @@ class DSV4MTPConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "DSV4MTPConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"DSV4MTPConfig: unknown keys {unknown}")
-        missing = sorted(
-            f.name for f in dataclasses.fields(cls)
-            if f.name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        )
-        if missing:
-            raise ValueError(f"DSV4MTPConfig: missing keys {missing}")
-        return cls(**dict(values))
+        return config_from_dict(cls, values)
 
     @classmethod
     def from_hf_config(cls, hf_cfg: Any, **keys: Any) -> "DSV4MTPConfig":
@@ -170,7 +143,7 @@ class DSV4MTPLayer(nn.Module):
         return self.norm(hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps))
 
 
-class DSV4MTPDraft(nn.Module):
+class DSV4MTPDraft(SharedTargetWeights, nn.Module):
     """DeepSeek-V4 MTP draft; the MTP-draft interface is in docs/CONTRACTS.md ("MTP drafts")."""
 
     # FrozenTarget must capture the last layer's raw output (factory.build_draft sets it).
@@ -190,10 +163,7 @@ class DSV4MTPDraft(nn.Module):
 
     def set_dtype(self, dtype: torch.dtype) -> "DSV4MTPDraft":
         """Cast the compute weights to `dtype`, keeping mHC, norms, sinks and the gate bias in fp32."""
-        for name, param in self.named_parameters():
-            if not FP32_PARAM_RE.search(name):
-                param.data = param.data.to(dtype)
-        return self
+        return cast_compute_weights(self, dtype)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -216,22 +186,6 @@ class DSV4MTPDraft(nn.Module):
             layer.hc_head_scale.copy_(head.hc_scale)
             layer.norm.weight.copy_(base.norm.weight)
         return self
-
-    # -- shared target weights ---------------------------------------------------------------------
-    def share_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        """The target's embedding [V, H] and LM head [V, H]: detached plain attributes, never saved or trained."""
-        v, h = self.config.vocab_size, self.config.hidden_size
-        for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
-            if tuple(w.shape) != (v, h):
-                raise ValueError(f"share_target_weights: {name} must be [{v}, {h}], got {tuple(w.shape)}")
-        object.__setattr__(self, "_embed_weight", embed_weight.detach())
-        object.__setattr__(self, "_lm_head_weight", lm_head_weight.detach())
-
-    def _shared(self, name: str) -> torch.Tensor:
-        w = getattr(self, f"_{name}")
-        if w is None:
-            raise RuntimeError(f"DSV4MTPDraft: call share_target_weights() before using {name}")
-        return w
 
     # -- interface ---------------------------------------------------------------------------------
     def context_hidden(self, feats) -> torch.Tensor:
@@ -273,51 +227,6 @@ class DSV4MTPDraft(nn.Module):
                 generator: torch.Generator | None = None):
         """Chain drafting with the MTP layers (see chain_propose)."""
         return chain_propose(self, feats, tokens, num_drafts=num_drafts, temperature=temperature, generator=generator)
-
-
-# ---- inference: chain drafting ------------------------------------------------------------------
-@torch.no_grad()
-def chain_propose(draft: nn.Module, feats, tokens: torch.Tensor, *, num_drafts: int, temperature: float = 0.0,
-                  generator: torch.Generator | None = None):
-    """`num_drafts` drafts after x0 = tokens[a] with any MTP draft (context_hidden / step / logits).
-
-    tokens [a+1] long (prompt + generated, x0 last); feats: TargetFeatures of batch 1 covering positions
-    0..a-1. Step 0 runs over rows 0..a-1 with ids tokens[1..a] (row a-1: hidden of a-1 and x0) and its last
-    row gives y_0; step k runs over step k-1's outputs with the ids shifted once more and y_{k-1} appended,
-    positions + k, layer k % num_layers. No KV cache: every step recomputes its whole prefix (the same
-    computation as teacher-forced training, with the draft's own tokens at the end).
-    """
-    from dspark.evaluation.propose import Proposal, sample_from_logits
-
-    a = int(tokens.numel()) - 1
-    if a < 1:
-        raise ValueError("chain_propose: tokens must hold at least one context token before x0")
-    if num_drafts < 1:
-        raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
-    hidden = draft.context_hidden(feats)[:, :a]  # [1, a, ...]
-    if hidden.shape[0] != 1 or hidden.shape[1] != a:
-        raise ValueError(f"chain_propose: features must be batch 1 with >= {a} positions, got {tuple(hidden.shape)}")
-    dev = hidden.device
-    ids = tokens.to(dev).long()[1 : a + 1].unsqueeze(0)  # [1, a]
-    pos = torch.arange(a, device=dev).unsqueeze(0)  # [1, a]
-    ys, q_rows, logit_rows = [], [], []
-    for k in range(int(num_drafts)):
-        hidden = draft.step(ids, hidden, pos + k, k)  # [1, a, ...]
-        logits = draft.logits(hidden[:, -1:], k)[0, 0].float() if _takes_layer(draft) else \
-            draft.logits(hidden[:, -1:])[0, 0].float()  # [V]
-        y, q = sample_from_logits(logits, temperature, generator)
-        ys.append(y)
-        q_rows.append(q)
-        logit_rows.append(logits)
-        ids = torch.cat([ids[:, 1:], y.view(1, 1).to(dev)], dim=1)  # shift once more, append the draft
-    return Proposal(tokens=torch.stack(ys), q_probs=torch.stack(q_rows), conf=None, logits=torch.stack(logit_rows))
-
-
-def _takes_layer(draft: nn.Module) -> bool:
-    """Whether draft.logits accepts the step's layer index (per-layer head stacks, as DSV4 MTP has)."""
-    import inspect
-
-    return "layer_idx" in inspect.signature(draft.logits).parameters
 
 
 # ---- serving checkpoint names -------------------------------------------------------------------

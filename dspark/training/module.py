@@ -225,13 +225,26 @@ class DraftLightningModule(L.LightningModule):
             self._acc("agree_count", out["agree_count"])
             self._acc("agree_total", out["agree_total"])
 
-    def on_validation_epoch_end(self) -> None:
+    def _reduced_val(self) -> dict[str, torch.Tensor] | None:
+        """The validation accumulators summed over ranks (in place, under DDP); None when nothing was accumulated."""
         acc = self._val
         if not acc:
-            return
+            return None
         if dist.is_available() and dist.is_initialized():
             for v in acc.values():
                 dist.all_reduce(v)
+        return acc
+
+    def _publish_val(self, metrics: dict[str, torch.Tensor]) -> None:
+        """Log the (already rank-reduced) validation metrics and keep them in last_val_metrics."""
+        for k, v in metrics.items():
+            self.log(k, v.float(), prog_bar=k == "val/tau_prob", sync_dist=False, rank_zero_only=False)
+        self.last_val_metrics = {k: float(v) for k, v in metrics.items()}
+
+    def on_validation_epoch_end(self) -> None:
+        acc = self._reduced_val()
+        if acc is None:
+            return
         metrics = {}
         for k in ("loss", "ce", "l1", "conf"):
             if k in acc:
@@ -242,9 +255,7 @@ class DraftLightningModule(L.LightningModule):
             for k, v in enumerate(per_pos):
                 metrics[f"val/agree_{k}"] = v
             metrics["val/agree"] = acc["agree_count"].sum() / acc["agree_total"].sum().clamp_min(1)
-        for k, v in metrics.items():
-            self.log(k, v.float(), prog_bar=k == "val/tau_prob", sync_dist=False, rank_zero_only=False)
-        self.last_val_metrics = {k: float(v) for k, v in metrics.items()}
+        self._publish_val(metrics)
 
     # ---- optimisation ---------------------------------------------------------------------------
     def configure_optimizers(self):

@@ -79,12 +79,9 @@ class MTPLightningModule(DraftLightningModule):
         self._acc("agree_total", out["agree_total"])
 
     def on_validation_epoch_end(self) -> None:
-        acc = self._val
-        if not acc:
+        acc = self._reduced_val()
+        if acc is None:
             return
-        if dist.is_available() and dist.is_initialized():
-            for v in acc.values():
-                dist.all_reduce(v)
         rows = acc["rows"].clamp_min(1)
         metrics = {f"val/{k}": v / rows for k, v in acc.items()
                    if k in ("loss", "ce", "kl", "tau_prob") or k.startswith(("ce_", "kl_"))}
@@ -93,6 +90,4 @@ class MTPLightningModule(DraftLightningModule):
         for k, v in enumerate(acc["agree_count"] / total.clamp_min(1)):
             metrics[f"val/agree_{k}"] = v
         metrics["val/agree"] = acc["agree_count"].sum() / total.sum().clamp_min(1)
-        for k, v in metrics.items():
-            self.log(k, v.float(), prog_bar=k == "val/tau_prob", sync_dist=False, rank_zero_only=False)
-        self.last_val_metrics = {k: float(v) for k, v in metrics.items()}
+        self._publish_val(metrics)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.models.mtp_common import takes_layer as mtp_takes_layer
 from dspark.training.objectives import acceptance_targets, tau_prob
 
 
@@ -87,7 +88,7 @@ def recursive_forward(draft, context_hidden: torch.Tensor, ids: torch.Tensor, lo
     -> one StepOutputs per step. Step k's hidden input is step k-1's output cut to L_k rows (rows beyond
     are never needed: attention is causal). Steps that need longer sequences than S are skipped.
     """
-    takes_layer = _takes_layer(draft)
+    takes_layer = mtp_takes_layer(draft)
     hidden = context_hidden[:, : ids.shape[1] - 1]  # [B, L_0, ...]
     outs: list[StepOutputs] = []
     for k in range(num_steps):
@@ -104,12 +105,6 @@ def recursive_forward(draft, context_hidden: torch.Tensor, ids: torch.Tensor, lo
             teacher_final=final[where[:, 0], r.teacher_positions[where[:, 1]]], rows=where, hidden=sel,
         ))
     return outs
-
-
-def _takes_layer(draft) -> bool:
-    import inspect
-
-    return "layer_idx" in inspect.signature(draft.logits).parameters
 
 
 def kl_to_teacher(draft_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:

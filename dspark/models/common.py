@@ -1,0 +1,60 @@
+"""Pieces every draft model shares: dataclass configs built from plain mappings, and the target's
+embedding / LM head held outside the module tree."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import torch
+
+C = TypeVar("C")
+
+
+def config_from_dict(cls: type[C], values: Mapping[str, Any]) -> C:
+    """``cls(**values)`` for a dataclass config; unknown keys and missing required keys raise ValueError
+    naming the class and the keys (no validation beyond that: callers validate)."""
+    fields = dataclasses.fields(cls)
+    unknown = sorted(set(values) - {f.name for f in fields})
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown keys {unknown}")
+    missing = sorted(
+        f.name for f in fields
+        if f.name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    )
+    if missing:
+        raise ValueError(f"{cls.__name__}: missing keys {missing}")
+    return cls(**dict(values))
+
+
+class SharedTargetWeights:
+    """Mixin for an nn.Module draft that reads the target's embedding [V, H] and LM head [V, H].
+
+    The draft's ``__init__`` sets ``self._embed_weight = self._lm_head_weight = None``; ``self.config``
+    has ``vocab_size`` and ``hidden_size``.
+    """
+
+    _embed_weight: torch.Tensor | None
+    _lm_head_weight: torch.Tensor | None
+
+    def share_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        """Use the target's embedding [V, H] and lm_head [V, H]; stored detached, outside the module tree.
+
+        They are neither parameters nor buffers, so they never reach the optimizer, state_dict, or
+        `.to()`; move the target weights yourself if the draft changes device.
+        (object.__setattr__: nn.Module would register an nn.Parameter as the draft's own.)
+        """
+        v, h = self.config.vocab_size, self.config.hidden_size
+        for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
+            if tuple(w.shape) != (v, h):
+                raise ValueError(f"share_target_weights: {name} must be [{v}, {h}], got {tuple(w.shape)}")
+        object.__setattr__(self, "_embed_weight", embed_weight.detach())
+        object.__setattr__(self, "_lm_head_weight", lm_head_weight.detach())
+
+    def _shared(self, name: str) -> torch.Tensor:
+        """The shared 'embed_weight' or 'lm_head_weight'; RuntimeError before share_target_weights()."""
+        w = getattr(self, f"_{name}")
+        if w is None:
+            raise RuntimeError(f"{type(self).__name__}: call share_target_weights() before using {name}")
+        return w
