@@ -128,15 +128,10 @@ def v4_tensors(draft: DSparkV4Draft, dtype: torch.dtype = torch.bfloat16,
     return tensors, errors
 
 
-def v4_config_json(cfg: DSparkV4Config, dtype: torch.dtype = torch.bfloat16, quant: str | None = None) -> dict:
-    """dspark_config.json: the target-config keys the serving loader reads + the draft sizes (HF key names)."""
+def v4_block_config_json(cfg) -> dict:
+    """The V4 block sizes and the MTP layer count under DeepseekV4Config key names (a DSpark V4 or a DeepSeek-V4
+    MTP draft config: both carry the V4 block fields)."""
     return {
-        "dspark_block_size": cfg.block_size,
-        "dspark_noise_token_id": cfg.mask_token_id,
-        "dspark_target_layer_ids": list(cfg.target_layer_ids),
-        "dspark_markov_rank": cfg.markov_rank,
-        "dspark_markov_head_type": cfg.markov_head_type,
-        "dspark_confidence_bias": cfg.confidence_bias,
         "n_mtp_layers": cfg.num_layers,
         "num_nextn_predict_layers": cfg.num_layers,
         "hidden_size": cfg.hidden_size,
@@ -158,8 +153,21 @@ def v4_config_json(cfg: DSparkV4Config, dtype: torch.dtype = torch.bfloat16, qua
         "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters,
         "hc_eps": cfg.hc_eps,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "dspark_rope_theta": cfg.rope_theta,
         "sliding_window": cfg.sliding_window,
+    }
+
+
+def v4_config_json(cfg: DSparkV4Config, dtype: torch.dtype = torch.bfloat16, quant: str | None = None) -> dict:
+    """dspark_config.json: the target-config keys the serving loader reads + the draft sizes (HF key names)."""
+    return {
+        "dspark_block_size": cfg.block_size,
+        "dspark_noise_token_id": cfg.mask_token_id,
+        "dspark_target_layer_ids": list(cfg.target_layer_ids),
+        "dspark_markov_rank": cfg.markov_rank,
+        "dspark_markov_head_type": cfg.markov_head_type,
+        "dspark_confidence_bias": cfg.confidence_bias,
+        **v4_block_config_json(cfg),
+        "dspark_rope_theta": cfg.rope_theta,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "dspark_torch_dtype": str(dtype).removeprefix("torch."),
         "dspark_format": "deepseek_v4_mtp",

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, write_tensors
+from dspark.export.dspark_v4 import v4_block_config_json
 from dspark.io import atomic_write_json
 from dspark.models import dsv4_mtp, hy_v4_names
 from dspark.models.dspark_v4 import FP32_PARAM_RE
@@ -126,29 +127,8 @@ def dsv4_config_json(cfg: DSV4MTPConfig, dtype: torch.dtype) -> dict:
     return {
         "dspark_format": DSV4_FORMAT,
         "model_type": "deepseek_v4",
-        "n_mtp_layers": cfg.num_layers,
-        "num_nextn_predict_layers": cfg.num_layers,
-        "hidden_size": cfg.hidden_size,
-        "vocab_size": cfg.vocab_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "head_dim": cfg.head_dim,
-        "qk_rope_head_dim": cfg.rope_head_dim,
-        "q_lora_rank": cfg.q_lora_rank,
-        "o_groups": cfg.o_groups,
-        "o_lora_rank": cfg.o_lora_rank,
-        "n_routed_experts": cfg.n_routed_experts,
-        "num_experts_per_tok": cfg.num_experts_per_tok,
-        "n_shared_experts": cfg.n_shared_experts,
-        "moe_intermediate_size": cfg.moe_intermediate_size,
-        "routed_scaling_factor": cfg.routed_scaling_factor,
-        "swiglu_limit": cfg.swiglu_limit,
-        "scoring_func": cfg.scoring_func,
-        "hc_mult": cfg.hc_mult,
-        "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters,
-        "hc_eps": cfg.hc_eps,
-        "rms_norm_eps": cfg.rms_norm_eps,
+        **v4_block_config_json(cfg),
         "rope_theta": cfg.rope_theta,
-        "sliding_window": cfg.sliding_window,
         "torch_dtype": _dtype_name(dtype),
         "draft_config": dataclasses.asdict(cfg),
     }

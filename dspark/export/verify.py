@@ -417,21 +417,8 @@ def verify_folder(path) -> Report:
         found = {k: v for k, v in found.items() if k.startswith("mtp.")}
     report = Report(kind, n_tensors=len(found), problems=problems + _serving_problems(kind.startswith("deepseek_v4"),
                                                                                    cfg))
-    for name in sorted(set(expected) - set(found)):
-        report.problems.append(f"missing: {name} {list(expected[name][0])} {expected[name][1]}")
-    for name in sorted(set(found) & set(optional)):
-        if name not in expected:
-            expected[name] = optional[name]
-    for name in sorted(set(found) - set(expected)):
-        report.problems.append(f"unexpected: {name} {list(found[name][0])} {found[name][1]} (no draft parameter)")
-    for name in sorted(set(found) & set(expected)):
-        (fs, fd), (es, ed) = found[name], expected[name]
-        if fs != es:
-            report.problems.append(f"shape: {name} is {list(fs)}, expected {list(es)}")
-        if fd != ed:
-            report.problems.append(f"dtype: {name} is {fd}, expected {ed}")
-    report.n_bytes = sum(_SIZES.get(d, 0) * _numel(s) for s, d in found.values())
-    return report
+    present_optional = {k: v for k, v in optional.items() if k in found and k not in expected}
+    return _compare(report, {**expected, **present_optional}, found)
 
 
 def _verify_mtp(folder: Path) -> Report:
