@@ -124,10 +124,13 @@ def test_malformed_jsonl_lines_are_counted_or_refused(tmp_path, caplog):
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_match_one_process(tmp_path):
-    """2-process DDP (gloo, CPU) on the same global batch gives the same weights as one process."""
-    common = TINY_RUN + ["train.max_steps=3", "train.val_every_steps=3", "train.ckpt_every_steps=3",
-                         "train.num_anchors=4", "data.num_workers=0"]
+@pytest.mark.parametrize("experiment", ["dspark_v4", "dsv4_mtp"])
+def test_ddp_two_processes_match_one_process(tmp_path, experiment):
+    """2-process DDP (gloo, CPU) on the same global batch gives the same weights as one process (DSpark: global
+    sum of loss weights; MTP: global scored rows per step; the ranks' shards score different numbers of rows)."""
+    common = [f"experiment={experiment}"] + TINY_RUN + [
+        "train.max_steps=3", "train.val_every_steps=3", "train.ckpt_every_steps=3", "train.num_anchors=4",
+        "data.num_workers=0"]
     one, two, half = tmp_path / "one", tmp_path / "two", tmp_path / "half"
     run_training(compose(common + [f"run_dir={one}", "train.batch_size=4"]))
     run_training(compose(common + [f"run_dir={half}", "train.batch_size=2"]))  # rank 0's share alone
