@@ -149,3 +149,25 @@ def test_ddp_two_processes_match_one_process(tmp_path, experiment):
     assert m1["global_step"] == m2["global_step"] == 3
     s1, s2 = m1["final"], m2["final"]
     assert s2["val/tau_prob"] == pytest.approx(s1["val/tau_prob"], rel=1e-4)
+
+
+def test_trained_tiny_dspark_draft_decodes_exactly_like_the_target(tmp_path):
+    """A (briefly) trained DSpark draft through eval.py on the shipped tiny V4 target: both turns of two
+    conversations batched together, outputs == plain greedy decoding, and drafts do get accepted (the
+    acceptance path is exercised, not only rejections)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from dspark.evaluation.run_eval import run_eval
+
+    run_training(compose(TINY_RUN + [f"run_dir={tmp_path}", "train.max_steps=12"]))
+    data = tmp_path / "bench"
+    data.mkdir()
+    (data / "chat.jsonl").write_text('{"turns": ["How do I make a good cup of tea?", "And coffee?"]}\n'
+                                     '{"turns": ["Write a short poem about the sea."]}\n')
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = hydra_compose(config_name="eval", overrides=[f"run_dir={tmp_path}", f"data_dir={data}",
+                                                           "benchmarks=[chat]", "max_new_tokens=24", "plots=false"])
+    r = run_eval(cfg)["chat"]
+    assert r["greedy_outputs_equal_target"] == "3/3" and r["num_requests"] == 3
+    assert r["num_accepted_tokens"] > 0
