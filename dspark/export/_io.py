@@ -67,19 +67,68 @@ def iter_tensors(folder: Path, prefix: str = "") -> Iterator[tuple[str, torch.Te
                     yield name, fh.get_tensor(name)
 
 
-def load_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor], what: str) -> None:
-    """Copy `tensors` (module names) into the module's parameters; strict: both sides must match exactly."""
-    params = dict(module.named_parameters())
-    missing = sorted(set(params) - set(tensors))
-    extra = sorted(set(tensors) - set(params))
-    bad_shape = sorted(n for n in set(params) & set(tensors) if tuple(params[n].shape) != tuple(tensors[n].shape))
+def load_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor], what: str, *, buffers: bool = False) -> None:
+    """Copy `tensors` (module names) into the module's parameters (with `buffers`: its whole state_dict,
+    persistent buffers included); strict: both sides must match exactly, names and shapes."""
+    own = module.state_dict() if buffers else dict(module.named_parameters())
+    missing = sorted(set(own) - set(tensors))
+    extra = sorted(set(tensors) - set(own))
+    bad_shape = sorted(n for n in set(own) & set(tensors) if tuple(own[n].shape) != tuple(tensors[n].shape))
     if missing or extra or bad_shape:
         lines = [f"{what}: checkpoint does not match the draft"]
         lines += [f"  missing: {n}" for n in missing]
         lines += [f"  unexpected: {n}" for n in extra]
-        lines += [f"  shape: {n} checkpoint {tuple(tensors[n].shape)} vs draft {tuple(params[n].shape)}"
+        lines += [f"  shape: {n} checkpoint {tuple(tensors[n].shape)} vs draft {tuple(own[n].shape)}"
                   for n in bad_shape]
         raise ValueError("\n".join(lines))
     with torch.no_grad():
-        for name, p in params.items():
-            p.data = tensors[name].to(device=p.device, dtype=p.dtype).clone()
+        for name, t in own.items():
+            if buffers:
+                t.copy_(tensors[name].to(t.dtype))
+            else:
+                t.data = tensors[name].to(device=t.device, dtype=t.dtype).clone()
+
+
+def merge_shard_into_copy(target_dir: Path, out_dir: Path, tensors: dict[str, torch.Tensor], *, shard: str,
+                          is_draft_name, skip: tuple[str, ...] = ()) -> None:
+    """out_dir = a copy of the target checkpoint folder (files hard-linked when possible, copied otherwise) with
+    `tensors` in their own `shard` and the index updated (a single-file target gets an index). Tensors the
+    target already holds under draft names (`is_draft_name(name)`, e.g. its own MTP layers) are removed from
+    the copy: their shards are rewritten without them, the originals stay untouched. config.json, the index,
+    `shard` and the `skip` files are not copied (the caller writes its config)."""
+    import os
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for src in target_dir.iterdir():
+        if src.is_file() and src.name not in ("config.json", INDEX_NAME, shard, *skip):
+            dst = out_dir / src.name
+            if dst.exists():
+                dst.unlink()
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+    if (target_dir / INDEX_NAME).is_file():
+        index = json.loads((target_dir / INDEX_NAME).read_text())
+    else:
+        with safe_open(str(target_dir / SINGLE_NAME), framework="pt") as fh:
+            index = {"metadata": {}, "weight_map": {k: SINGLE_NAME for k in fh.keys()}}
+    weight_map = dict(index["weight_map"])
+    old = {k: f for k, f in weight_map.items() if is_draft_name(k)}
+    for fname in sorted(set(old.values())):
+        kept = {k: t for k, t in load_file(str(target_dir / fname)).items() if k not in old}
+        (out_dir / fname).unlink(missing_ok=True)  # absent: the target is itself a merge (its draft shard)
+        if kept:
+            save_safetensors_atomic(kept, out_dir / fname, {"format": "pt"})
+    for k in old:
+        del weight_map[k]
+    save_safetensors_atomic(tensors, out_dir / shard, {"format": "pt"})
+    weight_map.update({k: shard for k in tensors})
+    index["weight_map"] = dict(sorted(weight_map.items()))
+    index.setdefault("metadata", {}).pop("total_size", None)  # no longer exact; optional in the format
+    atomic_write_json(out_dir / INDEX_NAME, index)

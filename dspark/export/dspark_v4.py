@@ -296,13 +296,8 @@ def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch
     must therefore match the target's quantization_config / expert_dtype (None for an unquantised target).
     """
     import json
-    import os
-    import shutil
 
-    from safetensors.torch import load_file
-
-    from dspark.export._io import INDEX_NAME, SINGLE_NAME
-    from dspark.io import save_safetensors_atomic
+    from dspark.export._io import merge_shard_into_copy
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     if out_dir.resolve() == target_dir.resolve():
@@ -313,39 +308,10 @@ def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch
                          f"{draft.config.hidden_size}")
     _check_merge_quant(config, quant, target_dir)
     _check_merge_arch(config, draft, target_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for src in target_dir.iterdir():
-        if src.is_file() and src.name not in ("config.json", INDEX_NAME, MERGED_SHARD):
-            dst = out_dir / src.name
-            if dst.exists():
-                dst.unlink()
-            try:
-                os.link(src, dst)
-            except OSError:
-                shutil.copy2(src, dst)
-    if (target_dir / INDEX_NAME).is_file():
-        index = json.loads((target_dir / INDEX_NAME).read_text())
-    else:
-        from safetensors import safe_open
-
-        with safe_open(str(target_dir / SINGLE_NAME), framework="pt") as fh:
-            index = {"metadata": {}, "weight_map": {k: SINGLE_NAME for k in fh.keys()}}
-    weight_map = dict(index["weight_map"])
-    old_mtp = {k: f for k, f in weight_map.items() if k.startswith("mtp.")}
-    for fname in sorted(set(old_mtp.values())):
-        kept = {k: t for k, t in load_file(str(target_dir / fname)).items() if not k.startswith("mtp.")}
-        (out_dir / fname).unlink(missing_ok=True)  # absent: the target is itself a merge (its draft shard)
-        if kept:
-            save_safetensors_atomic(kept, out_dir / fname, {"format": "pt"})
-    for k in old_mtp:
-        del weight_map[k]
     tensors, errors = v4_tensors(draft, dtype, quant)
-    save_safetensors_atomic(tensors, out_dir / MERGED_SHARD, {"format": "pt"})
+    merge_shard_into_copy(target_dir, out_dir, tensors, shard=MERGED_SHARD,
+                          is_draft_name=lambda k: k.startswith("mtp."))
     _write_report(out_dir, quant, errors)
-    weight_map.update({k: MERGED_SHARD for k in tensors})
-    index["weight_map"] = dict(sorted(weight_map.items()))
-    index.setdefault("metadata", {}).pop("total_size", None)  # no longer exact; optional in the format
-    atomic_write_json(out_dir / INDEX_NAME, index)
     sidecar = v4_config_json(draft.config, dtype)
     keys = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
             "dspark_markov_head_type", "dspark_confidence_bias", "n_mtp_layers", "num_nextn_predict_layers",

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, write_tensors
+from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, load_into, write_tensors
 from dspark.export.dspark_v4 import v4_block_config_json
 from dspark.io import atomic_write_json
 from dspark.models import dsv4_mtp, hy_v4_names
@@ -207,13 +207,7 @@ def merge_mtp_into_target(draft, target_dir, out_dir, dtype: torch.dtype = torch
     written too, so the verifier and import_mtp read the folder. The target config must yield the draft's own
     sizes (vLLM builds the MTP layers from it); quantised targets are refused.
     """
-    import os
-    import shutil
-
-    from safetensors.torch import load_file
-
-    from dspark.export._io import INDEX_NAME, SINGLE_NAME
-    from dspark.io import save_safetensors_atomic
+    from dspark.export._io import merge_shard_into_copy
 
     _check_draft(draft)
     target_dir, out_dir = Path(target_dir), Path(out_dir)
@@ -224,37 +218,8 @@ def merge_mtp_into_target(draft, target_dir, out_dir, dtype: torch.dtype = torch
     is_hy = isinstance(draft, HYV4MTPDraft)
     start = draft.config.mtp_start_layer if is_hy else 0
     tensors = mtp_tensors(draft, dtype, layer_names=layer_names, split_experts=split_experts)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for src in target_dir.iterdir():
-        if src.is_file() and src.name not in ("config.json", INDEX_NAME, MERGED_SHARD, CONFIG_NAME):
-            dst = out_dir / src.name
-            if dst.exists():
-                dst.unlink()
-            try:
-                os.link(src, dst)
-            except OSError:
-                shutil.copy2(src, dst)
-    if (target_dir / INDEX_NAME).is_file():
-        index = json.loads((target_dir / INDEX_NAME).read_text())
-    else:
-        from safetensors import safe_open
-
-        with safe_open(str(target_dir / SINGLE_NAME), framework="pt") as fh:
-            index = {"metadata": {}, "weight_map": {k: SINGLE_NAME for k in fh.keys()}}
-    weight_map = dict(index["weight_map"])
-    old = {k: f for k, f in weight_map.items() if _is_mtp_name(k, is_hy, start)}
-    for fname in sorted(set(old.values())):  # shards holding old MTP tensors: rewritten without them
-        kept = {k: t for k, t in load_file(str(target_dir / fname)).items() if k not in old}
-        (out_dir / fname).unlink(missing_ok=True)  # MERGED_SHARD (a re-merge) was never linked
-        if kept:
-            save_safetensors_atomic(kept, out_dir / fname, {"format": "pt"})
-    for k in old:
-        del weight_map[k]
-    save_safetensors_atomic(tensors, out_dir / MERGED_SHARD, {"format": "pt"})
-    weight_map.update({k: MERGED_SHARD for k in tensors})
-    index["weight_map"] = dict(sorted(weight_map.items()))
-    index.setdefault("metadata", {}).pop("total_size", None)  # no longer exact; optional in the format
-    atomic_write_json(out_dir / INDEX_NAME, index)
+    merge_shard_into_copy(target_dir, out_dir, tensors, shard=MERGED_SHARD, skip=(CONFIG_NAME,),
+                          is_draft_name=lambda k: _is_mtp_name(k, is_hy, start))
     config["num_nextn_predict_layers"] = draft.config.num_layers
     if not is_hy:
         config["n_mtp_layers"] = draft.config.num_layers
@@ -323,25 +288,8 @@ def import_mtp(folder, draft=None):
     mtp = {n: t for n, t in raw.items() if _is_mtp_name(n, is_hy, start)}
     state = draft.from_serving_names(mtp) if is_hy else dsv4_mtp.from_serving_names(mtp)
     state.update({n: t for n, t in raw.items() if n not in mtp})  # not MTP names: reported as unexpected
-    _load_state_strict(draft, state, f"import_mtp({folder})")
+    load_into(draft, state, f"import_mtp({folder})", buffers=True)
     return draft
-
-
-def _load_state_strict(module: torch.nn.Module, tensors: dict[str, torch.Tensor], what: str) -> None:
-    """Copy `tensors` into the module's state (parameters + persistent buffers): names and shapes must match."""
-    own = module.state_dict()
-    missing = sorted(set(own) - set(tensors))
-    extra = sorted(set(tensors) - set(own))
-    bad = sorted(n for n in set(own) & set(tensors) if tuple(own[n].shape) != tuple(tensors[n].shape))
-    if missing or extra or bad:
-        lines = [f"{what}: checkpoint does not match the draft"]
-        lines += [f"  missing: {n}" for n in missing]
-        lines += [f"  unexpected: {n}" for n in extra]
-        lines += [f"  shape: {n} checkpoint {tuple(tensors[n].shape)} vs draft {tuple(own[n].shape)}" for n in bad]
-        raise ValueError("\n".join(lines))
-    with torch.no_grad():
-        for name, t in own.items():
-            t.copy_(tensors[name].to(t.dtype))
 
 
 __all__ = ["CONFIG_NAME", "HY_FORMAT", "DSV4_FORMAT", "mtp_tensors", "export_mtp", "import_mtp", "read_mtp_config",
