@@ -221,6 +221,7 @@ def test_session_cache_matches_full_recompute_after_rollbacks(kind):
         for i in range(2):
             full, _ = spec.score(target, seqs[i])
             got = sess.features(i)
+            assert sess.tokens(i).tolist() == seqs[i].tolist()
             assert torch.allclose(got.aux, full.aux, atol=1e-4)
             assert (got.pre_head is None) == (kind == "v4")
             assert got.pre_head is None or torch.allclose(got.pre_head, full.pre_head, atol=1e-4)

@@ -251,8 +251,7 @@ def speculative_generate_batch(
         t_round = time.perf_counter()
         rows = range(session.batch_size)
         feats = [session.features(r) for r in rows]
-        seqs = [torch.cat([session_tokens(session, r, req, prompts, outs, target.device),
-                           torch.tensor([x0[r]], device=target.device)]) for r, req in enumerate(session.requests)]
+        seqs = [torch.cat([session.tokens(r), session.tokens(r).new_tensor([x0[r]])]) for r in rows]
         props = _timed(timing, "draft_s", draft_propose_batch, draft, feats, seqs, num_drafts=g,
                        mask_token_id=mask_token_id, layout=layout, window=window, temperature=temperature,
                        generators=[gens[req] for req in session.requests])  # [a_r + 1] tokens each
@@ -275,13 +274,6 @@ def speculative_generate_batch(
         timing.rounds += 1
         timing.total_s += time.perf_counter() - t_round
     return Decoded([torch.tensor(o.tokens, dtype=torch.long) for o in outs], steps, timing, forwards)
-
-
-def session_tokens(session: TargetSession, row: int, req: int, prompts, outs, device) -> torch.Tensor:
-    """Tokens whose target state row `row` (request `req`) has cached: prompt + generated[:-1]."""
-    n = session.lengths[row] - len(prompts[req])
-    return torch.cat([_prompt_tensor(prompts[req], device),
-                      torch.tensor(outs[req].tokens[:n], dtype=torch.long, device=device)])
 
 
 @torch.no_grad()

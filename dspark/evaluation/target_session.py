@@ -73,20 +73,25 @@ class TargetSession:
         self.target = target
         self.device = target.device
         self.cache = _new_cache(target)
-        self.lengths: list[int] = []  # cached tokens per row
         self.attention_mask = torch.zeros(len(prompts), 0, dtype=torch.long, device=self.device)  # [B, L]
         self._feats: list[list[TargetFeatures]] = [[] for _ in prompts]  # kept features per row, in chunks
         self._pending: TargetFeatures | None = None  # features of the last forward, [B, T, ...]
+        self._pending_ids: torch.Tensor | None = None  # its input ids [B, T]
         self.requests = list(range(len(prompts)))  # request index of each row
         for i, p in enumerate(prompts):
             if p.dim() != 1 or p.numel() == 0:
                 raise ValueError(f"prompt {i}: expected a non-empty [P] tensor, got shape {tuple(p.shape)}")
-        self.lengths = [0] * len(prompts)
         self._prompts = [p.to(self.device, torch.long) for p in prompts]
+        self._tokens: list[torch.Tensor] = [p[:0] for p in self._prompts]  # cached token ids per row [len_i]
 
     @property
     def batch_size(self) -> int:
-        return len(self.lengths)
+        return len(self._tokens)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Cached tokens per row."""
+        return [t.numel() for t in self._tokens]
 
     # ---- forward ------------------------------------------------------------------------------------
     def prefill(self) -> torch.Tensor:
@@ -105,7 +110,7 @@ class TargetSession:
         logits = self.target.logits_from_final(feats.final[:, -1]).float()  # [B, V]
         for i, p in enumerate(self._prompts):
             self._feats[i].append(self._row(feats, i, width - p.numel(), width))
-            self.lengths[i] = p.numel()
+        self._tokens = list(self._prompts)
         return logits
 
     def forward(self, new_ids: torch.Tensor) -> torch.Tensor:
@@ -120,7 +125,7 @@ class TargetSession:
         mask = torch.cat([self.attention_mask, torch.ones(b, t, dtype=torch.long, device=self.device)], dim=1)
         feats = self.target.features(new_ids.to(self.device), mask, position_ids=pos, cache=self.cache)
         self.attention_mask = mask
-        self._pending = feats
+        self._pending, self._pending_ids = feats, new_ids.to(self.device)
         return self.target.logits_from_final(feats.final).float()  # [B, T, V]
 
     def commit(self, keep: Sequence[int]) -> None:
@@ -131,12 +136,13 @@ class TargetSession:
         if len(keep) != self.batch_size or any(not 0 <= int(k) <= t for k in keep):
             raise ValueError(f"keep must hold {self.batch_size} counts in 0..{t}, got {list(keep)}")
         old_width = self.attention_mask.shape[1] - t  # cache slots before the forward
+        old_lengths = self.lengths
         for i, k in enumerate(keep):
             if k:
                 self._feats[i].append(self._row(self._pending, i, 0, int(k)))
-        new_lengths = [n + int(k) for n, k in zip(self.lengths, keep)]
-        self._repack(old_width, new_lengths)
-        self._pending = None
+                self._tokens[i] = torch.cat([self._tokens[i], self._pending_ids[i, : int(k)]])
+        self._repack(old_width, old_lengths)
+        self._pending = self._pending_ids = None
 
     def retain(self, rows: Sequence[int]) -> None:
         """Keep only these rows (e.g. drop finished requests)."""
@@ -151,13 +157,16 @@ class TargetSession:
             if getattr(layer, "indexer_position_ids", None) is not None:
                 layer.indexer_position_ids = layer.indexer_position_ids[:, idx]  # [P, B, L]
         self.attention_mask = self.attention_mask[idx]
-        self.lengths = [self.lengths[r] for r in rows]
+        self._tokens = [self._tokens[r] for r in rows]
         self._feats = [self._feats[r] for r in rows]
         self.requests = [self.requests[r] for r in rows]
-        width = max(self.lengths) if self.lengths else 0
-        self._repack(self.attention_mask.shape[1], self.lengths, width=width)
+        self._repack(self.attention_mask.shape[1], self.lengths)
 
     # ---- per-row state ------------------------------------------------------------------------------
+    def tokens(self, row: int) -> torch.Tensor:
+        """Token ids of row `row`'s committed positions 0..len-1 [len] long."""
+        return self._tokens[row]
+
     def features(self, row: int) -> TargetFeatures:
         """Target features of row `row`'s committed positions 0..len-1, batch 1."""
         parts = self._feats[row]
@@ -169,10 +178,11 @@ class TargetSession:
     def _row(feats: TargetFeatures, row: int, start: int, stop: int) -> TargetFeatures:
         return type(feats)(**{k: None if v is None else v[row : row + 1, start:stop] for k, v in vars(feats).items()})
 
-    def _repack(self, old_valid_end: int, new_lengths: list[int], width: int | None = None) -> None:
-        """Right-align every row's first new_lengths[i] tokens (they start at slot old_valid_end - len_i)."""
-        width = max(new_lengths) if width is None else width
-        starts = torch.tensor([old_valid_end - n for n in self.lengths], device=self.device)  # [B]
+    def _repack(self, old_valid_end: int, old_lengths: list[int]) -> None:
+        """Right-align every row's now-committed tokens; they start at cache slot old_valid_end - old_lengths[i]."""
+        new_lengths = self.lengths
+        width = max(new_lengths, default=0)
+        starts = torch.tensor([old_valid_end - n for n in old_lengths], device=self.device)  # [B]
         new_len = torch.tensor(new_lengths, device=self.device)  # [B]
         j = torch.arange(width, device=self.device).unsqueeze(0)  # [1, W]
         pad = (width - new_len).unsqueeze(1)  # [B, 1]
@@ -188,4 +198,3 @@ class TargetSession:
             if ip is not None:
                 layer.indexer_position_ids = ip.gather(2, src[None].expand(ip.shape[0], -1, -1))  # [P, B, W]
         self.attention_mask = (j >= pad).long()
-        self.lengths = list(new_lengths)
