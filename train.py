@@ -11,9 +11,11 @@ from omegaconf import DictConfig  # noqa: E402
 
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from dspark.errors import one_line_errors
     from dspark.training.run import run_training
 
-    run_training(cfg)
+    with one_line_errors("train.py"):
+        run_training(cfg)
 
 
 if __name__ == "__main__":
