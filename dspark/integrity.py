@@ -79,7 +79,14 @@ def write_checked(path: Path, data: bytes | memoryview) -> None:
     new = digest_bytes(data)
     old = _sidecar_digests(path)[:1] if path.is_file() else []
     atomic_write_json(sidecar_path(path), {"file": path.name, "accept": [new, *old]})
-    atomic_write_bytes(path, data)
+    try:
+        atomic_write_bytes(path, data)
+    except BaseException:  # the file is unchanged (or absent): so is what its sidecar accepts
+        if old:
+            atomic_write_json(sidecar_path(path), {"file": path.name, "accept": old})
+        else:
+            sidecar_path(path).unlink(missing_ok=True)
+        raise
     if old:
         atomic_write_json(sidecar_path(path), {"file": path.name, "accept": [new]})
 

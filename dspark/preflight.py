@@ -81,7 +81,9 @@ def _target_hf_config(cfg: DictConfig):
     folder (a Hub id: the loader decides)."""
     folder = target_folder(cfg)
     if not Path(folder).is_dir():
-        return None
+        local = folder.startswith(("/", ".", "~")) or Path(folder).exists()
+        require(not local, "target.path", f"{folder!r} is not a folder")
+        return None  # a Hub id: the loader resolves it
     from transformers import AutoConfig
 
     try:

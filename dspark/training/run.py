@@ -133,7 +133,7 @@ def resolve_resume(cfg: DictConfig, run_dir: Path) -> str | None:
     if cfg.resume in (None, "", False):
         if is_launcher_process():
             used = [p.name for p in (run_dir / "checkpoints", run_dir / draft_dir.DRAFT_DIR)
-                    if p.is_dir() and any(p.iterdir())]
+                    if p.is_dir() and any(not f.name.startswith(".") for f in p.iterdir())]
             factory.require(not used, "run_dir",
                             f"{run_dir} already holds a run ({', '.join(used)}/): resume it with resume=last, "
                             "or choose another run_dir=")
