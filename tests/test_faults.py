@@ -310,46 +310,79 @@ def _train_cmd(run: Path, resume: bool) -> list[str]:
     return [sys.executable, str(REPO / "train.py"), *KILL_RUN, f"run_dir={run}", *(["resume=last"] if resume else [])]
 
 
+def _newest_step(run: Path) -> int:
+    steps = [int(p.stem[4:11]) for p in (run / "checkpoints").glob("step*.ckpt")] \
+        if (run / "checkpoints").is_dir() else []  # stepNNNNNNN.ckpt
+    return max(steps, default=-1)
+
+
+def _logged_steps(run: Path) -> int:
+    """Newest step with a train/loss row on disk (-1 if none; a row being written counts as absent)."""
+    from test_train_e2e import train_losses
+
+    try:
+        return max(train_losses(run), default=-1)
+    except (ValueError, KeyError, OSError):
+        return -1
+
+
+def _wait(proc: subprocess.Popen, until, timeout: float = 300.0) -> None:
+    t0 = time.perf_counter()
+    while proc.poll() is None and not until() and time.perf_counter() - t0 < timeout:
+        time.sleep(0.01)
+
+
 @pytest.mark.slow
 def test_kill_9_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_path):
     """A run (checkpoint every step) killed with SIGKILL at 12 random moments, each time restarted with
-    resume=last (or fresh when no checkpoint exists yet): every checkpoint on disk always passes its checksum
-    and loads; the finished run equals the uninterrupted one (losses and weights)."""
+    resume=last (or fresh when no checkpoint exists yet): during startup, or a random 0-300 ms after a new
+    checkpoint appeared (inside the next step or the next checkpoint write). Every checkpoint on disk always
+    passes its checksum and loads; the finished run equals the uninterrupted one (losses and weights)."""
     from test_train_e2e import train_losses
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run, rng, kills = tmp_path / "killed", random.Random(16), 0
+    ref_dir, run, rng = tmp_path / "reference", tmp_path / "killed", random.Random(16)
     t0 = time.perf_counter()
-    ref = subprocess.run(_train_cmd(tmp_path / "timing", False), env=env, capture_output=True, text=True, cwd=REPO)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    wall = time.perf_counter() - t0
-    assert "held-out expected acceptance length tau_prob" in ref.stdout and str(tmp_path / "timing") in ref.stdout
-    while True:
+    ref = subprocess.Popen(_train_cmd(ref_dir, False), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, cwd=REPO)
+    _wait(ref, lambda: _newest_step(ref_dir) >= 1)
+    startup = time.perf_counter() - t0  # until the first checkpoint is on disk
+    out, err = ref.communicate(timeout=600)
+    assert ref.returncode == 0, err[-3000:]
+    assert "held-out expected acceptance length tau_prob" in out and str(ref_dir) in out
+    moments = []
+    for _ in range(12):
         resume = (run / "checkpoints" / "last.ckpt").is_file()
         proc = subprocess.Popen(_train_cmd(run, resume), env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, cwd=REPO)
-        if kills < 12:
-            try:
-                proc.wait(timeout=rng.uniform(0.05, 0.5) * wall)  # startup, steps, checkpoint writes
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
-                kills += 1
-                for ckpt in (run / "checkpoints").glob("*.ckpt") if (run / "checkpoints").is_dir() else []:
-                    check_file(ckpt, hint="-")
-                    torch.load(ckpt, weights_only=True, map_location="cpu")
-                continue
+                                stderr=subprocess.DEVNULL, cwd=REPO)
+        if rng.random() < 0.3:
+            delay = rng.uniform(0.1, 0.9) * startup
+            moments.append(f"startup+{delay:.1f}s")
+            _wait(proc, lambda: False, timeout=delay)
         else:
-            proc.wait(timeout=600)
-        err = proc.stderr.read()
-        assert proc.returncode == 0, err[-3000:]
-        break
-    assert kills >= 10
-    a, b = train_losses(tmp_path / "timing"), train_losses(run)
-    assert sorted(a) == sorted(b) == list(range(40))
+            before, delay = _newest_step(run), rng.uniform(0.0, 0.3)
+            _wait(proc, lambda: _newest_step(run) > before)
+            step = _newest_step(run)
+            # that step's log row follows its checkpoint by a few ms (FlushLogsOnCheckpoint): from it on, a kill
+            # lands in the next step or the next checkpoint write
+            _wait(proc, lambda: _logged_steps(run) >= step - 1, timeout=10)
+            assert _logged_steps(run) >= step - 1, "the log rows are not on disk with the checkpoint"
+            moments.append(f"after step {step} +{delay * 1000:.0f}ms")
+            time.sleep(delay)
+        assert proc.poll() is None, f"the run finished before kill {len(moments)} ({moments})"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        for ckpt in (run / "checkpoints").glob("*.ckpt") if (run / "checkpoints").is_dir() else []:
+            check_file(ckpt, hint="-")
+            torch.load(ckpt, weights_only=True, map_location="cpu")
+    final = subprocess.run(_train_cmd(run, (run / "checkpoints" / "last.ckpt").is_file()), env=env,
+                           capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert final.returncode == 0, final.stderr[-3000:]
+    a, b = train_losses(ref_dir), train_losses(run)
+    assert sorted(a) == sorted(b) == list(range(40)), moments
     for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
-    wa, wb = draft_dir.load_state(tmp_path / "timing" / "draft"), draft_dir.load_state(run / "draft")
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), (step, moments)
+    wa, wb = draft_dir.load_state(ref_dir / "draft"), draft_dir.load_state(run / "draft")
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
     assert not [p for p in run.rglob("*.tmp")] and not (run / LOCK_NAME).exists()
