@@ -69,3 +69,28 @@ def test_missing_sps_table_fails_before_any_model_loads(tmp_path, no_model_loads
     cfg = _eval_cfg(f"run_dir={_fake_run(tmp_path)}", f"sps_table={tmp_path / 'nope.json'}")
     with pytest.raises(factory.ConfigError, match="sps_table"):
         ev.run_eval(cfg)
+
+
+def test_notebook_paths_resolve_against_the_checkout(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from dspark.evaluation.compare import eval_runs, newest_run, repo_root, runs_root
+
+    monkeypatch.chdir(REPO / "notebooks")  # where Jupyter starts the kernel
+    monkeypatch.delenv("DSPARK_RUNS", raising=False)
+    assert repo_root() == REPO and runs_root() == REPO / "runs"
+    monkeypatch.setenv("DSPARK_RUNS", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"python train\.py experiment=dspark_v4"):
+        newest_run("dspark_v4")
+    with pytest.raises(FileNotFoundError, match=r"python eval\.py run_dir="):
+        eval_runs()
+    for i, stamp in enumerate(["20300101-000000", "20200101-000000"]):  # the newer finish wins, not the name
+        (tmp_path / "dspark_v4" / stamp / "eval").mkdir(parents=True)
+        (tmp_path / "dspark_v4" / stamp / "metrics.json").write_text("{}")
+        (tmp_path / "dspark_v4" / stamp / "eval" / "summary.T0.g4.json").write_text("{}")
+        t = time.time() - 100 + i
+        os.utime(tmp_path / "dspark_v4" / stamp / "metrics.json", (t, t))
+    (tmp_path / "dspark_v4" / "unfinished").mkdir()
+    assert newest_run("dspark_v4") == tmp_path / "dspark_v4" / "20200101-000000"
+    assert set(eval_runs()) == {"dspark_v4/20300101-000000", "dspark_v4/20200101-000000"}
