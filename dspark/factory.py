@@ -52,7 +52,8 @@ def build_target(cfg: DictConfig) -> FrozenTarget:
         from dspark.targets.gguf_convert import prepare_smollm2
 
         return load_hf_target(str(t.path or prepare_smollm2()), layer_ids, str(t.dtype), require_aux=not mtp)
-    require(t.path not in (None, "???"), "target.path", "set it to a local HF model folder")
+    require(t.path not in (None, "???"), "target.path",
+            "set it to a local HF model folder or a Hub id in the Hugging Face cache (Qwen/Qwen3-8B)")
     return load_hf_target(str(t.path), layer_ids, str(t.dtype), require_aux=not mtp)
 
 
