@@ -66,7 +66,7 @@ def test_tiny_run_writes_checkpoint_metrics_and_draft(tmp_path):
     # the run's draft exports to the serving mtp.* form, verifies independently, and re-imports exactly
     from dspark.export.__main__ import main as export_main
 
-    assert export_main(["v4", "--run-dir", str(tmp_path), "--target", "tiny_v4",
+    assert export_main(["v4", "--run-dir", str(tmp_path),  # the target: draft/target.json
                         "--out", str(tmp_path / "export"), "--dtype", "float32"]) == 0
     from dspark.export.verify import verify_folder
     from dspark.export.dspark_v4 import import_v4_sidecar
