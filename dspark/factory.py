@@ -1,13 +1,14 @@
 """Builds the run's pieces from the Hydra config, validating every key before any heavy work starts."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dspark.targets.hf_target import FrozenTarget, load_hf_target
 
@@ -94,6 +95,19 @@ def draft_fields(d: DictConfig) -> dict:
 MTP_FIELD_KEYS = ("num_layers", "num_steps")
 
 
+def record_resolved(d: DictConfig, dcfg, top_level: tuple[str, ...]) -> None:
+    """Writes the built draft config back into the draft group: the group's own keys resolved (mask_token_id from
+    the tokenizer) and every size taken from the target under `arch`. draft/draft_config.json and the checkpoint's
+    hyper_parameters then hold the complete config: the draft rebuilds without the target and without Hydra
+    (dspark.models.pretrained.load_draft), and rebuilding it against the target gives the same draft."""
+    full = dataclasses.asdict(dcfg)
+    with open_dict(d):
+        for key in top_level:
+            if key in full:
+                d[key] = full[key]
+        d.arch = {k: v for k, v in full.items() if k not in top_level and k != "kind"}
+
+
 def build_mtp_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
     """An MTP draft (draft.kind in MTP_DRAFT_KINDS): block sizes from the target config, `num_layers`,
     `num_steps` and the `arch` overrides from the draft group."""
@@ -126,6 +140,7 @@ def build_mtp_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
         dcfg.validate()
     except (TypeError, ValueError) as e:
         raise ConfigError(f"draft: {e}") from e
+    record_resolved(d, dcfg, MTP_FIELD_KEYS)
     draft = Draft(dcfg)
     if d.get("init_from_target", False):
         require(hasattr(draft, "init_from_target"), "draft.init_from_target", f"not implemented for {d.kind}")
@@ -167,6 +182,7 @@ def build_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
         dcfg.validate()
     except (TypeError, ValueError) as e:
         raise ConfigError(f"draft: {e}") from e
+    record_resolved(d, dcfg, DRAFT_FIELD_KEYS)
     draft = Draft(dcfg)
     if d.init_from_target:
         require(d.kind == "dspark_v4", "draft.init_from_target", "only implemented for dspark_v4 drafts")
