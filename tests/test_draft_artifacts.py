@@ -55,10 +55,14 @@ def test_save_draft_round_trip_keeps_the_targets_rope(tmp_path):
 
 
 def test_a_folder_without_resolved_sizes_is_refused_clearly(tmp_path):
+    from dspark.integrity import write_manifest
+
     (tmp_path / "model.safetensors").write_bytes(b"")
-    (tmp_path / "draft_config.json").write_text(json.dumps(
+    (tmp_path / "draft_config.json").write_text(json.dumps(  # what a run wrote before the sizes were recorded
         {"kind": "dspark_v4", "num_layers": 1, "block_size": 4, "mask_token_id": None, "target_layer_ids": [1],
          "markov_rank": 8, "markov_head_type": "vanilla", "sliding_window": 64, "layout": "anchor", "arch": {}}))
+    (tmp_path / "target.json").write_text(json.dumps({"kind": "tiny_v4", "path": None, "fingerprint": None}))
+    write_manifest(tmp_path)
     with pytest.raises(ValueError, match="mask_token_id is null"):
         load_draft(tmp_path)
     with pytest.raises(FileNotFoundError, match="no draft_config.json"):

@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, tiny_v4_config
+from conftest import REPO, reseal, tiny_v4_config
 from dspark.export.dense import export_dense, import_dense
 from dspark.export.dspark_v4 import export_v4_sidecar, import_v4_sidecar, v4_export_plan
 from dspark.export.verify import main_verify, verify_folder
@@ -130,6 +130,7 @@ def test_v4_import_is_strict(tmp_path):
     tensors.pop("mtp.1.attn.wkv.weight")
     tensors["mtp.1.attn.extra"] = torch.zeros(2)
     save_file(tensors, str(out / "model.safetensors"))
+    reseal(out)  # hand-edited: only the layout checks should object
     with pytest.raises(ValueError, match=r"(?s)missing: layers\.1\.attn\.wkv\.weight.*unexpected: mtp\.1\.attn\.extra"):
         import_v4_sidecar(out, _v4_draft())
 
@@ -151,6 +152,7 @@ def _corrupt(folder: Path, how: str) -> str:
         name = "mtp.1.hc_ffn_fn"
         tensors[name] = tensors[name].to(torch.bfloat16)
     save_file(tensors, str(path))
+    reseal(path.parent)  # hand-edited: only the layout checks should object
     return name
 
 
@@ -183,6 +185,7 @@ def test_verifier_catches_dense_problems(tmp_path):
     tensors.pop("layers.1.mlp.up_proj.weight")
     tensors["confidence_head.proj.bias"] = tensors["confidence_head.proj.bias"].float()
     save_file(tensors, str(out / "model.safetensors"))
+    reseal(out)  # hand-edited: only the layout checks should object
     problems = verify_folder(out).problems
     assert problems == ["missing: layers.1.mlp.up_proj.weight [48, 32] BF16",
                         "dtype: confidence_head.proj.bias is F32, expected BF16"]

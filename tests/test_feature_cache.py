@@ -150,6 +150,42 @@ def test_shards_of_another_build_are_recomputed_not_trusted(target, tmp_path):
     assert FeatureCache(tmp_path).get(0, dtype=None)[0].dtype == torch.bfloat16
 
 
+def _damage(path, how):
+    data = bytearray(path.read_bytes())
+    if how == "truncate":
+        path.write_bytes(bytes(data[: len(data) - 100]))
+    else:
+        data[len(data) - 40] ^= 0x20  # inside the last tensor's bytes: safetensors still parses it
+        path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+def test_a_damaged_shard_is_refused_naming_it_and_rebuilds(target, tmp_path, how):
+    """meta.json records each shard's sha256 and size: a truncated shard is refused when the cache opens, an
+    altered one the first time a process reads it; deleting it + meta.json and rebuilding redoes that shard."""
+    from dspark.errors import IntegrityError
+
+    rows = make_rows()
+    build_feature_cache(target, rows, tmp_path, batch_size=2, dtype=torch.float32, shard_size=3)
+    before = [(a.clone(), f.clone()) for a, f in read_all(tmp_path)]
+    _damage(tmp_path / shard_name(1), how)
+    if how == "truncate":
+        with pytest.raises(IntegrityError, match=r"shard-00001\.safetensors: truncated .*delete"):
+            FeatureCache(tmp_path)
+    else:
+        cache = FeatureCache(tmp_path)
+        cache.get(0)  # shard 0 is intact
+        with pytest.raises(IntegrityError, match=r"shard-00001\.safetensors: content altered.*delete"):
+            cache.get(3)
+    (tmp_path / shard_name(1)).unlink()
+    (tmp_path / META_NAME).unlink()
+    wrapped = FrozenTarget(target.model, target.layer_ids, target.tokenizer)
+    wrapped.features = spy = FailOnCall(wrapped)
+    build_feature_cache(wrapped, rows, tmp_path, batch_size=2, dtype=torch.float32, shard_size=3)
+    assert spy.calls == 2  # shard 1 (rows 3..5, batch 2) only
+    assert all(torch.equal(a, b) for x, y in zip(before, read_all(tmp_path)) for a, b in zip(x, y))
+
+
 # ---- compatibility ---------------------------------------------------------------------------------
 def test_check_compatible_names_what_differs(target, tmp_path):
     rows = make_rows()

@@ -519,10 +519,15 @@ def eval_setup(tmp_path_factory):
     from dspark.training.module import _numpy_state_to_plain
     import numpy as np
 
-    (root / "run" / "checkpoints").mkdir()
+    import io
+
+    from dspark.integrity import write_checked, write_manifest
+
+    write_manifest(root / "run" / "draft")  # what training leaves: the draft folder sealed by its checksums
+    buf = io.BytesIO()
     torch.save({"state_dict": {f"draft.{k}": v for k, v in state.items()}, "global_step": 3,
-                "rng": {"numpy": _numpy_state_to_plain(np.random.get_state()), "torch": torch.get_rng_state()}},
-               root / "run" / "checkpoints" / "last.ckpt")
+                "rng": {"numpy": _numpy_state_to_plain(np.random.get_state()), "torch": torch.get_rng_state()}}, buf)
+    write_checked(root / "run" / "checkpoints" / "last.ckpt", buf.getbuffer())
     data = root / "data"
     data.mkdir()
     (data / "chat.jsonl").write_text('{"turns": ["Hello there, how are you?", "second turn"]}\n'

@@ -4,7 +4,9 @@ Layout of a cache folder::
 
     shard-00000.safetensors   examples [0, shard_size): keys "{idx}.aux" [S_i, n*H], "{idx}.final" [S_i, H]
     shard-00001.safetensors   examples [shard_size, 2*shard_size) ...
-    meta.json                 written last: target identity, dataset fingerprint, dtype, sizes
+    meta.json                 written last: target identity, dataset fingerprint, dtype, sizes, and the
+                              sha256 + size of every shard (checked: sizes on open, each shard's hash the
+                              first time a process reads it)
 
 Indices are positions in the dataset the cache was built from (the full tokenized dataset, before any
 train/val split). Every shard is written atomically and carries the cache key in its safetensors header,
@@ -27,12 +29,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dspark.errors import IntegrityError
+from dspark.integrity import digest_bytes, digest_file
 from dspark.io import atomic_write_json, save_safetensors_atomic
 from dspark.targets.hf_target import FrozenTarget
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: meta.json records every shard's sha256 and size
 META_NAME = "meta.json"
 CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Config entries that do not change what the model computes.
@@ -205,15 +209,17 @@ def build_feature_cache(target: FrozenTarget, rows, out_dir, *, batch_size: int 
     out_dir.mkdir(parents=True, exist_ok=True)
     n = len(rows)
     num_shards = math.ceil(n / shard_size)
-    t0, done_before = time.perf_counter(), 0
+    t0, done_before, shards = time.perf_counter(), 0, {}
     for k in range(num_shards):
         lo, hi = k * shard_size, min(n, (k + 1) * shard_size)
         path = out_dir / shard_name(k)
         if _shard_complete(path, key, lo, hi - lo):
             done_before += 1
+            shards[path.name] = digest_file(path)
             continue
         tensors = _shard_tensors(target, rows, lo, hi, batch_size, dtype)
-        save_safetensors_atomic(tensors, path, metadata={"key": key, "first": str(lo), "count": str(hi - lo)})
+        data = save_safetensors_atomic(tensors, path, metadata={"key": key, "first": str(lo), "count": str(hi - lo)})
+        shards[path.name] = digest_bytes(data)
         log.info("feature cache %s: shard %d/%d written", out_dir, k + 1, num_shards)
     if done_before:
         log.info("feature cache %s: resumed, %d of %d shards were already complete", out_dir, done_before, num_shards)
@@ -222,7 +228,7 @@ def build_feature_cache(target: FrozenTarget, rows, out_dir, *, batch_size: int 
         "dtype": dtype_name(dtype), "hidden_size": int(target.hidden_size),
         "aux_size": int(target.hidden_size) * len(target.layer_ids), "num_examples": n,
         "shard_size": shard_size, "num_shards": num_shards,
-        "bytes": sum((out_dir / shard_name(k)).stat().st_size for k in range(num_shards)),
+        "bytes": sum(d["size"] for d in shards.values()), "shards": shards,
         "build_seconds": round(time.perf_counter() - t0, 3),
     }
     atomic_write_json(out_dir / META_NAME, meta)
@@ -238,7 +244,7 @@ class FeatureCache:
     """
 
     _REQUIRED = ("format", "key", "target", "dataset", "dtype", "hidden_size", "aux_size", "num_examples",
-                 "shard_size", "num_shards")
+                 "shard_size", "num_shards", "shards")
 
     def __init__(self, path, max_open_shards: int = 4):
         self.path = Path(path)
@@ -251,6 +257,11 @@ class FeatureCache:
         self.dtype = CACHE_DTYPES[self.meta["dtype"]]
         self.max_open_shards = max(1, int(max_open_shards))
         self._open: OrderedDict[int, object] = OrderedDict()
+        self._verified: set[int] = set()  # shards whose sha256 this process has checked
+
+    def _repair_hint(self, k: int) -> str:
+        return (f"delete {self.path / shard_name(k)} and {self.path / META_NAME} and rerun: the build resumes and "
+                "recomputes only that shard")
 
     def _validate_meta(self) -> None:
         m = self.meta
@@ -265,6 +276,11 @@ class FeatureCache:
         absent = [shard_name(k) for k in range(m["num_shards"]) if not (self.path / shard_name(k)).is_file()]
         if absent:
             raise ValueError(f"feature cache {self.path}: shard files missing: {absent[:3]}")
+        for k in range(m["num_shards"]):  # sizes now (cheap); each shard's sha256 when it is first read
+            size, expected = (self.path / shard_name(k)).stat().st_size, m["shards"][shard_name(k)]["size"]
+            if size != expected:
+                raise IntegrityError(f"{self.path / shard_name(k)}: {'truncated' if size < expected else 'grown'} "
+                                     f"({size} bytes, meta.json says {expected}); {self._repair_hint(k)}")
 
     def __len__(self) -> int:
         return int(self.meta["num_examples"])
@@ -286,6 +302,12 @@ class FeatureCache:
 
         f = self._open.get(k)
         if f is None:
+            if k not in self._verified:
+                path = self.path / shard_name(k)
+                if digest_file(path)["sha256"] != self.meta["shards"][path.name]["sha256"]:
+                    raise IntegrityError(f"{path}: content altered (sha256 does not match meta.json); "
+                                         f"{self._repair_hint(k)}")
+                self._verified.add(k)
             f = safe_open(str(self.path / shard_name(k)), framework="pt")
             self._open[k] = f
             while len(self._open) > self.max_open_shards:
@@ -321,4 +343,5 @@ class FeatureCache:
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_open"] = OrderedDict()
+        state["_verified"] = set()  # each process checks the shards it reads
         return state

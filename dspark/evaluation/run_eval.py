@@ -29,8 +29,10 @@ from dspark.evaluation.metrics import AcceptanceCounter
 from dspark.evaluation.scheduler import SPSTable
 from dspark.evaluation.speculative import Decoded, Timing, acceptance_counter, plain_generate, \
     speculative_generate_batch
+from dspark.integrity import check_file
 from dspark.io import atomic_write_json
 from dspark.targets.hf_target import FrozenTarget
+from dspark.training import draft_dir
 
 log = logging.getLogger("dspark.eval")
 
@@ -131,14 +133,17 @@ def draft_source(cfg: DictConfig) -> tuple[DictConfig, Path, Path]:
     require(has_run != has_ckpt, "run_dir", "set exactly one of run_dir (a training run dir) or draft_ckpt (a .ckpt)")
     if has_run:
         run_dir = resolve_path(cfg.run_dir)
-        weights, conf = run_dir / "draft" / "model.safetensors", run_dir / "draft" / "draft_config.json"
+        folder = run_dir / draft_dir.DRAFT_DIR
+        weights, conf = folder / draft_dir.WEIGHTS_FILE, folder / draft_dir.CONFIG_FILE
         require(weights.is_file() and conf.is_file(), "run_dir",
                 f"{str(run_dir)!r} lacks draft/model.safetensors + draft/draft_config.json (written when training ends)")
+        draft_dir.check(folder)  # complete and unaltered, before any model loads
         if cfg.get("draft_config"):
             conf = resolve_path(cfg.draft_config)
         return _load_draft_group(conf), weights, run_dir
     ckpt = resolve_path(cfg.draft_ckpt)
     require(ckpt.is_file(), "draft_ckpt", f"{str(ckpt)!r} is not a file (DeepSpeed checkpoint folders: convert first)")
+    check_file(ckpt, hint="evaluate another checkpoint of the run (draft_ckpt=<path>) or its draft/ (run_dir=)")
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
     candidates = ([resolve_path(cfg.draft_config)] if cfg.get("draft_config") else
                   [run_dir / "draft" / "draft_config.json", run_dir / ".hydra" / "config.yaml"])
@@ -179,13 +184,11 @@ def build(cfg: DictConfig) -> tuple[FrozenTarget, torch.nn.Module, DictConfig, P
 def _check_training_target(cfg: DictConfig, run_dir: Path, target: FrozenTarget) -> None:
     """Refuse a target other than the one the draft was trained against (draft/target.json fingerprint), unless
     allow_target_mismatch; older runs without that file only get the kind/path comparison, as a warning."""
-    from dspark.training.run import TARGET_FILE
-
-    recorded = run_dir / "draft" / TARGET_FILE
+    recorded = run_dir / draft_dir.DRAFT_DIR / draft_dir.TARGET_FILE
     if recorded.is_file():
         trained = json.loads(recorded.read_text())
         now = target.fingerprint()
-        if trained.get("fingerprint") != now:
+        if trained.get("fingerprint") not in (None, now):
             msg = (f"the draft was trained against target kind={trained.get('kind')} path={trained.get('path')} "
                    f"(fingerprint {str(trained.get('fingerprint'))[:12]}), this target (kind={cfg.target.kind} "
                    f"path={cfg.target.path}) has fingerprint {now[:12]}: different weights")

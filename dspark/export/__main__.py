@@ -18,20 +18,20 @@ def _load_run_draft(run_dir: Path, target_kind: str, target_path: str | None):
     """Target + draft built by dspark.factory from RUN/draft/draft_config.json, with the trained weights."""
     import torch
     from omegaconf import OmegaConf
-    from safetensors.torch import load_file
 
     from dspark import factory
+    from dspark.training import draft_dir as run_draft
 
-    draft_dir = run_dir / "draft"
-    if not (draft_dir / "draft_config.json").is_file():
+    draft_dir = run_dir / run_draft.DRAFT_DIR
+    if not (draft_dir / run_draft.CONFIG_FILE).is_file():
         raise SystemExit(f"{draft_dir}/draft_config.json not found (is {run_dir} a finished training run?)")
+    state = run_draft.load_state(draft_dir)  # checked against its manifest before any model loads
     cfg = OmegaConf.create({
         "target": {"kind": target_kind, "path": target_path, "dtype": "float32"},
         "draft": json.loads((draft_dir / "draft_config.json").read_text()),
     })
     target = factory.build_target(cfg)
     draft = factory.build_draft(cfg, target)
-    state = load_file(str(draft_dir / "model.safetensors"))
     missing, unexpected = draft.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise SystemExit(f"trained weights do not fit the draft: missing {missing}, unexpected {unexpected}")
@@ -78,7 +78,10 @@ def _run_v4(target, draft, cfg, args, dtype, shard: int) -> None:
     else:
         export_v4_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=shard, quant=args.quant)
     if args.quant is not None:
+        from dspark.integrity import write_manifest
+
         _print_quant_report(draft, args.out)
+        write_manifest(args.out)  # quant_report.json joins the sealed files
 
 
 def _add_dense(p: argparse.ArgumentParser) -> None:
@@ -160,9 +163,9 @@ _MTP_TARGETS = {"hyv4_mtp": "tiny_hy_v4", "dsv4_mtp": "tiny_v4"}
 
 def _recorded_target(run_dir: Path) -> tuple[str, str | None] | None:
     """(kind, path) of the target the run was trained against (RUN/draft/target.json), None for older runs."""
-    from dspark.training.run import TARGET_FILE
+    from dspark.training.draft_dir import DRAFT_DIR, TARGET_FILE
 
-    path = run_dir / "draft" / TARGET_FILE
+    path = run_dir / DRAFT_DIR / TARGET_FILE
     if not path.is_file():
         return None
     rec = json.loads(path.read_text())
@@ -226,8 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         return main_verify(args.path)
     import torch
 
-    target, draft, cfg = _load_run_draft(args.run_dir, *resolve_target(args))
-    FORMATS[args.cmd][3](target, draft, cfg, args, getattr(torch, args.dtype), int(args.max_shard_gb * 2**30))
+    from dspark.errors import one_line_errors
+
+    with one_line_errors("python -m dspark.export"):
+        target, draft, cfg = _load_run_draft(args.run_dir, *resolve_target(args))
+        FORMATS[args.cmd][3](target, draft, cfg, args, getattr(torch, args.dtype), int(args.max_shard_gb * 2**30))
     print(f"wrote {args.out}")
     return 0 if args.no_verify else main_verify(args.out)
 

@@ -1,6 +1,8 @@
 """Shared folder I/O for the exporters: sharded safetensors writing and reading (names, tensors)."""
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 from pathlib import Path
 from typing import Iterator
@@ -12,6 +14,32 @@ from dspark.io import atomic_write_json, save_safetensors_atomic
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+
+def sealed(export_fn):
+    """Decorates an exporter whose `out_dir` argument is the folder it writes: once it returns, the folder gets
+    its checksum manifest (dspark.integrity), which `verify` and the importers check."""
+    sig = inspect.signature(export_fn)
+
+    @functools.wraps(export_fn)
+    def wrapper(*args, **kwargs):
+        from dspark.integrity import MANIFEST_NAME, write_manifest
+
+        out_dir = Path(sig.bind(*args, **kwargs).arguments["out_dir"])
+        (out_dir / MANIFEST_NAME).unlink(missing_ok=True)  # a re-export is unsealed until it is complete
+        result = export_fn(*args, **kwargs)
+        write_manifest(out_dir)
+        return result
+
+    return wrapper
+
+
+def check_if_sealed(folder: Path) -> None:
+    """Importers: a folder with a dspark manifest must match it (a folder without one, e.g. a released
+    checkpoint, is read as is)."""
+    from dspark.integrity import check_manifest
+
+    check_manifest(Path(folder), required=False, hint="re-export it from the run's draft/")
 
 
 def write_tensors(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -54,6 +82,7 @@ def iter_tensors(folder: Path, prefix: str = "") -> Iterator[tuple[str, torch.Te
     from safetensors import safe_open
 
     folder = Path(folder)
+    check_if_sealed(folder)
     index = folder / INDEX_NAME
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]

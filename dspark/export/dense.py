@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, write_tensors
+from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_tensors
 from dspark.io import atomic_write_json
 from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
 
@@ -138,6 +138,7 @@ def dense_export_plan(draft: DSparkDenseDraft, dtype: torch.dtype = torch.bfloat
     return plan
 
 
+@sealed
 def export_dense(draft: DSparkDenseDraft, out_dir, dtype: torch.dtype = torch.bfloat16,
                  num_target_layers: int | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                  layout: str | None = None, fmt: str = "vllm", verifier: str | None = None) -> Path:

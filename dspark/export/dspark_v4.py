@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from dspark.export import quant as q
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, write_tensors
+from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_tensors
 from dspark.io import atomic_write_json
 from dspark.models.dspark_v4 import FP32_PARAM_RE, DSparkV4Config, DSparkV4Draft
 
@@ -174,6 +174,7 @@ def v4_config_json(cfg: DSparkV4Config, dtype: torch.dtype = torch.bfloat16, qua
     } | ({"quantization_config": quantization_config_json(quant), "expert_dtype": quant} if quant else {})
 
 
+@sealed
 def export_v4_sidecar(draft: DSparkV4Draft, out_dir, dtype: torch.dtype = torch.bfloat16,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, quant: str | None = None) -> Path:
     """Write the draft as a sidecar folder of `mtp.{i}.*` tensors + dspark_config.json; returns the folder.
@@ -279,6 +280,7 @@ def _block_size(folder: Path) -> int:
 MERGED_SHARD = "model-dspark-mtp.safetensors"
 
 
+@sealed
 def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch.dtype = torch.bfloat16,
                          quant: str | None = None) -> Path:
     """A copy of a target checkpoint folder with the draft's `mtp.{i}.*` tensors added (SPEC.md 4).

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, load_into, write_tensors
+from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, check_if_sealed, load_into, sealed, write_tensors
 from dspark.export.dspark_v4 import v4_block_config_json
 from dspark.io import atomic_write_json
 from dspark.models import dsv4_mtp, hy_v4_names
@@ -134,6 +134,7 @@ def dsv4_config_json(cfg: DSV4MTPConfig, dtype: torch.dtype) -> dict:
     }
 
 
+@sealed
 def export_mtp(draft, out_dir, dtype: torch.dtype = torch.bfloat16, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                layer_names: str = "mtp_layers", split_experts: bool = False) -> Path:
     """Write an MTP draft as a sidecar folder (serving-named safetensors + mtp_config.json); returns the folder."""
@@ -195,6 +196,7 @@ def _check_merge(config: dict, draft, target_dir: Path) -> None:
                          "from the draft's:\n  " + "\n  ".join(diff))
 
 
+@sealed
 def merge_mtp_into_target(draft, target_dir, out_dir, dtype: torch.dtype = torch.bfloat16, *,
                           layer_names: str = "mtp_layers", split_experts: bool = False) -> Path:
     """A copy of a target checkpoint folder with the draft's MTP tensors added in their own shard.
@@ -275,6 +277,7 @@ def import_mtp(folder, draft=None):
     LM head (`draft.share_target_weights`) before running it.
     """
     folder = Path(folder)
+    check_if_sealed(folder)
     c = read_mtp_config(folder)
     is_hy = c["dspark_format"] == HY_FORMAT
     if draft is None:

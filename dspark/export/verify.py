@@ -388,6 +388,27 @@ def _headers(folder: Path) -> tuple[dict[str, tuple[tuple[int, ...], str]], list
 
 
 def verify_folder(path) -> Report:
+    """The folder's layout against its config (names, shapes, dtypes), plus its checksum manifest."""
+    report = _verify_layout(path)
+    report.problems += _integrity_problems(Path(path))
+    return report
+
+
+def _integrity_problems(folder: Path) -> list[str]:
+    """A dspark-written folder must match its manifest and hold nothing unlisted; a folder without a manifest
+    (a released checkpoint, an older export) is judged by its layout only."""
+    from dspark.errors import IntegrityError
+    from dspark.integrity import MANIFEST_NAME, check_manifest, unlisted_files
+
+    try:
+        if not check_manifest(folder, required=False, hint="re-export it"):
+            return []
+    except IntegrityError as err:
+        return [f"integrity: {err}"]
+    return [f"integrity: {name} is not in {MANIFEST_NAME} (added after the export?)" for name in unlisted_files(folder)]
+
+
+def _verify_layout(path) -> Report:
     folder = Path(path)
     if (folder / MTP_CONFIG).is_file():
         return _verify_mtp(folder)

@@ -6,6 +6,7 @@
                         sizes, RoPE, vocabulary), enough to build the draft without the target or Hydra
     model.safetensors   the draft's own weights (never the target's embedding / LM head)
     target.json         the target it was trained against: kind, path (folder or Hub id), weight fingerprint
+    dspark_manifest.json the checksums of the three (dspark.training.draft_dir), written last
 
 A loaded draft still scores with its target's embedding and LM head: share_target_weights(embed, lm_head)
 before running it (the target named in target.json; eval.py and the exporters do this).
@@ -19,7 +20,8 @@ from typing import Any, Mapping
 
 import torch
 
-CONFIG_FILE, WEIGHTS_FILE, TARGET_FILE = "draft_config.json", "model.safetensors", "target.json"
+from dspark.training import draft_dir
+from dspark.training.draft_dir import CONFIG_FILE, TARGET_FILE, WEIGHTS_FILE
 # draft kind -> (module, config class, draft class)
 FAMILIES: dict[str, tuple[str, str, str]] = {
     "dspark_v4": ("dspark.models.dspark_v4", "DSparkV4Config", "DSparkV4Draft"),
@@ -75,22 +77,18 @@ def config_from_group(group: Mapping[str, Any]):
                          "needs its target (dspark.factory.build_draft)") from e
 
 
-def save_draft(draft: torch.nn.Module, folder: str | Path, *, kind: str, layout: str | None = None,
-               target: Mapping[str, Any] | None = None) -> Path:
-    """save_pretrained: weights + complete config (+ the target's identity, when given) into `folder`."""
-    from dspark.io import atomic_write_json, save_safetensors_atomic
-
+def save_draft(draft: torch.nn.Module, folder: str | Path, *, kind: str, layout: str | None,
+               target: Mapping[str, Any]) -> Path:
+    """save_pretrained: weights + complete config + the target's identity (kind, path, fingerprint) + the checksum
+    manifest, as training writes RUN/draft/ (dspark.training.draft_dir)."""
     folder = Path(folder)
-    state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
-    save_safetensors_atomic(state, folder / WEIGHTS_FILE)
-    atomic_write_json(folder / CONFIG_FILE, draft_group(draft, kind, layout))
-    if target is not None:
-        atomic_write_json(folder / TARGET_FILE, dict(target))
+    draft_dir.write_weights_and_config(draft, draft_group(draft, kind, layout), folder)
+    draft_dir.seal(folder, dict(target))
     return folder
 
 
-def load_draft(folder: str | Path, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, dict | None]:
-    """from_pretrained: (draft with its trained weights, target.json or None) from a draft folder, without the
+def load_draft(folder: str | Path, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, dict]:
+    """from_pretrained: (draft with its trained weights, target.json) from a sealed draft folder, without the
     target and without Hydra. Weights are loaded strictly (names and shapes)."""
     from safetensors.torch import load_file
 
@@ -100,9 +98,9 @@ def load_draft(folder: str | Path, device: str | torch.device = "cpu") -> tuple[
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (folder / name).is_file():
             raise FileNotFoundError(f"{folder}: no {name} (a draft folder holds {CONFIG_FILE} + {WEIGHTS_FILE})")
+    draft_dir.check(folder)  # complete and unaltered (its checksum manifest), before anything is built
     group = json.loads((folder / CONFIG_FILE).read_text())
     _, Draft = _family(str(group.get("kind")))
     draft = Draft(config_from_group(group))
     load_into(draft, load_file(str(folder / WEIGHTS_FILE)), f"load_draft({folder})", buffers=True)
-    target = json.loads((folder / TARGET_FILE).read_text()) if (folder / TARGET_FILE).is_file() else None
-    return draft.to(device), target
+    return draft.to(device), json.loads((folder / TARGET_FILE).read_text())

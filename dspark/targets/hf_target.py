@@ -27,6 +27,15 @@ class TargetFeatures:
         return type(self)(**{k: None if v is None else v[:, :length] for k, v in vars(self).items()})
 
 
+def strided_sample_index(n: int, k: int, device=None) -> torch.Tensor:
+    """min(k, n) indices spread evenly over [0, n), first and last included, in exact int64 arithmetic
+    (a float32 linspace rounds past n - 1 once n exceeds 2^24)."""
+    k = min(k, n)
+    if k == 1:
+        return torch.zeros(1, dtype=torch.long, device=device)
+    return torch.arange(k, dtype=torch.long, device=device) * (n - 1) // (k - 1)
+
+
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
@@ -94,8 +103,7 @@ class FrozenTarget:
             flat = p.detach().reshape(-1)
             h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
             if flat.numel():
-                idx = torch.linspace(0, flat.numel() - 1, min(samples, flat.numel()), device=flat.device).long()
-                h.update(flat[idx].float().cpu().numpy().tobytes())
+                h.update(flat[strided_sample_index(flat.numel(), samples, flat.device)].float().cpu().numpy().tobytes())
         return h.hexdigest()
 
     # ---- forward ------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.ops.fused_loss import LMLossParts, _check_inputs
+from dspark.ops.limits import check_float32_index, check_int32_addressable
 
 F32 = "float32"
 I32 = "int32"
@@ -165,11 +166,13 @@ def lm_loss_tilelang(x, y, w, latent, w2, labels, coef_ce, coef_l1, *, chunk_row
 
 def lm_loss_with_kernel(target, x, y, w, latent, w2, labels, coef_ce, coef_l1, *, chunk_rows, need_grads):
     """Chunk loop around the row kernel compiled for `target` ("cuda"; "c" runs it on the CPU)."""
+    n, v = x.shape[0], w.shape[0]
+    chunk = int(chunk_rows)
+    check_float32_index(v, "fused loss kernel vocabulary (argmax lanes are float32)")
+    check_int32_addressable(min(chunk, n) * v, f"fused loss kernel logits chunk [{min(chunk, n)}, {v}]")
     _check_inputs(x, y, w, latent, w2, labels, coef_ce, coef_l1)
     if w.dtype not in _TORCH_TO_TL:
         raise TypeError(f"lm_loss_tilelang: unsupported LM head dtype {w.dtype}")
-    n, v = x.shape[0], w.shape[0]
-    chunk = int(chunk_rows)
     dev = x.device
     kern = _compiled(v, bool(need_grads), _TORCH_TO_TL[w.dtype], target)
     ce = torch.empty(n, device=dev)

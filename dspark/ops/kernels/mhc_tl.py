@@ -19,6 +19,8 @@ import functools
 
 import torch
 
+from dspark.ops.limits import check_int32_addressable
+
 from dspark.ops.kernels.tl_common import alloc_frag, alloc_smem, clear, reduce_last
 
 F32 = "float32"
@@ -259,6 +261,8 @@ def _dt(t: torch.Tensor) -> str:
 
 
 def _c(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A kernel operand: contiguous, in `dtype`, and small enough for the kernels' int32 offsets."""
+    check_int32_addressable(t.numel(), f"mHC kernel operand {tuple(t.shape)}")
     return (t if dtype is None else t.to(dtype)).contiguous()
 
 
