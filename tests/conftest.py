@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_RUN = [
     "data.limit=160", "data.val_examples=8", "data.max_length=128",
     "train.batch_size=4", "train.val_batch_size=8", "train.num_anchors=4",
-    "train.max_steps=6", "train.val_every_steps=3", "train.ckpt_every_steps=1",
+    "trainer.max_steps=6", "trainer.val_check_interval=3", "callbacks.last_checkpoint.every_n_train_steps=1",
     "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "validate_at_start=false",
     "draft.num_layers=1",
 ]

@@ -220,11 +220,11 @@ def test_cli_dense_reduced_speculators_export(tmp_path):
                             "draft": draft_cfg})
     target = factory.build_target(cfg)
     draft = factory.build_draft(cfg, target)
-    export_draft(draft, cfg, tmp_path / "run" / "draft")
+    export_draft(draft, cfg, tmp_path / "run" / "draft", target.fingerprint())  # records target.json as train.py
     rows = tmp_path / "rows.jsonl"
     rows.write_text("\n".join(json.dumps({"input_ids": [i, i + 1, 7], "loss_mask": [0, 1, 1]}) for i in range(30)))
     out = tmp_path / "out"
-    res = _cli("dense", "--run-dir", str(tmp_path / "run"), "--target", "hf", "--target-path", str(tmp_path / "target"),
+    res = _cli("dense", "--run-dir", str(tmp_path / "run"),  # the target comes from run/draft/target.json
                "--out", str(out), "--format", "speculators", "--draft-vocab-size", "16", "--vocab-counts", str(rows))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "draft vocabulary: 16 of 50 ids cover" in res.stdout and res.stdout.strip().splitlines()[-1].startswith("OK")
@@ -258,3 +258,20 @@ def test_non_vanilla_markov_heads_round_trip_but_are_flagged_for_vllm(tmp_path, 
     assert torch.equal(src.markov_head(prev, h)[0], dst.markov_head(prev, h)[0])
     problems = verify_folder(out).problems
     assert len(problems) == 1 and problems[0].startswith(f"serving: markov head type '{kind}'") and tensor in problems[0]
+
+
+def test_export_target_defaults_to_the_runs_target_json(tmp_path):
+    from dspark.export.__main__ import resolve_target
+    import argparse
+
+    run = tmp_path / "run"
+    (run / "draft").mkdir(parents=True)
+
+    def args(**kw):
+        return argparse.Namespace(**{"cmd": "dense", "run_dir": run, "target": None, "target_path": None, **kw})
+
+    assert resolve_target(args()) == ("smollm2", None)  # an older run without target.json: the format default
+    (run / "draft" / "target.json").write_text(json.dumps({"kind": "hf", "path": "/models/t", "fingerprint": "x"}))
+    assert resolve_target(args()) == ("hf", "/models/t")
+    assert resolve_target(args(target_path="/other")) == ("hf", "/other")
+    assert resolve_target(args(target="smollm2")) == ("smollm2", None)  # told otherwise

@@ -74,7 +74,9 @@ def test_damaged_checkpoint_is_refused_before_loading_naming_it(run_copy, how, n
 
 def test_every_checkpoint_carries_a_valid_checksum(finished_run):
     ckpts = sorted((finished_run / "checkpoints").glob("*.ckpt"))
-    assert {p.name for p in ckpts} >= {"last.ckpt"} and len(ckpts) == 2  # last + the newest step (top_k 1)
+    names = sorted(p.name for p in ckpts)  # last + the newest step (top_k 1) + the best by val/tau_prob
+    assert len(ckpts) == 3 and names[0].startswith("best-step") and names[1] == "last.ckpt", names
+    assert names[2].startswith("step")
     for p in ckpts:
         check_file(p, hint="-")
         assert sidecar_path(p).is_file()
@@ -303,7 +305,7 @@ def test_cli_prints_one_line_and_exits_2(tmp_path):
 
 
 # ---- kill -9 at random moments ---------------------------------------------------------------------------
-KILL_RUN = TINY_RUN + ["train.max_steps=40", "train.val_every_steps=20"]
+KILL_RUN = TINY_RUN + ["trainer.max_steps=40", "trainer.val_check_interval=20"]
 
 
 def _train_cmd(run: Path, resume: bool) -> list[str]:

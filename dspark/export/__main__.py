@@ -161,6 +161,27 @@ def _run_mtp(target, draft, cfg, args, dtype, shard: int) -> None:
 _MTP_TARGETS = {"hyv4_mtp": "tiny_hy_v4", "dsv4_mtp": "tiny_v4"}
 
 
+def _recorded_target(run_dir: Path) -> tuple[str, str | None] | None:
+    """(kind, path) of the target the run was trained against (RUN/draft/target.json), None for older runs."""
+    from dspark.training.draft_dir import DRAFT_DIR, TARGET_FILE
+
+    path = run_dir / DRAFT_DIR / TARGET_FILE
+    if not path.is_file():
+        return None
+    rec = json.loads(path.read_text())
+    return str(rec["kind"]), rec.get("path")
+
+
+def resolve_target(args: argparse.Namespace) -> tuple[str, str | None]:
+    """--target / --target-path when given, else the run's draft/target.json, else the format's default kind."""
+    if args.target is not None:
+        return args.target, args.target_path
+    recorded = _recorded_target(args.run_dir)
+    if recorded is not None:
+        return recorded[0], args.target_path or recorded[1]
+    return FORMATS[args.cmd][1] or _default_target(args.run_dir), args.target_path
+
+
 def _default_target(run_dir: Path) -> str:
     path = run_dir / "draft" / "draft_config.json"
     kind = json.loads(path.read_text()).get("kind") if path.is_file() else None
@@ -189,10 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, (help_text, default_target, add, _) in FORMATS.items():
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--run-dir", required=True, type=Path)
-        p.add_argument("--target", default=default_target,
-                       help="target kind as in configs/target (tiny_v4, tiny_hy_v4, smollm2, hf)"
-                            + ("; default: by draft kind" if default_target is None else ""))
-        p.add_argument("--target-path", default=None, help="HF folder of the target (target kind hf)")
+        p.add_argument("--target", default=None,
+                       help="target kind as in configs/target (tiny_v4, tiny_hy_v4, smollm2, hf); default: the one the "
+                            "run was trained against (RUN/draft/target.json), else "
+                            + ("by draft kind" if default_target is None else default_target))
+        p.add_argument("--target-path", default=None,
+                       help="HF folder or Hub id of the target (target kind hf); default: RUN/draft/target.json's")
         p.add_argument("--out", required=True, type=Path)
         p.add_argument("--dtype", default="bfloat16", choices=_DTYPES)
         p.add_argument("--max-shard-gb", type=float, default=5.0)
@@ -209,8 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     from dspark.errors import one_line_errors
 
     with one_line_errors("python -m dspark.export"):
-        target_kind = args.target or _default_target(args.run_dir)
-        target, draft, cfg = _load_run_draft(args.run_dir, target_kind, args.target_path)
+        target, draft, cfg = _load_run_draft(args.run_dir, *resolve_target(args))
         FORMATS[args.cmd][3](target, draft, cfg, args, getattr(torch, args.dtype), int(args.max_shard_gb * 2**30))
     print(f"wrote {args.out}")
     return 0 if args.no_verify else main_verify(args.out)

@@ -157,15 +157,38 @@ class FrozenTarget:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
 
-def load_hf_target(path: str, layer_ids: list[int], dtype: str = "float32", *, require_aux: bool = True) -> FrozenTarget:
-    """Any local HF causal-LM folder (offline)."""
+def resolve_target_source(path: str) -> str:
+    """target.path -> what from_pretrained loads: a local folder as is, else a Hub id (org/name) resolved through
+    the Hugging Face cache (HF_HOME / HF_HUB_CACHE; with HF_HUB_OFFLINE=1 nothing is downloaded). Neither a folder
+    nor a usable id: FileNotFoundError naming target.path, before anything loads."""
     from pathlib import Path
 
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if Path(path).expanduser().is_dir():
+        return str(Path(path).expanduser())
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        raise FileNotFoundError(f"target.path={path!r} is not a folder (nor a Hub id such as Qwen/Qwen3-8B)") from None
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(path, "config.json"), str):
+        raise FileNotFoundError(
+            f"target.path={path!r} is neither a local folder nor a model in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}); HF_HUB_OFFLINE is set, so nothing is downloaded: `hf download {path}` "
+            "where there is a network, or set target.path to a folder")
+    return path
+
+
+def load_hf_target(path: str, layer_ids: list[int], dtype: str = "float32", *, require_aux: bool = True) -> FrozenTarget:
+    """A local HF causal-LM folder or a Hub id through the Hugging Face cache (resolve_target_source)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"target.path={path!r} is not a local folder (nothing is downloaded at run time)")
+    source = resolve_target_source(str(path))
     torch_dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        tok = AutoTokenizer.from_pretrained(source)
+    except OSError as e:  # an id that is neither cached nor downloadable, a folder without a model, ...
+        raise FileNotFoundError(f"target.path={path!r}: {e}") from e
     return FrozenTarget(model, layer_ids, tok, require_aux=require_aux)
