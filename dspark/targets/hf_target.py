@@ -36,6 +36,20 @@ def strided_sample_index(n: int, k: int, device=None) -> torch.Tensor:
     return torch.arange(k, dtype=torch.long, device=device) * (n - 1) // (k - 1)
 
 
+def _cache_kwarg(base: nn.Module) -> str:
+    """The name under which the decoder takes its KV cache: `cache` (transformers >= 5.24) or `past_key_values`
+    (earlier). A name the forward does not declare would land in **kwargs and be ignored: every cached forward
+    would then silently start from an empty cache."""
+    import inspect
+
+    params = inspect.signature(base.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise TypeError(f"{type(base).__name__}.forward takes neither `cache` nor `past_key_values`: this transformers "
+                    "version is not supported for KV-cached decoding (tested: 5.24)")
+
+
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
@@ -135,8 +149,9 @@ class FrozenTarget:
             ))
         try:
             base = getattr(self.model, "model", self.model)
+            kwargs = {} if cache is None else {_cache_kwarg(base): cache}
             out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       cache=cache, use_cache=cache is not None)
+                       use_cache=cache is not None, **kwargs)
         finally:
             for h in handles:
                 h.remove()
