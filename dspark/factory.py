@@ -119,9 +119,11 @@ def build_mtp_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
         require(model_type == "deepseek_v4", "draft.kind", f"dsv4_mtp needs a DeepSeek-V4 target, got {model_type!r}")
     if str(d.kind) == "hyv4_mtp":
         require(model_type == "hy_v4", "draft.kind", f"hyv4_mtp needs a HY V4 target, got {model_type!r}")
-    from_target = getattr(Config, "from_hf_config", None) or Config.from_target_config
     try:
-        dcfg = from_target(target.model.config, **keys)
+        if str(d.kind) == "hyv4_mtp":  # vLLM's HYV4Config rules need the raw config.json (from_target_config)
+            dcfg = Config.from_target_config(target.model.config, config_json=_raw_config_json(target), **keys)
+        else:
+            dcfg = Config.from_hf_config(target.model.config, **keys)
         dcfg.validate()
     except (TypeError, ValueError) as e:
         raise ConfigError(f"draft: {e}") from e
@@ -136,6 +138,14 @@ def build_mtp_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
         target.capture_pre_head = True  # the draft reads the last layer's raw output (TargetFeatures.pre_head)
     draft.share_target_weights(target.embed_weight, target.lm_head_weight)
     return draft
+
+
+def _raw_config_json(target: FrozenTarget) -> dict | None:
+    """The target folder's config.json as written (before transformers fills in defaults), or None."""
+    import json
+
+    path = Path(str(getattr(target.model.config, "_name_or_path", "") or "")) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def build_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:

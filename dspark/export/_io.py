@@ -12,6 +12,8 @@ from dspark.io import atomic_write_json, save_safetensors_atomic
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+# config key of a folder written although vLLM 0.33.0 would not serve it as trained: the list of reasons
+NOT_FOR_VLLM = "dspark_not_for_vllm"
 
 
 def write_tensors(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,

@@ -86,12 +86,11 @@ class DSV4MTPConfig(V4BlockSizes):
 
     @classmethod
     def from_hf_config(cls, hf_cfg: Any, **keys: Any) -> "DSV4MTPConfig":
-        """Block sizes from a transformers DeepseekV4Config (its main RoPE theta; YaRN is not modelled),
+        """Block sizes from a transformers DeepseekV4Config (its rope_theta, topk_method and norm_topk_prob, as vLLM
+        builds the MTP block from the target config; YaRN is not modelled),
         num_layers from `num_nextn_predict_layers` when the config has MTP layers; `keys` override."""
         block = DSparkV4Config.from_hf_config(hf_cfg, **_DSPARK_ONLY)
         values: dict[str, Any] = {k: getattr(block, k) for k in BLOCK_FIELDS}
-        main_rope = (getattr(hf_cfg, "rope_parameters", None) or {}).get("main") or {}
-        values["rope_theta"] = float(main_rope.get("rope_theta") or getattr(hf_cfg, "rope_theta", None) or 10000.0)
         n_mtp = getattr(hf_cfg, "num_nextn_predict_layers", 0) or 0
         if n_mtp > 0:
             values["num_layers"] = int(n_mtp)
@@ -174,13 +173,12 @@ class DSV4MTPDraft(SharedTargetWeights, nn.Module):
         """Start every MTP layer from the target: its last decoder layer into the block (compressor / indexer
         tensors dropped, see v4_names), its hc_head into hc_head_*, its final norm into norm. enorm / hnorm /
         e_proj / h_proj keep their init."""
-        from dspark.models.v4_names import hf_layer_to_draft_state
+        from dspark.models.v4_names import load_hf_layer_into
 
         base = getattr(hf_model, "model", hf_model)
-        block_state = hf_layer_to_draft_state(base.layers[-1].state_dict())
         head = base.hc_head
         for layer in self.layers:
-            layer.block.load_state_dict(block_state, strict=True)
+            load_hf_layer_into(layer.block, base.layers[-1].state_dict())
             layer.hc_head_fn.copy_(head.hc_fn)
             layer.hc_head_base.copy_(head.hc_base)
             layer.hc_head_scale.copy_(head.hc_scale)

@@ -39,7 +39,8 @@ from dspark.models.common import SharedTargetWeights, config_from_dict
 from dspark.models.mtp_common import chain_propose
 from dspark.ops.norms import RMSNorm
 
-SPARSE_ATTENTION_TYPES = ("indexed_attention", "sparse_attention", "sparse")  # vLLM _SPARSE_LAYER_TYPES
+# vLLM _SPARSE_LAYER_TYPES (vllm/models/hy_v4/nvidia/attention.py:51-57)
+SPARSE_ATTENTION_TYPES = ("indexed_attention", "sparse_attention", "sparse", "deepseek_sparse_attention")
 
 
 @dataclass(kw_only=True)
@@ -136,14 +137,24 @@ class HYV4MTPConfig:
         return config_from_dict(cls, values).validate()
 
     @classmethod
-    def from_target_config(cls, hf_config: Any, **overrides: Any) -> "HYV4MTPConfig":
+    def from_target_config(cls, hf_config: Any, config_json: Mapping[str, Any] | None = None,
+                           **overrides: Any) -> "HYV4MTPConfig":
         """Block sizes from a transformers HYV4Config (or vLLM's hy_v4 config); `overrides` win.
 
         The MTP layer's attention / MLP type is the target's entry at index num_hidden_layers, padded with the
-        last entry when the lists are shorter (vLLM `_extend_layer_types`); num_layers = num_nextn_predict_layers
-        when the config has MTP layers.
+        last entry when the lists are shorter (vLLM `_extend_layer_types`, vllm/models/hy_v4/nvidia/mtp.py:343-356,
+        391-398 of vLLM 0.33.0); num_layers = num_nextn_predict_layers when the config has MTP layers.
+        `config_json` (the target's raw config.json) applies vLLM's own HYV4Config where it differs from
+        transformers': without `layer_types` vLLM builds no indexer (its config leaves layer_types None,
+        transformers_utils/configs/hy_v4.py:154-160; attention.py:322-341), while transformers defaults every layer
+        to indexed attention. A target with gated_mla false is refused (vLLM then builds no output gate,
+        attention.py:464-485; the draft always has one).
         """
         c = hf_config
+        gated = (config_json or {}).get("gated_mla", getattr(c, "gated_mla", True))
+        if gated is False:
+            raise ValueError("target gated_mla=false: vLLM builds the MTP attention without linear_gate "
+                             "(vllm/models/hy_v4/nvidia/attention.py:464-485); the HY V4 MTP draft always gates")
         if getattr(c, "model_type", "hy_v4") not in ("hy_v4", "hy_v4_vl_text"):
             raise ValueError(f"HYV4MTPConfig.from_target_config: target model_type {c.model_type!r} is not hy_v4")
         rope = dict(getattr(c, "rope_parameters", None) or {})
@@ -158,7 +169,8 @@ class HYV4MTPConfig:
         n = int(c.num_hidden_layers)
 
         def mtp_entry(name: str, fallback: str) -> str:
-            types = list(getattr(c, name, None) or [])
+            raw = config_json.get(name) if config_json is not None else getattr(c, name, None)
+            types = list(raw or [])
             return str(types[n] if len(types) > n else (types[-1] if types else fallback))
 
         values: dict[str, Any] = {k: getattr(c, k) for k in (
