@@ -86,18 +86,21 @@ def score(target: FrozenTarget, ids: torch.Tensor) -> tuple[TargetFeatures, torc
 
 def draft_propose_batch(draft, feats: list[TargetFeatures], tokens: list[torch.Tensor], *, num_drafts: int,
                         mask_token_id: int, layout: str, window: int | None, temperature: float,
-                        generators: list) -> list[Proposal]:
+                        generators: list, caches: list | None = None) -> list[Proposal]:
     """One block of drafts per request i after x0 = tokens[i][-1] at position a_i = len(tokens[i]) - 1;
     feats[i] covers positions 0..a_i-1 at least.
 
     Drafts with their own inference path (MTP) implement `draft.propose(feats, tokens, num_drafts=,
-    temperature=, generator=)` and are called per request; DSpark / DFlash drafts propose for every request
-    in one forward (dspark.evaluation.propose.propose_batch).
+    temperature=, generator=, cache=)` and are called per request with that request's draft-side cache
+    (`caches[i]`, a mtp_common.ChainCache kept across rounds; None = recompute); DSpark / DFlash drafts propose
+    for every request in one forward (dspark.evaluation.propose.propose_batch).
     """
     anchors = [t.numel() - 1 for t in tokens]
     if hasattr(draft, "propose"):
-        return [draft.propose(f.prefix(a), t, num_drafts=num_drafts, temperature=temperature, generator=gen)
-                for f, t, a, gen in zip(feats, tokens, anchors, generators)]
+        caches = caches if caches is not None else [None] * len(tokens)
+        return [draft.propose(f.prefix(a), t, num_drafts=num_drafts, temperature=temperature, generator=gen,
+                              **({} if c is None else {"cache": c}))
+                for f, t, a, gen, c in zip(feats, tokens, anchors, generators, caches)]
     return propose_batch(draft, [f.aux[:, :a] for f, a in zip(feats, anchors)], [int(t[-1]) for t in tokens],
                          num_drafts=num_drafts, mask_token_id=mask_token_id, layout=layout, window=window,
                          temperature=temperature, generators=generators)
@@ -223,6 +226,15 @@ def _drop_finished(session: TargetSession, outs: list, x0: list[int]) -> list[in
     return [x0[r] for r in alive]
 
 
+def _draft_caches(draft, n: int) -> list:
+    """One draft-side cache per request for MTP drafts (the served chain, mtp_common), None otherwise."""
+    if not hasattr(draft, "step_rows"):
+        return [None] * n
+    from dspark.models.mtp_common import ChainCache
+
+    return [ChainCache() for _ in range(n)]
+
+
 @torch.no_grad()
 def speculative_generate_batch(
     target: FrozenTarget,
@@ -245,6 +257,7 @@ def speculative_generate_batch(
         raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
     session, outs, x0, gens, timing = _start(target, prompts, max_new_tokens, temperature, eos_token_id, generators)
     steps: list[list[StepStats]] = [[] for _ in outs]
+    caches = _draft_caches(draft, len(outs))  # per request: the MTP chain's step-0 rows across rounds
     forwards = 1
     x0 = _drop_finished(session, outs, x0)
     while x0:
@@ -254,7 +267,8 @@ def speculative_generate_batch(
         seqs = [torch.cat([session.tokens(r), session.tokens(r).new_tensor([x0[r]])]) for r in rows]
         props = _timed(timing, "draft_s", draft_propose_batch, draft, feats, seqs, num_drafts=g,
                        mask_token_id=mask_token_id, layout=layout, window=window, temperature=temperature,
-                       generators=[gens[req] for req in session.requests])  # [a_r + 1] tokens each
+                       generators=[gens[req] for req in session.requests],
+                       caches=[caches[req] for req in session.requests])  # [a_r + 1] tokens each
         new_ids = torch.stack([torch.cat([torch.tensor([x], device=p.tokens.device), p.tokens])
                                for x, p in zip(x0, props)])  # [B, g + 1]
         logits = _timed(timing, "target_s", session.forward, new_ids)  # [B, g + 1, V]
