@@ -6,6 +6,10 @@ padding). One round, for every unfinished request:
     sequence so far: [prompt, generated...]; x0 = its last token (the target's bonus/correction token),
     at position a; the target's layer outputs for positions 0..a-1 are cached from earlier forwards.
     1. propose g drafts y_0..y_{g-1} from those context features and x0      (draft_propose_batch: one draft forward)
+       draft_sample_method (vLLM's speculative_config.draft_sample_method, vllm/config/speculative.py:634-640):
+       "probabilistic" samples y_k from the draft distribution at the request temperature and verifies with
+       the full q; "greedy" (vLLM's default) takes the draft argmax and verifies with a one-hot q
+       (v1/worker/gpu/spec_decode/speculator.py:456-478, rejection_sampler_utils.py:192). Both are lossless.
     2. ONE batched target forward over [x0, y_0..y_{g-1}] of every request: rows 0..g are p_0..p_g
     3. verify (greedy at T=0, rejection sampling at T>0): n accepted + one next token
     4. keep x0, y_0..y_{n-1} in the cache (their features are the next context: the target is causal, so
@@ -235,6 +239,9 @@ def _draft_caches(draft, n: int) -> list:
     return [ChainCache() for _ in range(n)]
 
 
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+
+
 @torch.no_grad()
 def speculative_generate_batch(
     target: FrozenTarget,
@@ -249,12 +256,17 @@ def speculative_generate_batch(
     temperature: float = 0.0,
     eos_token_id: int | Sequence[int] | None = None,
     generators: Sequence[torch.Generator | None] | torch.Generator | None = None,
+    draft_sample_method: str = "probabilistic",
 ) -> Decoded:
     """Speculative decoding of a batch of prompts ([P_i] each). At T=0 every request's tokens equal
-    `target_generate`'s; at T>0 they follow the same distribution."""
+    `target_generate`'s; at T>0 they follow the same distribution. num_drafts is vLLM's num_speculative_tokens;
+    draft_sample_method as vLLM's (module docstring)."""
     g = int(num_drafts)
     if g < 1:
         raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
+    if draft_sample_method not in DRAFT_SAMPLE_METHODS:
+        raise ValueError(f"draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, got {draft_sample_method!r}")
+    draft_temperature = temperature if draft_sample_method == "probabilistic" else 0.0
     session, outs, x0, gens, timing = _start(target, prompts, max_new_tokens, temperature, eos_token_id, generators)
     steps: list[list[StepStats]] = [[] for _ in outs]
     caches = _draft_caches(draft, len(outs))  # per request: the MTP chain's step-0 rows across rounds
@@ -266,7 +278,7 @@ def speculative_generate_batch(
         feats = [session.features(r) for r in rows]
         seqs = [torch.cat([session.tokens(r), session.tokens(r).new_tensor([x0[r]])]) for r in rows]
         props = _timed(timing, "draft_s", draft_propose_batch, draft, feats, seqs, num_drafts=g,
-                       mask_token_id=mask_token_id, layout=layout, window=window, temperature=temperature,
+                       mask_token_id=mask_token_id, layout=layout, window=window, temperature=draft_temperature,
                        generators=[gens[req] for req in session.requests],
                        caches=[caches[req] for req in session.requests])  # [a_r + 1] tokens each
         new_ids = torch.stack([torch.cat([torch.tensor([x], device=p.tokens.device), p.tokens])
