@@ -305,3 +305,22 @@ def test_verifier_derives_the_hy_indexer_and_gate_from_the_served_config(tmp_pat
     _edit_config(out, "mtp_config.json", layer_types=None, gated_mla=False)
     assert verify_folder(out).problems == [
         "unexpected: model.mtp_layers.0.self_attn.linear_gate.weight [12, 16] F32 (no draft parameter)"]
+
+
+# ---- the GPU half (scripts/vllm_serve_check.py): what can be checked without a GPU ---------------------
+def test_vllm_serve_check_plans_compose(tmp_path):
+    """Every case's training overrides compose into a valid config (the GPU run itself needs CUDA + vLLM)."""
+    import importlib.util
+
+    from conftest import REPO, compose
+
+    spec = importlib.util.spec_from_file_location("vllm_serve_check", REPO / "scripts" / "vllm_serve_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for case in mod.CASES:
+        plan = mod.case_plan(case, tmp_path, steps=5)
+        cfg = compose([o for o in plan["train"] if not o.startswith("run_dir=")])
+        assert cfg.trainer.accelerator == "gpu" and cfg.train.max_steps == 5
+        g = cfg.draft.get("block_size") or cfg.draft.get("num_steps")
+        assert plan["spec"]["num_speculative_tokens"] == plan["g"] == g, case
+    assert (tmp_path / "dense_target" / "config.json").is_file()
