@@ -197,7 +197,7 @@ def test_dense_round_trip_identical_logits(tmp_path, markov_rank, arch):
     assert cfg["architectures"] == [arch] and cfg["markov_rank"] == markov_rank
     sfa = markov_rank > 0  # DSpark: anchor = first prediction; DFlash: 1+N mask layout
     # sample_from_anchor only at the top level: vLLM's DSpark speculator reads it there, and the DFlash
-    # constructor it runs first raises when dflash_config.sample_from_anchor is true (dflash/speculator.py:80-87)
+    # constructor it runs first raises when dflash_config.sample_from_anchor is true (dflash/speculator.py:80-88)
     assert cfg["dflash_config"] == {"target_layer_ids": [0, 1], "mask_token_id": 49, "block_size": 3}
     assert cfg["sample_from_anchor"] == sfa
     assert cfg["enable_confidence_head"] == cfg["confidence_head_with_markov"] == (markov_rank > 0)

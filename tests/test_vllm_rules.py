@@ -246,7 +246,7 @@ def test_verifier_catches_target_keys_vllm_reads_first(tmp_path):
 
 def test_merged_config_makes_vllm_run_the_block_bidirectionally(tmp_path):
     """The tiny target's layers are all sliding_attention: vLLM would then run the draft block causally
-    (qwen3_dflash.py:43-62 via dspark/utils.py:102) unless dflash_config.causal is false."""
+    (qwen3_dflash.py:62-81 via dspark/utils.py:102) unless dflash_config.causal is false."""
     ok = merge_v4_into_target(_draft_for_tiny_target(), _tiny_target_copy(tmp_path), tmp_path / "ok",
                               dtype=torch.float32)
     c = json.loads((ok / "config.json").read_text())

@@ -9,7 +9,7 @@ padding). One round, for every unfinished request:
        draft_sample_method (vLLM's speculative_config.draft_sample_method, vllm/config/speculative.py:634-640):
        "probabilistic" samples y_k from the draft distribution at the request temperature and verifies with
        the full q; "greedy" (vLLM's default) takes the draft argmax and verifies with a one-hot q
-       (v1/worker/gpu/spec_decode/speculator.py:456-478, rejection_sampler_utils.py:192). Both are lossless.
+       (v1/worker/gpu/spec_decode/speculator.py:444-482, rejection_sampler_utils.py:191-194). Both are lossless.
     2. ONE batched target forward over [x0, y_0..y_{g-1}] of every request: rows 0..g are p_0..p_g
     3. verify (greedy at T=0, rejection sampling at T>0): n accepted + one next token
     4. keep x0, y_0..y_{n-1} in the cache (their features are the next context: the target is causal, so

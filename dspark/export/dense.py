@@ -12,11 +12,11 @@ config format or the speculators format. Facts checked against the vLLM 0.33.0 w
   False: input H); our head takes [h; e] (H + r), so both are written true. sample_from_anchor is written at
   the TOP level only: vLLM's DSpark speculator reads it there, default True = our "anchor" layout
   (v1/worker/gpu/spec_decode/dspark/speculator.py:49-55), after running the DFlash constructor, which raises
-  when dflash_config.sample_from_anchor is true (v1/worker/gpu/spec_decode/dflash/speculator.py:80-87).
+  when dflash_config.sample_from_anchor is true (v1/worker/gpu/spec_decode/dflash/speculator.py:80-88).
   DFlash only runs the 1+N "mask" layout.
 - vLLM's Qwen3DSparkModel implements only the vanilla Markov head (markov_w1/w2, qwen3_dspark.py:48-93) and
   the draft layers attend to the whole context (no layer_types written: transformers' Qwen3Config makes them
-  full attention, and vLLM runs a layer non-causally unless it is sliding_attention, qwen3_dflash.py:43-62):
+  full attention, and vLLM runs a layer non-causally unless it is sliding_attention, qwen3_dflash.py:62-81):
   a gated / rnn Markov head or a sliding_window draft is refused for the vLLM format (for_vllm=False or the
   speculators format write it anyway, listing the reasons under `dspark_not_for_vllm`).
 - speculators format (vllm/transformers_utils/configs/speculators/algos.py update_dspark/update_dflash,
@@ -152,7 +152,7 @@ def dense_serving_problems(cfg: DSparkDenseConfig) -> list[str]:
     if cfg.sliding_window is not None:
         out.append(f"sliding_window {cfg.sliding_window}: vLLM's Qwen3 DFlash / DSpark draft layers attend to the "
                    "whole context (full attention unless layer_types says sliding_attention, which also makes the "
-                   "block causal: qwen3_dflash.py:43-62, 96-140)")
+                   "block causal: qwen3_dflash.py:62-81, 96-158)")
     return out
 
 

@@ -201,7 +201,7 @@ def v4_config_json(cfg: DSparkV4Config, dtype: torch.dtype = torch.bfloat16, qua
 
     sample_from_anchor: vLLM's DSpark speculator reads it from the top level, default true = the anchor layout
     (vllm/v1/worker/gpu/spec_decode/dspark/speculator.py:49-55); never inside dflash_config, where the DFlash
-    constructor it runs first raises on true (.../dflash/speculator.py:80-87).
+    constructor it runs first raises on true (.../dflash/speculator.py:80-88).
     """
     return {
         "dspark_block_size": cfg.block_size,
@@ -378,7 +378,7 @@ def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch
             "dspark_torch_dtype", "dspark_rope_theta", "sample_from_anchor")
     config.update({k: sidecar[k] for k in keys})
     # the project's draft block is bidirectional: say so where vLLM resolves the block's causality
-    # (vllm/model_executor/models/qwen3_dflash.py:43-62, used for DSV4 DSpark by dspark/utils.py:102)
+    # (vllm/model_executor/models/qwen3_dflash.py:62-81, used for DSV4 DSpark by dspark/utils.py:102)
     config["dflash_config"] = {**(config.get("dflash_config") or {}), "causal": False}
     config.pop(NOT_FOR_VLLM, None)
     if not_served:
@@ -411,11 +411,11 @@ def check_target_config(config: dict, cfg: DSparkV4Config, where: str) -> None:
     for key in ("mask_token_id", "target_layer_ids", "sample_from_anchor"):
         if key in dflash:
             bad.append(f"dflash_config.{key}={dflash[key]!r}: vLLM reads it before the dspark_* keys"
-                       + (" and the DFlash constructor run first raises on true (dflash/speculator.py:80-87)"
+                       + (" and the DFlash constructor run first raises on true (dflash/speculator.py:80-88)"
                           if key == "sample_from_anchor" else ""))
     if dflash.get("causal") is True or config.get("is_causal") is True:
         key = "is_causal" if config.get("is_causal") is True else "dflash_config.causal"
-        bad.append(f"{key}=true: vLLM would run the draft block causally (qwen3_dflash.py:43-62); the draft is "
+        bad.append(f"{key}=true: vLLM would run the draft block causally (qwen3_dflash.py:62-81); the draft is "
                    "trained bidirectional")
     if bad:
         raise ValueError(f"merge: {where} makes vLLM serve the draft differently from how it was trained:\n  "

@@ -46,13 +46,13 @@ has the table with the test that breaks each one):
     stages, default 3, anything else is a KeyError (nvidia/dspark.py:106, 572-600); confidence head optional,
     never a bias (dspark.py:175-180, 567-568); only markov_w1/w2; ascending dspark_target_layer_ids
     (model.py:993-1014); keys read before the dspark_* ones (mask_token_id, dflash_config.*, block_size,
-    eagle_aux_hidden_state_layer_ids); the draft block's causality from layer_types (qwen3_dflash.py:43-62);
+    eagle_aux_hidden_state_layer_ids); the draft block's causality from layer_types (qwen3_dflash.py:62-81);
     dspark_rope_theta == rope_theta (common/rope.py:28-42); the 1+N layout's non-causal window width
     (v1/attention/backends/mla/compressor_utils.py:22-28).
   Dense: no "model." prefix (qwen3_dspark.py:312-330); reduced vocab needs lm_head + d2t (qwen3_dspark.py:
     341-358); confidence head per enable_confidence_head / confidence_head_with_markov (qwen3_dspark.py:
-    219-231); only markov_w1/w2; dflash_config.sample_from_anchor never true (dflash/speculator.py:80-87);
-    ascending target layers (models/interfaces.py:1640-1650); a non-causal block (qwen3_dflash.py:43-62).
+    219-231); only markov_w1/w2; dflash_config.sample_from_anchor never true (dflash/speculator.py:80-88);
+    ascending target layers (models/interfaces.py:1640-1650); a non-causal block (qwen3_dflash.py:62-81).
   DeepSeek-V4 MTP: num_nextn_predict_layers layers (deepseek_v4/nvidia/mtp.py:218-238), gate bias iff
     noaux_tc; >= 2 layers run vLLM's multi-module MTP speculator (config/speculative.py:2188-2194), a note.
   HY V4 MTP: max(num_nextn_predict_layers, 1) layers built (hy_v4/nvidia/mtp.py:414-417); model.layers.{N+i}
@@ -414,7 +414,7 @@ def _precedence_lines(c: dict, dense: bool) -> list[str]:
     dflash = c.get("dflash_config") or {}
     if dflash.get("sample_from_anchor") is True:
         out.append("dflash_config.sample_from_anchor=true: the DFlash speculator constructor (run first by the DSpark "
-                   "one) raises on it (v1/worker/gpu/spec_decode/dflash/speculator.py:80-87); sample_from_anchor "
+                   "one) raises on it (v1/worker/gpu/spec_decode/dflash/speculator.py:80-88); sample_from_anchor "
                    "belongs at the top level (dspark/speculator.py:49-55)")
     if dense:
         return out
@@ -431,7 +431,7 @@ def _precedence_lines(c: dict, dense: bool) -> list[str]:
 
 
 def _block_causal(c: dict, n_layers: int) -> bool:
-    """vLLM's rule for the DFlash / DSpark draft block (qwen3_dflash.py:43-62): causal iff every layer is causal;
+    """vLLM's rule for the DFlash / DSpark draft block (qwen3_dflash.py:62-81): causal iff every layer is causal;
     per layer: is_causal, else dflash_config.causal, else layer_types[i] == "sliding_attention" (no layer_types:
     non-causal). Qwen3 configs without layer_types get sliding layers from use_sliding_window (transformers)."""
     if c.get("is_causal") is not None:
@@ -475,7 +475,7 @@ def _v4_serving(c: dict) -> list[str]:
     n_target = c.get("num_hidden_layers")
     if isinstance(n_target, int) and _block_causal(c, n_target):
         out.append("the target's layer_types / dflash_config.causal / is_causal make vLLM run the draft block causally "
-                   "(qwen3_dflash.py:43-62 via dspark/utils.py:102); the draft is trained bidirectional: set "
+                   "(qwen3_dflash.py:62-81 via dspark/utils.py:102); the draft is trained bidirectional: set "
                    "dflash_config.causal=false")
     theta, own = c.get("rope_theta"), c.get("dspark_rope_theta")
     if theta is not None and own is not None and float(theta) != float(own):
@@ -496,7 +496,7 @@ def _dense_serving(c: dict) -> list[str]:
     out += _precedence_lines(c, dense=True)
     if _block_causal(c, int(c.get("num_hidden_layers") or 0)):
         out.append("layer_types / dflash_config.causal / is_causal make vLLM run the draft block causally "
-                   "(qwen3_dflash.py:43-62); dspark's dense drafts are trained bidirectional")
+                   "(qwen3_dflash.py:62-81); dspark's dense drafts are trained bidirectional")
     return out
 
 

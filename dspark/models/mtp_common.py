@@ -2,13 +2,15 @@
 
 vLLM's MTP speculator (`vllm/v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py` of vllm==0.33.0;
 MTPSpeculator, mtp/speculator.py:12-36, is that class) drafts in two phases per verify round:
-  * step 0, "prefill" (speculator.py:204-233, 441-484; input prep :705-745): one draft row per position p the
-    target just verified, input token t_{p+1} (the target's ids shifted left, the last row getting the new
-    bonus token x0) and the TARGET hidden h_p, at position p. Its KV goes into the draft's own cache and stays
-    there: row p is built once, from (t_{p+1}, h_p). The row of the last kept position a-1 gives y_0.
-  * steps k >= 1 (speculator.py:285-371, 644-678; update_draft_inputs :892-964): ONE new row per request,
-    input (y_{k-1}, out_{k-1}) at position a-1+k, attending to the step-0 rows 0..a-1 plus the chain's own
-    earlier rows. Context rows are never recomputed at depth k.
+  * step 0, "prefill" (propose :165-320 -> _prefill :440-490; inputs _prepare_prefill_inputs_kernel :686-766):
+    one draft row per position p the target just verified, input token t_{p+1} (the target's ids shifted left
+    by one, the last kept row getting the new bonus token x0) and the TARGET hidden h_p, at position p. Its KV
+    goes into the draft's own cache and stays there: row p is built once, from (t_{p+1}, h_p). The row of the
+    last kept position a-1 gives y_0.
+  * steps k >= 1 (_multi_step_decode :492-542 / _generate_draft :634-684; prepare_decode_inputs :808-889,
+    update_draft_inputs :891-994): ONE new row per request, input (y_{k-1}, out_{k-1}) at position a-1+k (seq_len
+    grows by one per step), attending to the step-0 rows 0..a-1 plus the chain's own earlier rows. Context rows
+    are never recomputed at depth k.
 Rows of rejected drafts are overwritten by the next round's step 0 (same positions), so the draft cache only
 ever holds step-0 rows for positions < a when a round starts. With num_nextn_predict_layers >= 2 and
 num_speculative_tokens >= 2 vLLM runs a different speculator (multi_module_mtp/, chosen by
