@@ -136,8 +136,7 @@ def dsv4_config_json(cfg: DSV4MTPConfig, dtype: torch.dtype) -> dict:
     return {
         "dspark_format": DSV4_FORMAT,
         "model_type": "deepseek_v4",
-        **v4_block_config_json(cfg),
-        "rope_theta": cfg.rope_theta,
+        **v4_block_config_json(cfg),  # incl. rope_theta, topk_method, norm_topk_prob
         "torch_dtype": _dtype_name(dtype),
         "draft_config": dataclasses.asdict(cfg),
     }
