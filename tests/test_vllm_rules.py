@@ -324,3 +324,24 @@ def test_vllm_serve_check_plans_compose(tmp_path):
         g = cfg.draft.get("block_size") or cfg.draft.get("num_steps")
         assert plan["spec"]["num_speculative_tokens"] == plan["g"] == g, case
     assert (tmp_path / "dense_target" / "config.json").is_file()
+
+
+def test_dsv4_mtp_gate_bias_follows_topk_method_too(tmp_path):
+    """The DeepSeek-V4 MTP block is a DeepseekV4DecoderLayer (nvidia/mtp.py:139-146): same gate-bias rule."""
+    from conftest import compose
+    from dspark import factory
+    from dspark.export.mtp import merge_mtp_into_target
+
+    cfg = compose(["experiment=dsv4_mtp"])
+    target = factory.build_target(cfg)
+    draft = factory.build_draft(cfg, target)
+    assert draft.config.topk_method == "noaux_tc"  # from the shipped tiny target's config
+    target_dir = _tiny_target_copy(tmp_path)
+    _edit_config(target_dir, "config.json", topk_method=None)
+    with pytest.raises(ValueError, match="topk_method: draft 'noaux_tc' vs target None"):
+        merge_mtp_into_target(draft, target_dir, tmp_path / "m")
+    out = export_mtp(draft, tmp_path / "side", dtype=torch.float32)
+    assert verify_folder(out).ok
+    _edit_config(out, "mtp_config.json", topk_method=None)
+    problems = verify_folder(out).problems
+    assert problems == ["unexpected: mtp.0.ffn.gate.bias [4] F32 (no draft parameter)"]
