@@ -143,9 +143,11 @@ def mtp_draft_config(cfg: DictConfig, hf_config):
         require(model_type == "deepseek_v4", "draft.kind", f"dsv4_mtp needs a DeepSeek-V4 target, got {model_type!r}")
     if str(d.kind) == "hyv4_mtp":
         require(model_type == "hy_v4", "draft.kind", f"hyv4_mtp needs a HY V4 target, got {model_type!r}")
-    from_target = getattr(Config, "from_hf_config", None) or Config.from_target_config
     try:
-        dcfg = from_target(hf_config, **keys)
+        if str(d.kind) == "hyv4_mtp":  # vLLM's HYV4Config rules need the raw config.json (from_target_config)
+            dcfg = Config.from_target_config(hf_config, config_json=_raw_config_json(hf_config), **keys)
+        else:
+            dcfg = Config.from_hf_config(hf_config, **keys)
         dcfg.validate()
     except (TypeError, ValueError) as e:
         raise ConfigError(f"draft: {e}") from e
@@ -205,6 +207,14 @@ def block_draft_config(cfg: DictConfig, hf_config, mask_token_id: int):
     except (TypeError, ValueError) as e:
         raise ConfigError(f"draft: {e}") from e
     return dcfg
+
+
+def _raw_config_json(hf_config) -> dict | None:
+    """The target folder's config.json as written (before transformers fills in defaults), or None."""
+    import json
+
+    path = Path(str(getattr(hf_config, "_name_or_path", "") or "")) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def build_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:

@@ -241,7 +241,7 @@ def test_cli_dense_reduced_speculators_export(tmp_path):
 
 
 @pytest.mark.parametrize("kind,tensor", [("gated", "gate_proj"), ("rnn", "joint_proj")])
-def test_non_vanilla_markov_heads_round_trip_but_are_flagged_for_vllm(tmp_path, kind, tensor):
+def test_non_vanilla_markov_heads_are_refused_for_vllm_and_round_trip_otherwise(tmp_path, kind, tensor):
     from dataclasses import replace
 
     def make(seed):
@@ -252,12 +252,24 @@ def test_non_vanilla_markov_heads_round_trip_but_are_flagged_for_vllm(tmp_path, 
         return d
 
     src = make(1)
-    out = export_dense(src, tmp_path / kind, dtype=torch.float32)
-    dst = import_dense(out, make(2))
-    prev, h = torch.tensor([[[3, 7, 9]]]), torch.randn(1, 1, 3, 32)
-    assert torch.equal(src.markov_head(prev, h)[0], dst.markov_head(prev, h)[0])
-    problems = verify_folder(out).problems
-    assert len(problems) == 1 and problems[0].startswith(f"serving: markov head type '{kind}'") and tensor in problems[0]
+    with pytest.raises(ValueError, match=f"markov_head_type '{kind}'.*{tensor}"):
+        export_dense(src, tmp_path / "refused", dtype=torch.float32)  # vLLM format: refused, naming the key
+    assert not (tmp_path / "refused").exists()
+    for fmt, kw in (("vllm", {"for_vllm": False}), ("speculators", {})):  # the documented ways to write it anyway
+        out = export_dense(src, tmp_path / f"{kind}-{fmt}", dtype=torch.float32, fmt=fmt, **kw)
+        dst = import_dense(out, make(2))
+        prev, h = torch.tensor([[[3, 7, 9]]]), torch.randn(1, 1, 3, 32)
+        assert torch.equal(src.markov_head(prev, h)[0], dst.markov_head(prev, h)[0])
+        report = verify_folder(out)
+        assert report.ok, report.problems  # marked dspark_not_for_vllm: the serving rule becomes a note ...
+        assert len(report.notes) == 1 and report.notes[0].startswith(f"serving: markov head type '{kind}'")
+        assert tensor in report.notes[0]
+        c = json.loads((out / "config.json").read_text())
+        del c["dspark_not_for_vllm"]  # ... and a problem without the marker
+        (out / "config.json").write_text(json.dumps(c))
+        reseal(out)  # hand-edited: only the layout checks should object
+        problems = verify_folder(out).problems
+        assert len(problems) == 1 and problems[0].startswith(f"serving: markov head type '{kind}'")
 
 
 def test_export_target_defaults_to_the_runs_target_json(tmp_path):

@@ -27,7 +27,7 @@ from dspark import factory
 from dspark.evaluation import analysis, plots
 from dspark.evaluation.metrics import AcceptanceCounter
 from dspark.evaluation.scheduler import SPSTable
-from dspark.evaluation.speculative import Decoded, Timing, acceptance_counter, plain_generate, \
+from dspark.evaluation.speculative import DRAFT_SAMPLE_METHODS, Decoded, Timing, acceptance_counter, plain_generate, \
     speculative_generate_batch
 from dspark.integrity import check_file
 from dspark.io import atomic_write_json
@@ -229,6 +229,24 @@ def _validate(cfg: DictConfig) -> None:
     require(str(cfg.device) == "cpu" or torch.cuda.is_available(), "device", f"{cfg.device!r} but CUDA is not available")
     require(not cfg.sps_table or resolve_path(cfg.sps_table).is_file(), "sps_table",
             f"{cfg.sps_table!r} is not a file")
+    require(str(cfg.get("draft_sample_method", "greedy")) in DRAFT_SAMPLE_METHODS, "draft_sample_method",
+            f"must be one of {DRAFT_SAMPLE_METHODS}, got {cfg.get('draft_sample_method')!r}")
+
+
+def vllm_settings(draft_group: DictConfig, draft, g: int, draft_sample_method: str) -> dict:
+    """The vLLM 0.33.0 speculative_config these numbers correspond to (same drafts, same acceptance rule)."""
+    kind = str(draft_group.kind)
+    if kind in ("dsv4_mtp", "hyv4_mtp"):
+        method = "mtp"  # target_dependent_ar MTP speculator (v1/worker/gpu/spec_decode/mtp/speculator.py)
+    else:
+        method = "dspark" if int(getattr(draft.config, "markov_rank", 0) or 0) > 0 else "dflash"
+    out = {"method": method, "num_speculative_tokens": g, "draft_sample_method": draft_sample_method}
+    if method == "mtp":
+        out["note"] = ("vLLM's default num_speculative_tokens for MTP is num_nextn_predict_layers "
+                       "(config/speculative.py:1600-1606); pass it explicitly to match")
+    else:
+        out["note"] = "vLLM's default num_speculative_tokens for DSpark is dspark_block_size / block_size"
+    return out
 
 
 @dataclass
@@ -342,9 +360,11 @@ def run_eval(cfg: DictConfig) -> dict[str, dict]:
     temperature, eos = float(cfg.temperature), eos_ids(cfg, target)
     max_new, bs, seed = int(cfg.max_new_tokens), int(cfg.batch_size), int(cfg.seed)
     out_dir = resolve_path(cfg.out) if cfg.out else run_dir / "eval"
-    tag = f"T{temperature:g}.g{g}"
+    sample_method = str(cfg.get("draft_sample_method", "greedy"))
+    tag = f"T{temperature:g}.g{g}" + ("" if sample_method == "greedy" or temperature == 0 else ".prob")
     common = {
         "engine": ENGINE, "temperature": temperature, "gamma": g, "layout": layout, "window": window,
+        "vllm_settings": vllm_settings(draft_group, draft, g, sample_method),
         "max_new_tokens": max_new, "batch_size": bs, "turns": str(cfg.turns), "seed": seed,
         "draft_kind": str(draft_group.kind), "draft_weights": str(weights),
         "target": OmegaConf.to_container(cfg.target, resolve=True), "eos_token_id": eos, "mask_token_id": mask_id,
@@ -354,7 +374,8 @@ def run_eval(cfg: DictConfig) -> dict[str, dict]:
     def spec_decode(prompts, gens) -> Decoded:
         return speculative_generate_batch(target, draft, prompts, max_new_tokens=max_new, num_drafts=g,
                                           mask_token_id=mask_id, layout=layout, window=window,
-                                          temperature=temperature, eos_token_id=eos, generators=gens)
+                                          temperature=temperature, eos_token_id=eos, generators=gens,
+                                          draft_sample_method=sample_method)
 
     def plain_decode(prompts, gens) -> Decoded:
         return plain_generate(target, prompts, max_new, temperature, eos, gens)
@@ -410,5 +431,9 @@ def format_summary(reports: dict[str, dict], out_dir: Path) -> str:
                      f"{rate if rate is None else f'{rate:7.3f}':>7} {'-' if sp is None else f'{sp:7.2f}x':>8} "
                      f"{'-' if ov is None else f'{100 * ov:7.1f}%':>8}  {pos}")
     any_r = next(iter(reports.values()))
+    v = any_r.get("vllm_settings") or {}
     lines.append(f"T={any_r['temperature']} gamma={any_r['gamma']} engine={ENGINE}; reports in {out_dir}")
+    if v:
+        lines.append(f"vLLM equivalent: speculative_config method={v['method']} num_speculative_tokens="
+                     f"{v['num_speculative_tokens']} draft_sample_method={v['draft_sample_method']}")
     return "\n".join(lines)

@@ -62,6 +62,14 @@ def _add_v4(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", choices=("fp8", "fp4"), default=None,
                    help="fp8: FP8 128x128 block linears + experts (float32 scales); fp4: FP8 linears "
                         "(e8m0 scales) + packed e2m1 experts (V4-Flash layout). Writes quant_report.json")
+    _add_not_for_vllm(p)
+
+
+def _add_not_for_vllm(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--not-for-vllm", action="store_true",
+                   help="write a draft vLLM 0.33.0 would serve differently from how it was trained (gated / rnn "
+                        "Markov head, confidence bias, ...) for dspark's own import; the config lists the reasons "
+                        "under dspark_not_for_vllm and the verifier reports them as notes")
 
 
 def _run_v4(target, draft, cfg, args, dtype, shard: int) -> None:
@@ -70,13 +78,16 @@ def _run_v4(target, draft, cfg, args, dtype, shard: int) -> None:
 
     if not isinstance(draft, DSparkV4Draft):
         raise SystemExit(f"{args.run_dir}: the draft is {type(draft).__name__}, not a DeepSeek-V4 DSpark draft")
-    if args.merge_into is not None:
-        try:
-            merge_v4_into_target(draft, args.merge_into, args.out, dtype=dtype, quant=args.quant)
-        except ValueError as err:
-            raise SystemExit(str(err))
-    else:
-        export_v4_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=shard, quant=args.quant)
+    layout = str(cfg.draft.get("layout") or "anchor")
+    try:
+        if args.merge_into is not None:
+            merge_v4_into_target(draft, args.merge_into, args.out, dtype=dtype, quant=args.quant, layout=layout,
+                                 for_vllm=not args.not_for_vllm)
+        else:
+            export_v4_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=shard, quant=args.quant, layout=layout,
+                              for_vllm=not args.not_for_vllm)
+    except ValueError as err:
+        raise SystemExit(str(err))
     if args.quant is not None:
         from dspark.integrity import write_manifest
 
@@ -95,6 +106,7 @@ def _add_dense(p: argparse.ArgumentParser) -> None:
                    help="token frequencies: a jsonl of tokenized rows (input_ids + loss_mask) or conversations "
                         "(messages, tokenized with the target's chat template), or a datasets folder (save_to_disk)")
     p.add_argument("--verifier", default=None, help="speculators format: the target's name_or_path to record")
+    _add_not_for_vllm(p)
 
 
 def _run_dense(target, draft, cfg, args, dtype, shard: int) -> None:
@@ -123,8 +135,12 @@ def _run_dense(target, draft, cfg, args, dtype, shard: int) -> None:
         print(f"draft vocabulary: {args.draft_vocab_size} of {v} ids cover {covered:.4f} of "
               f"{counts.sum().item()} trained tokens in {args.vocab_counts}")
         draft = reduce_dense_vocab(draft, d2t, t2d)
-    export_dense(draft, args.out, dtype=dtype, num_target_layers=len(target.layers), max_shard_bytes=shard,
-                 layout=str(cfg.draft.get("layout") or "") or None, fmt=args.format, verifier=args.verifier)
+    try:
+        export_dense(draft, args.out, dtype=dtype, num_target_layers=len(target.layers), max_shard_bytes=shard,
+                     layout=str(cfg.draft.get("layout") or "") or None, fmt=args.format, verifier=args.verifier,
+                     for_vllm=not args.not_for_vllm)
+    except ValueError as err:
+        raise SystemExit(str(err))
 
 
 def _add_mtp(p: argparse.ArgumentParser) -> None:

@@ -66,6 +66,11 @@ class DSparkDenseConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
+        if list(self.target_layer_ids) != sorted(set(self.target_layer_ids)):
+            # vLLM appends the taps while running the target's layers in order (_maybe_add_hidden_state,
+            # vllm/model_executor/models/interfaces.py:1640-1650 of vLLM 0.33.0): fc's input blocks are ascending
+            raise ValueError(f"target_layer_ids must be ascending without duplicates (vLLM concatenates the target "
+                             f"layers' outputs in layer order), got {list(self.target_layer_ids)}")
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}")
         if self.markov_head_type not in MARKOV_HEAD_KINDS:
