@@ -2,8 +2,8 @@
 Python runs on CPU, call it instead of trusting a copy).
 
 Needs the unzipped `.py` files of the vllm==0.33.0 wheel (`pip download --no-deps vllm==0.33.0`, `unzip` the
-`vllm/*.py` paths named below) in the folder $DSPARK_VLLM_SRC (the one holding `vllm/`); skipped without it, as
-in CI. vLLM itself is not importable on these machines (no CUDA build), so each function is lifted out of its
+`vllm/*.py` paths named below) in the folder $DSPARK_VLLM_SRC (the one holding `vllm/`; default
+.cache/vllm-0.33.0-src, which `bash scripts/fetch_vllm_src.sh` fills and CI runs); skipped without it. vLLM itself is not importable on these machines (no CUDA build), so each function is lifted out of its
 source file with `ast` (decorators and annotations dropped) and run on plain config objects; only functions that
 touch nothing but their arguments are used.
 """
@@ -18,7 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
-SRC = Path(os.environ.get("DSPARK_VLLM_SRC", "/nonexistent"))
+REPO = Path(__file__).resolve().parents[1]
+SRC = Path(os.environ.get("DSPARK_VLLM_SRC", REPO / ".cache" / "vllm-0.33.0-src"))  # scripts/fetch_vllm_src.sh
 pytestmark = pytest.mark.skipif(not (SRC / "vllm").is_dir(),
                                 reason="set DSPARK_VLLM_SRC to an unzipped vllm==0.33.0 wheel (.py files)")
 
