@@ -318,16 +318,6 @@ def _newest_step(run: Path) -> int:
     return max(steps, default=-1)
 
 
-def _logged_steps(run: Path) -> int:
-    """Newest step with a train/loss row on disk (-1 if none; a row being written counts as absent)."""
-    from test_train_e2e import train_losses
-
-    try:
-        return max(train_losses(run), default=-1)
-    except (ValueError, KeyError, OSError):
-        return -1
-
-
 def _wait(proc: subprocess.Popen, until, timeout: float = 300.0) -> None:
     t0 = time.perf_counter()
     while proc.poll() is None and not until() and time.perf_counter() - t0 < timeout:
@@ -339,7 +329,8 @@ def test_kill_9_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_p
     """A run (checkpoint every step) killed with SIGKILL at 12 random moments, each time restarted with
     resume=last (or fresh when no checkpoint exists yet): during startup, or a random 0-300 ms after a new
     checkpoint appeared (inside the next step or the next checkpoint write). Every checkpoint on disk always
-    passes its checksum and loads; the finished run equals the uninterrupted one (losses and weights)."""
+    passes its checksum and loads; the finished run equals the uninterrupted one (every step's logged loss, and the
+    weights): a kill between a checkpoint and its step's log row loses nothing (LogsFollowCheckpoints)."""
     from test_train_e2e import train_losses
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -365,10 +356,6 @@ def test_kill_9_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_p
             before, delay = _newest_step(run), rng.uniform(0.0, 0.3)
             _wait(proc, lambda: _newest_step(run) > before)
             step = _newest_step(run)
-            # that step's log row follows its checkpoint by a few ms (FlushLogsOnCheckpoint): from it on, a kill
-            # lands in the next step or the next checkpoint write
-            _wait(proc, lambda: _logged_steps(run) >= step - 1, timeout=10)
-            assert _logged_steps(run) >= step - 1, "the log rows are not on disk with the checkpoint"
             moments.append(f"after step {step} +{delay * 1000:.0f}ms")
             time.sleep(delay)
         assert proc.poll() is None, f"the run finished before kill {len(moments)} ({moments})"

@@ -47,15 +47,35 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 CKPT_HINT = "resume from an earlier checkpoint (resume=<path to a stepNNNNNNN.ckpt>) or start a new run_dir"
 
 
-class FlushLogsOnCheckpoint(Callback):
-    """Writes the loggers' buffered rows whenever a checkpoint is saved (the CSV logger also writes every step),
-    so after a kill the logs are not behind the checkpoint the run resumes from. Lightning saves a step's
-    checkpoint just before it logs that step's row: a kill in those few milliseconds loses that one train row
-    (never weights, optimizer or data position)."""
+class LogsFollowCheckpoints(Callback):
+    """After a kill, the logs are never behind the checkpoint the run resumes from.
+
+    Loggers are flushed whenever a checkpoint is saved (the CSV logger also writes every step). Lightning saves
+    a step's checkpoint just BEFORE it logs that step's row, so the checkpoint carries that row
+    (`dspark_log_row`: step + metrics) and a run resumed from it logs the row again first: a kill between the
+    two loses nothing (a row written twice has the same values, and readers keep the later one)."""
+
+    KEY = "dspark_log_row"
+
+    def __init__(self):
+        self._pending: dict | None = None
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         for logger in trainer.loggers:
             logger.save()
+        metrics = trainer._logger_connector.metrics["log"]  # the row Lightning logs right after this save
+        checkpoint[self.KEY] = {"step": int(trainer.fit_loop.epoch_loop._batches_that_stepped),
+                                "metrics": {k: float(v) for k, v in metrics.items()}}
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+        self._pending = checkpoint.get(self.KEY)
+
+    def on_train_start(self, trainer, pl_module):
+        row, self._pending = self._pending, None
+        if row and row["metrics"] and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(row["metrics"], step=row["step"])
+                logger.save()
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[Callback]) -> L.Trainer:
@@ -141,7 +161,7 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> 
     datamodule = factory.build_datamodule(cfg, target.tokenizer, target=target)
     module = factory.build_module(cfg, draft, target)
     throughput = Throughput()
-    trainer = build_trainer(cfg, run_dir, [throughput, FlushLogsOnCheckpoint(), *callbacks])
+    trainer = build_trainer(cfg, run_dir, [throughput, LogsFollowCheckpoints(), *callbacks])
     n_params = sum(p.numel() for p in draft.parameters())
     log.info("draft parameters: %d; run dir: %s", n_params, run_dir)
 
