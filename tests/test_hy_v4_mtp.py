@@ -10,7 +10,8 @@ from transformers import HYV4Config
 from transformers.models.hy_v4.modeling_hy_v4 import HYV4DecoderLayer, HYV4RotaryEmbedding
 
 from dspark.models import hy_v4_names
-from dspark.models.hy_v4_mtp import HYV4MTPConfig, HYV4MTPDraft, apply_rope
+from dspark.models.hy_v4_mtp import HYV4MTPConfig, HYV4MTPDraft
+from dspark.ops.rope import apply_rope
 
 V = 50
 

@@ -23,11 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
 from dspark.models.heads import MARKOV_HEAD_KINDS, ConfidenceHead, MarkovHead
 from dspark.ops.attention import masked_attention
 from dspark.ops.norms import RMSNorm
+from dspark.ops.rope import ROPE_TYPES, RotaryEmbedding, apply_rope
 
 
 @dataclass(kw_only=True)
@@ -85,9 +84,8 @@ class DSparkDenseConfig:
         rp = self.rope_parameters
         if not isinstance(rp, dict) or "rope_theta" not in rp or any(isinstance(v, dict) for v in rp.values()):
             raise ValueError(f"rope_parameters must be one flat transformers rope dict with rope_theta, got {rp!r}")
-        if rp.get("rope_type", "default") not in ("default", *ROPE_INIT_FUNCTIONS):
-            raise ValueError(f"rope_parameters.rope_type {rp.get('rope_type')!r} is not one of "
-                             f"{('default', *ROPE_INIT_FUNCTIONS)}")
+        if rp.get("rope_type", "default") not in ROPE_TYPES:
+            raise ValueError(f"rope_parameters.rope_type {rp.get('rope_type')!r} is not one of {ROPE_TYPES}")
         if float(rp.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("rope_parameters.partial_rotary_factor != 1 (partial rotary) is not supported by the "
                              "dense draft")
@@ -118,25 +116,10 @@ def target_rope_parameters(hf) -> dict:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dict(rp).items()}
 
 
-def rotary_embedding(cfg: DSparkDenseConfig) -> nn.Module:
-    """transformers' Llama-family rotary embedding (inverse frequencies from ROPE_INIT_FUNCTIONS, attention
-    scaling, dynamic / longrope updates) for the draft's head_dim with the target's rope_parameters."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    hf = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
-                     num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
-                     rope_parameters=dict(cfg.rope_parameters))
-    return LlamaRotaryEmbedding(hf)
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, rotary: nn.Module) -> torch.Tensor:
-    """Half-split (Llama/Qwen) rotary embedding, in float32. x [B, heads, T, D], positions [B, T]."""
-    cos, sin = rotary(x.new_empty(0, dtype=torch.float32), positions)  # [B, T, D] (attention scaling included)
-    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated * sin).to(x.dtype)
+def rope(x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+    """Half-split (Llama / Qwen) RoPE over the whole head. x [B, heads, T, D], positions [B, T]."""
+    cos, sin = rotary(x, positions)  # [B, T, D/2] fp32, attention scaling included
+    return apply_rope(x, cos[:, None], sin[:, None], interleaved=False)
 
 
 class DenseAttention(nn.Module):
@@ -217,7 +200,8 @@ class DSparkDenseDraft(nn.Module):
         self.sliding_window = cfg.sliding_window
         self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.rotary_emb = rotary_embedding(cfg)  # non-persistent buffers: no checkpoint names
+        # the target's positions (llama3 / yarn / ... scaling); non-persistent buffers: no checkpoint names
+        self.rotary_emb = RotaryEmbedding(cfg.rope_parameters, cfg.head_dim, cfg.max_position_embeddings)
         self.layers = nn.ModuleList(DenseDraftLayer(cfg, self.rotary_emb) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.markov_head = None

@@ -27,6 +27,7 @@ from dspark.models.v4_names import init_draft_layers_from_target  # re-exported 
 from dspark.ops.attention import masked_attention
 from dspark.ops.mhc import hc_head, hc_post, hc_pre
 from dspark.ops.norms import RMSNorm, unweighted_rms_norm
+from dspark.ops.rope import RotaryEmbedding, apply_rope
 
 SCORING_FUNCS = ("sqrtsoftplus",)
 
@@ -214,31 +215,6 @@ class DSparkV4Config(V4BlockSizes):
 # ------------------------------------------------------------------------------------------------
 # Small building blocks
 # ------------------------------------------------------------------------------------------------
-def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [B, T] -> cos, sin [B, T, rope_dim // 2] (fp32), one angle per interleaved pair."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, device=positions.device, dtype=torch.float32) / rope_dim))
-    angles = positions.float().unsqueeze(-1) * inv_freq  # [B, T, rope_dim/2]
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Interleaved RoPE on the LAST 2*cos.shape[-1] channels of x.
-
-    x [B, T, ..., D]; cos, sin [B, T, R/2]. Pairs (x_{2i}, x_{2i+1}) rotate by the angle (by -angle when
-    `inverse`); the leading D - R channels pass through. fp32 math, output in x.dtype.
-    """
-    half = cos.shape[-1]
-    while cos.dim() < x.dim():  # broadcast over head axes: [B, T, 1, R/2]
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    if inverse:
-        sin = -sin
-    nope, rot = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half :]
-    pairs = rot.float().unflatten(-1, (half, 2))  # [..., R/2, 2]
-    a, b = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
-
-
 def _normal_linear(linear: nn.Linear, std: float) -> None:
     nn.init.normal_(linear.weight, mean=0.0, std=std)
     if linear.bias is not None:
@@ -264,6 +240,9 @@ class DSparkV4Attention(nn.Module):
         self.wo_a = nn.Linear(nh * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
         self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, h, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(nh, dtype=torch.float32))
+        # interleaved RoPE on the last rope_head_dim channels; vLLM's draft layers use the target's rope_theta,
+        # no YaRN (vllm/models/deepseek_v4/common/rope.py:28-42)
+        self.rotary = RotaryEmbedding({"rope_type": "default", "rope_theta": cfg.rope_theta}, cfg.rope_head_dim)
 
     def reset_parameters(self, std: float) -> None:
         for lin in (self.wq_a, self.wq_b, self.wkv, self.wo_a, self.wo_b):
@@ -274,8 +253,8 @@ class DSparkV4Attention(nn.Module):
 
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [B, L, H], positions [B, L] -> RoPE(kv_norm(wkv(x))) [B, L, D] (K == V)."""
-        cos, sin = rope_cos_sin(positions, self.cfg.rope_head_dim, self.cfg.rope_theta)
-        return apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        cos, sin = self.rotary(x, positions)  # [B, L, R/2]
+        return apply_rope(self.kv_norm(self.wkv(x)), cos, sin, interleaved=True)
 
     def context_kv(self, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Context KV from the combined target features (no attn_norm, no mHC): [B, S, H] -> [B, S, D]."""
@@ -295,15 +274,15 @@ class DSparkV4Attention(nn.Module):
     ) -> torch.Tensor:
         """x [B, T, H] (after attn_norm); positions [B, T]; ctx_kv [B, S, D]; mask [B, T, S+T] -> [B, T, H]."""
         b, t, _ = x.shape
-        cos, sin = rope_cos_sin(positions, self.cfg.rope_head_dim, self.cfg.rope_theta)
+        cos, sin = self.rotary(x, positions)  # [B, T, R/2]
         q = self.wq_b(self.q_norm(self.wq_a(x))).view(b, t, self.n_heads, self.head_dim)  # [B, T, nh, D]
-        q = apply_rope(unweighted_rms_norm(q, self.cfg.rms_norm_eps), cos, sin)
-        kv_block = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [B, T, D]
+        q = apply_rope(unweighted_rms_norm(q, self.cfg.rms_norm_eps), cos, sin, interleaved=True)
+        kv_block = apply_rope(self.kv_norm(self.wkv(x)), cos, sin, interleaved=True)  # [B, T, D]
         kv = torch.cat([ctx_kv.to(kv_block.dtype), kv_block], dim=1).unsqueeze(1)  # [B, 1, S+T, D]
         o = masked_attention(
             q.transpose(1, 2), kv, kv, mask, scale=self.head_dim**-0.5, sink=self.attn_sink
         )  # [B, nh, T, D]
-        o = apply_rope(o.transpose(1, 2), cos, sin, inverse=True)  # [B, T, nh, D]
+        o = apply_rope(o.transpose(1, 2), cos, sin, interleaved=True, inverse=True)  # [B, T, nh, D]
         return self._grouped_out(o)
 
 
@@ -559,8 +538,6 @@ __all__ = [
     "DSparkV4Layer",
     "DSparkV4Draft",
     "RMSNorm",
-    "apply_rope",
-    "rope_cos_sin",
     "FP32_PARAM_RE",
     "V4BlockSizes",
     "V4_BLOCK_FIELDS",

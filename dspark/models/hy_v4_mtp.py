@@ -38,6 +38,7 @@ from dspark.models import hy_v4_names
 from dspark.models.common import SharedTargetWeights, config_from_dict
 from dspark.models.mtp_common import chain_propose
 from dspark.ops.norms import RMSNorm
+from dspark.ops.rope import RotaryEmbedding, apply_rope
 
 # vLLM _SPARSE_LAYER_TYPES (vllm/models/hy_v4/nvidia/attention.py:51-57)
 SPARSE_ATTENTION_TYPES = ("indexed_attention", "sparse_attention", "sparse", "deepseek_sparse_attention")
@@ -193,26 +194,6 @@ class HYV4MTPConfig:
         return cls.from_dict(values)
 
 
-# ---- RoPE -----------------------------------------------------------------------------------------
-def rope_cos_sin(position_ids: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """position_ids [B, S] -> cos, sin [B, S, 1, dim/2] fp32 (frequency i = theta^(-2i/dim))."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float32) / dim))
-    angles = position_ids.float()[..., None] * inv_freq  # [B, S, dim/2]
-    return angles.cos().unsqueeze(2), angles.sin().unsqueeze(2)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    """x [B, S, n, d] rotated by cos/sin [B, S, 1, d/2]; pairs (2i, 2i+1) if interleave else (i, i + d/2)."""
-    xf = x.float()
-    if interleave:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
-    else:
-        x1, x2 = xf.chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(x.dtype)
-
-
 def causal_mask(batch: int, seq: int, device: torch.device) -> torch.Tensor:
     """bool [B, S, S]: key j visible to query i iff j <= i (rows are one sequence, in order)."""
     return torch.ones(seq, seq, dtype=torch.bool, device=device).tril().expand(batch, seq, seq)
@@ -232,9 +213,8 @@ class HyIndexer(nn.Module):
 
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, T, H] -> the rows' indexer keys [B, T, d] (normed, RoPE on the last rope dims)."""
-        r = self.cfg.qk_rope_head_dim
         k = self.k_norm(self.wk(x).float()).to(x.dtype).unsqueeze(2)  # [B, T, 1, d]
-        return torch.cat([k[..., :-r], apply_rope(k[..., -r:], cos, sin, self.cfg.rope_interleave)], dim=-1)[:, :, 0]
+        return apply_rope(k, cos, sin, self.cfg.rope_interleave)[:, :, 0]
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -243,10 +223,8 @@ class HyIndexer(nn.Module):
         -> selected bool [B, S, T] (subset of allowed)."""
         c = self.cfg
         b, s, _ = x.shape
-        r = c.qk_rope_head_dim
         q = self.wq_b(q_resid).view(b, s, c.index_n_heads, c.index_head_dim)  # [B, S, n, d]
-        # RoPE on the LAST rope dims of the indexer head (checkpoint layout)
-        q = torch.cat([q[..., :-r], apply_rope(q[..., -r:], cos, sin, c.rope_interleave)], dim=-1)
+        q = apply_rope(q, cos, sin, c.rope_interleave)  # RoPE on the LAST rope dims of each head (checkpoint layout)
         scores = F.relu(torch.einsum("bsnd,btd->bsnt", q.float(), k.float()))  # [B, S, n, T]
         w = self.weights_proj(x).float() * (c.index_n_heads ** -0.5) * (c.index_head_dim ** -0.5)  # [B, S, n]
         index = torch.einsum("bsn,bsnt->bst", w, scores)  # [B, S, T]
@@ -279,6 +257,7 @@ class HyMLA(nn.Module):
             self.learnable_sink_param = None
         self.indexer = HyIndexer(cfg) if cfg.use_indexer else None
         self.scaling = cfg.qk_head_dim ** -0.5
+        self.rotary = RotaryEmbedding({"rope_type": "default", "rope_theta": cfg.rope_theta}, cfg.qk_rope_head_dim)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """x [B, S, H] (normed), position_ids [B, S] -> [B, S, H]; causal over the S rows."""
@@ -302,9 +281,8 @@ class HyMLA(nn.Module):
         kv = self.kv_b_proj(self.kv_a_layernorm(kv_c)).view(b, s, nh, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)  # [B, S, nh, *]
 
-        cos, sin = rope_cos_sin(position_ids, r, c.rope_theta)  # [B, S, 1, r/2]
-        q = torch.cat([q[..., : c.qk_nope_head_dim], apply_rope(q[..., c.qk_nope_head_dim:], cos, sin,
-                                                                 c.rope_interleave)], dim=-1)
+        cos, sin = self.rotary(x, position_ids)  # [B, S, r/2]
+        q = apply_rope(q, cos, sin, c.rope_interleave)  # rope on the last r dims of each head
         k_rot = apply_rope(k_rot.unsqueeze(2), cos, sin, c.rope_interleave)  # [B, S, 1, r] shared by all heads
         k = torch.cat([k_nope, k_rot.expand(b, s, nh, r)], dim=-1)  # [B, S, nh, dq]
         idx_k = self.indexer.keys(x, cos, sin) if self.indexer is not None else None  # [B, S, d]
@@ -577,5 +555,5 @@ class HYV4MTPDraft(SharedTargetWeights, nn.Module):
 
 
 __all__ = ["HYV4MTPConfig", "HYV4MTPDraft", "HyMTPLayer", "HyBlock", "HyMLA", "HyIndexer", "HyMoE", "HyRouter",
-           "HyExperts", "HySwiGLU", "rope_cos_sin", "apply_rope", "causal_mask",
+           "HyExperts", "HySwiGLU", "causal_mask",
            "SPARSE_ATTENTION_TYPES"]
