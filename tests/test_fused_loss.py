@@ -191,15 +191,14 @@ def test_module_fused_losses_equal_unfused(kind, markov):
 
 @pytest.mark.parametrize("markov", ["vanilla", "gated", "rnn"])
 def test_markov_latent_reproduces_the_head(markov):
-    from dspark.models.heads import MarkovHead
-    from dspark.training.module import markov_latent
+    from dspark.models.heads import build_markov_head
 
     torch.manual_seed(0)
-    head = MarkovHead(20, 20, 3, 5, markov)
+    head = build_markov_head(20, 20, 3, 5, markov)
     prev = torch.randint(0, 20, (2, 3, 4))
     h = torch.randn(2, 3, 4, 5)
     bias, feat = head(prev, h)
-    latent, feat2 = markov_latent(head, prev, h)
+    latent, feat2 = head.latent(prev, h)
     torch.testing.assert_close(head.project(latent), bias)
     torch.testing.assert_close(feat2, feat)
 

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from dspark.models.heads import ConfidenceHead, MarkovHead
+from dspark.models.heads import ConfidenceHead, build_markov_head
 
 V, VD, R, HID = 11, 11, 4, 6
 
 
 def _head(kind="vanilla", vd=VD):
-    head = MarkovHead(V, vd, R, HID, kind=kind)
+    head = build_markov_head(V, vd, R, HID, kind=kind)
     head.reset_parameters(std=0.5)  # larger than the 0.02 default so every path moves the numbers
     return head
 
@@ -77,11 +77,11 @@ def test_gated_by_hand():
 
 
 def test_parameter_names_and_bad_kind():
-    names = {n for n, _ in MarkovHead(V, 7, R, HID).named_parameters()}
+    names = {n for n, _ in build_markov_head(V, 7, R, HID).named_parameters()}
     assert names == {"markov_w1.weight", "markov_w2.weight"}
-    assert MarkovHead(V, 7, R, HID).markov_w2.weight.shape == (7, R)
+    assert build_markov_head(V, 7, R, HID).markov_w2.weight.shape == (7, R)
     with pytest.raises(ValueError, match="markov_head_type"):
-        MarkovHead(V, V, R, HID, kind="lstm")
+        build_markov_head(V, V, R, HID, kind="lstm")
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.heads import MARKOV_HEAD_KINDS, ConfidenceHead, MarkovHead
+from dspark.models.heads import MARKOV_HEAD_KINDS, ConfidenceHead, build_markov_head
 from dspark.ops.attention import masked_attention
 from dspark.ops.norms import RMSNorm
 from dspark.ops.rope import ROPE_TYPES, RotaryEmbedding, apply_rope
@@ -177,20 +177,6 @@ class DenseDraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class _ScatteredMarkovHead(MarkovHead):
-    """Markov head of a reduced-vocab draft: the [.., Vd] bias is placed at the target ids of the
-    draft vocabulary in a [.., V] tensor (0 elsewhere)."""
-
-    def __init__(self, *args, draft_to_target, **kwargs):
-        super().__init__(*args, **kwargs)
-        object.__setattr__(self, "_draft_to_target", draft_to_target)  # callable -> [Vd] long
-
-    def project(self, latent: torch.Tensor) -> torch.Tensor:
-        small = super().project(latent)  # [..., Vd]
-        out = small.new_zeros(*small.shape[:-1], self.vocab)  # [..., V]
-        return out.index_copy_(out.dim() - 1, self._draft_to_target(), small)
-
-
 class DSparkDenseDraft(nn.Module):
     def __init__(self, cfg: DSparkDenseConfig):
         super().__init__()
@@ -213,11 +199,9 @@ class DSparkDenseDraft(nn.Module):
             self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
             self.t2d[:vd] = True  # placeholder identity mapping until set_vocab_mapping
         if cfg.markov_rank > 0:
-            if self.reduced_vocab:
-                self.markov_head = _ScatteredMarkovHead(cfg.vocab_size, vd, cfg.markov_rank, H, cfg.markov_head_type,
-                                                        draft_to_target=self.draft_to_target)
-            else:
-                self.markov_head = MarkovHead(cfg.vocab_size, cfg.vocab_size, cfg.markov_rank, H, cfg.markov_head_type)
+            self.markov_head = build_markov_head(  # a reduced draft's bias lands at its target ids
+                cfg.vocab_size, vd, cfg.markov_rank, H, cfg.markov_head_type,
+                draft_to_target=self.draft_to_target if self.reduced_vocab else None)
             if cfg.confidence_head:
                 self.confidence_head = ConfidenceHead(H + cfg.markov_rank, bias=True)
         self._init_weights()

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.common import SharedTargetWeights, config_from_dict
-from dspark.models.heads import MARKOV_HEAD_KINDS, ConfidenceHead, MarkovHead
+from dspark.models.heads import MARKOV_HEAD_KINDS, ConfidenceHead, build_markov_head
 from dspark.models.v4_names import init_draft_layers_from_target  # re-exported for callers of this module
 from dspark.ops.attention import masked_attention
 from dspark.ops.mhc import hc_head, hc_post, hc_pre
@@ -456,7 +456,7 @@ class DSparkV4Draft(SharedTargetWeights, nn.Module):
         self.layers = nn.ModuleList([DSparkV4Layer(cfg) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.hc_head_fn, self.hc_head_base, self.hc_head_scale = _hc_params(hc, h, hc, 1)
-        self.markov_head = MarkovHead(cfg.vocab_size, cfg.vocab_size, cfg.markov_rank, h, cfg.markov_head_type)
+        self.markov_head = build_markov_head(cfg.vocab_size, cfg.vocab_size, cfg.markov_rank, h, cfg.markov_head_type)
         self.confidence_head = ConfidenceHead(h + cfg.markov_rank, bias=cfg.confidence_bias)
         # Frozen target weights: plain attributes, never parameters/buffers (see share_target_weights).
         self._embed_weight: torch.Tensor | None = None

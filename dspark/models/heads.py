@@ -20,37 +20,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-MARKOV_HEAD_KINDS = ("vanilla", "gated", "rnn")
-
 
 class MarkovHead(nn.Module):
-    """Low-rank previous-token bias on the draft logits.
+    """Low-rank previous-token bias on the draft logits; one subclass per kind (MARKOV_HEADS).
 
-    Parameters: markov_w1 (Embedding [vocab, rank]), markov_w2 (Linear rank -> draft_vocab, no bias),
-    plus gate_proj (gated: Linear hidden+rank -> rank) or joint_proj (rnn: Linear 2*rank+hidden -> 3*rank).
+    Parameters: markov_w1 (Embedding [vocab, rank]), markov_w2 (Linear rank -> draft_vocab, no bias), plus the
+    kind's own layers (gated: gate_proj, rnn: joint_proj). A kind implements `block_latent` (teacher-forced,
+    whole blocks) and `step_latent` (one position at inference); everything else is shared.
+    `draft_to_target` (reduced-vocabulary drafts): a callable -> [V_draft] long; the [.., V_draft] bias is then
+    placed at those target ids of a [.., vocab] tensor (0 elsewhere).
     """
 
-    def __init__(self, vocab: int, draft_vocab: int, rank: int, hidden: int, kind: str = "vanilla"):
+    kind: str
+
+    def __init__(self, vocab: int, draft_vocab: int, rank: int, hidden: int, draft_to_target=None):
         super().__init__()
-        if kind not in MARKOV_HEAD_KINDS:
-            raise ValueError(f"markov_head_type must be one of {MARKOV_HEAD_KINDS}, got {kind!r}")
         if min(vocab, draft_vocab, rank, hidden) < 1:
             raise ValueError(
                 f"MarkovHead sizes must be positive: vocab={vocab} draft_vocab={draft_vocab} "
                 f"rank={rank} hidden={hidden}"
             )
-        self.kind = kind
-        self.vocab = vocab
-        self.draft_vocab = draft_vocab
-        self.rank = rank
-        self.hidden = hidden
+        self.vocab, self.draft_vocab, self.rank, self.hidden = vocab, draft_vocab, rank, hidden
+        object.__setattr__(self, "_draft_to_target", draft_to_target)  # a draft method: never a submodule
         self.markov_w1 = nn.Embedding(vocab, rank)
         self.markov_w2 = nn.Linear(rank, draft_vocab, bias=False)
-        if kind == "gated":
-            self.gate_proj = nn.Linear(hidden + rank, rank)
-        elif kind == "rnn":
-            self.joint_proj = nn.Linear(2 * rank + hidden, 3 * rank)
+        self.add_layers(rank, hidden)
         self.reset_parameters()
+
+    def add_layers(self, rank: int, hidden: int) -> None:
+        """The kind's own layers (none for vanilla)."""
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """Normal(0, std) weights, zero biases (DeepSpec's HF default init)."""
@@ -66,51 +64,35 @@ class MarkovHead(nn.Module):
         return self.markov_w1(prev.long())
 
     def project(self, latent: torch.Tensor) -> torch.Tensor:
-        """latent [..., r] -> bias [..., V_draft] = latent @ markov_w2^T."""
-        return self.markov_w2(latent.to(self.markov_w2.weight.dtype))
+        """latent [..., r] -> bias = latent @ markov_w2^T: [..., V_draft], or [..., vocab] with draft_to_target."""
+        small = self.markov_w2(latent.to(self.markov_w2.weight.dtype))  # [..., V_draft]
+        if self._draft_to_target is None:
+            return small
+        out = small.new_zeros(*small.shape[:-1], self.vocab)  # [..., V]
+        return out.index_copy_(out.dim() - 1, self._draft_to_target(), small)
 
-    def _gated_latent(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """e [..., r], h [..., H] -> sigmoid(gate_proj([h; e])) * e  [..., r]."""
-        gate_in = torch.cat([h.to(e.dtype), e], dim=-1)  # [..., H + r]
-        return torch.sigmoid(self.gate_proj(gate_in)) * e
+    def block_latent(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """e [B, A, g, r], h [B, A, g, H] -> latent [B, A, g, r] (teacher-forced, state reset per block)."""
+        raise NotImplementedError
 
-    def _rnn_cell(self, state: torch.Tensor, e: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One GRU-like step. state [N, r], e [N, r], h [N, H] -> (latent [N, r], new state [N, r])."""
-        z = torch.cat([state.to(e.dtype), e, h.to(e.dtype)], dim=-1)  # [N, 2r + H]
-        gate_raw, cand_raw, out_raw = self.joint_proj(z).chunk(3, dim=-1)
-        gate = torch.sigmoid(gate_raw)
-        new_state = gate * state + (1.0 - gate) * torch.tanh(cand_raw)
-        return torch.tanh(out_raw), new_state
+    def step_latent(self, e: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """e [N, r], h [N, H], state -> (latent [N, r], new state); one block position."""
+        raise NotImplementedError
 
     # -- teacher-forced block ----------------------------------------------------------------------
-    def forward(self, prev: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Teacher-forced over whole blocks.
-
-        prev [B, A, g] (token before each block position; prev[..., 0] = anchor token),
-        h [B, A, g, H] backbone hidden -> (bias [B, A, g, V_draft], feat [B, A, g, r]).
-        The RNN kind scans along g with its state reset to zero at the start of every block.
-        """
+    def latent(self, prev: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head as latent @ markov_w2^T: prev [B, A, g] (token before each block position; prev[..., 0] =
+        anchor token), h [B, A, g, H] -> (latent [B, A, g, r], feat [B, A, g, r]); forward = (project(latent),
+        feat). The fused loss (dspark.ops.fused_loss) takes the latent and markov_w2 instead of [.., V] logits."""
         e = self.embed(prev)  # [B, A, g, r]
-        if self.kind == "vanilla":
-            latent = e
-        elif self.kind == "gated":
-            latent = self._gated_latent(e, h)
-        else:
-            latent = self._rnn_scan(e, h)
-        return self.project(latent), e
+        return self.block_latent(e, h), e
 
-    def _rnn_scan(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """e [..., g, r], h [..., g, H] -> latents [..., g, r], state reset per block."""
-        lead = e.shape[:-2]
-        g = e.shape[-2]
-        e_flat = e.reshape(-1, g, self.rank)  # [N, g, r]
-        h_flat = h.reshape(-1, g, h.shape[-1])  # [N, g, H]
-        state = e_flat.new_zeros(e_flat.shape[0], self.rank)  # [N, r]
-        latents = []
-        for k in range(g):
-            latent, state = self._rnn_cell(state, e_flat[:, k], h_flat[:, k])
-            latents.append(latent)
-        return torch.stack(latents, dim=1).reshape(*lead, g, self.rank)
+    def forward(self, prev: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced over whole blocks: prev [B, A, g], h [B, A, g, H] -> (bias [B, A, g, V_draft],
+        feat [B, A, g, r])."""
+        latent, e = self.latent(prev, h)
+        return self.project(latent), e
 
     # -- inference ---------------------------------------------------------------------------------
     def step(
@@ -123,14 +105,84 @@ class MarkovHead(nn.Module):
         Matches forward() position by position when fed the same prev tokens.
         """
         e = self.embed(prev)  # [N, r]
-        if self.kind == "vanilla":
-            return self.project(e), e, None
-        if self.kind == "gated":
-            return self.project(self._gated_latent(e, h)), e, None
+        latent, state = self.step_latent(e, h, state)
+        return self.project(latent), e, state
+
+
+class VanillaMarkovHead(MarkovHead):
+    """latent_k = e_k (vLLM's DSparkMarkovHead)."""
+
+    kind = "vanilla"
+
+    def block_latent(self, e, h):
+        return e
+
+    def step_latent(self, e, h, state):
+        return e, None
+
+
+class GatedMarkovHead(MarkovHead):
+    """latent_k = sigmoid(gate_proj([h_k; e_k])) * e_k (DeepSpec)."""
+
+    kind = "gated"
+
+    def add_layers(self, rank: int, hidden: int) -> None:
+        self.gate_proj = nn.Linear(hidden + rank, rank)
+
+    def block_latent(self, e, h):
+        """e [..., r], h [..., H] -> sigmoid(gate_proj([h; e])) * e  [..., r]."""
+        gate_in = torch.cat([h.to(e.dtype), e], dim=-1)  # [..., H + r]
+        return torch.sigmoid(self.gate_proj(gate_in)) * e
+
+    def step_latent(self, e, h, state):
+        return self.block_latent(e, h), None
+
+
+class RNNMarkovHead(MarkovHead):
+    """latent_k = tanh(o_k) with a GRU-like state over the block (DeepSpec):
+    [g; c; o] = joint_proj([s_{k-1}; e_k; h_k]);  s_k = sigmoid(g) s_{k-1} + (1 - sigmoid(g)) tanh(c), s_{-1} = 0."""
+
+    kind = "rnn"
+
+    def add_layers(self, rank: int, hidden: int) -> None:
+        self.joint_proj = nn.Linear(2 * rank + hidden, 3 * rank)
+
+    def _cell(self, state: torch.Tensor, e: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One GRU-like step. state [N, r], e [N, r], h [N, H] -> (latent [N, r], new state [N, r])."""
+        z = torch.cat([state.to(e.dtype), e, h.to(e.dtype)], dim=-1)  # [N, 2r + H]
+        gate_raw, cand_raw, out_raw = self.joint_proj(z).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate_raw)
+        new_state = gate * state + (1.0 - gate) * torch.tanh(cand_raw)
+        return torch.tanh(out_raw), new_state
+
+    def block_latent(self, e, h):
+        """e [..., g, r], h [..., g, H] -> latents [..., g, r], the state reset at every block start."""
+        lead, g = e.shape[:-2], e.shape[-2]
+        e_flat = e.reshape(-1, g, self.rank)  # [N, g, r]
+        h_flat = h.reshape(-1, g, h.shape[-1])  # [N, g, H]
+        state = e_flat.new_zeros(e_flat.shape[0], self.rank)  # [N, r]
+        latents = []
+        for k in range(g):
+            latent, state = self._cell(state, e_flat[:, k], h_flat[:, k])
+            latents.append(latent)
+        return torch.stack(latents, dim=1).reshape(*lead, g, self.rank)
+
+    def step_latent(self, e, h, state):
         if state is None:
             state = e.new_zeros(e.shape[0], self.rank)
-        latent, state = self._rnn_cell(state, e, h)
-        return self.project(latent), e, state
+        return self._cell(state, e, h)
+
+
+MARKOV_HEADS: dict[str, type[MarkovHead]] = {c.kind: c for c in (VanillaMarkovHead, GatedMarkovHead, RNNMarkovHead)}
+MARKOV_HEAD_KINDS = tuple(MARKOV_HEADS)
+
+
+def build_markov_head(vocab: int, draft_vocab: int, rank: int, hidden: int, kind: str = "vanilla",
+                      draft_to_target=None) -> MarkovHead:
+    """The Markov head of `kind` (markov_head_type)."""
+    if kind not in MARKOV_HEADS:
+        raise ValueError(f"markov_head_type must be one of {MARKOV_HEAD_KINDS}, got {kind!r}")
+    return MARKOV_HEADS[kind](vocab, draft_vocab, rank, hidden, draft_to_target)
 
 
 class ConfidenceHead(nn.Module):

@@ -55,17 +55,6 @@ def lm_head_input(draft: torch.nn.Module, h: torch.Tensor | None) -> torch.Tenso
     return draft.norm if h is None else draft.norm(h)
 
 
-def markov_latent(head, prev: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Markov head as latent @ markov_w2^T: prev [B, A, g], h [B, A, g, H] -> (latent [B, A, g, r],
-    feat [B, A, g, r]) with head(prev, h) == (head.project(latent), feat) for every head kind."""
-    e = head.embed(prev)  # [B, A, g, r]
-    if head.kind == "vanilla":
-        return e, e
-    if head.kind == "gated":
-        return head._gated_latent(e, h), e
-    return head._rnn_scan(e, h), e
-
-
 def _numpy_state_to_plain(state) -> dict:
     """numpy's RNG state with tensors instead of arrays, so checkpoints load with weights_only=True."""
     name, keys, pos, has_gauss, cached = state
@@ -170,7 +159,7 @@ class DraftLightningModule(L.LightningModule):
         head = getattr(draft, "markov_head", None)
         latent = feat = None
         if head is not None:
-            latent, feat = markov_latent(head, b.prev_ids, h)  # [B, A, g, r] x2
+            latent, feat = head.latent(b.prev_ids, h)  # [B, A, g, r] x2
         conf = draft.confidence_logit(h, feat) if getattr(draft, "confidence_head", None) is not None else None
         eval_mask = b.eval_mask.flatten(0, 1)  # [B*A, g]
         flat = lambda t: None if t is None else t.flatten(0, 1)  # noqa: E731  [B, A, ...] -> [B*A, ...]
