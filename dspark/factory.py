@@ -1,7 +1,6 @@
 """Builds the run's pieces from the Hydra config, validating every key before any heavy work starts."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -11,16 +10,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dspark.errors import ConfigError
+from dspark.models import registry
 from dspark.targets.hf_target import FrozenTarget, load_hf_target
 
 TARGET_KINDS = ("tiny_v4", "tiny_hy_v4", "smollm2", "hf")
-BLOCK_DRAFT_KINDS = ("dspark_v4", "dspark_dense")
-# MTP drafts (dspark.training.mtp_module): kind -> (module, config class, draft class).
-MTP_DRAFT_KINDS = {
-    "dsv4_mtp": ("dspark.models.dsv4_mtp", "DSV4MTPConfig", "DSV4MTPDraft"),
-    "hyv4_mtp": ("dspark.models.hy_v4_mtp", "HYV4MTPConfig", "HYV4MTPDraft"),
-}
-DRAFT_KINDS = BLOCK_DRAFT_KINDS + tuple(MTP_DRAFT_KINDS)
 DATA_SOURCES = ("sharegpt", "jsonl", "regenerated")
 
 log = logging.getLogger("dspark.factory")
@@ -55,188 +48,30 @@ def target_folder(cfg: DictConfig) -> str:
 
 
 def build_target(cfg: DictConfig) -> FrozenTarget:
+    """The frozen target, capturing the layers the draft group reads (`target_layer_ids`; MTP drafts read none)."""
     t = cfg.target
     require(hasattr(torch, str(t.dtype)), "target.dtype", f"unknown torch dtype {t.dtype!r}")
-    mtp = is_mtp(cfg)  # MTP drafts read no intermediate target layers
-    layer_ids = [] if mtp else list(cfg.draft.target_layer_ids)
-    return load_hf_target(target_folder(cfg), layer_ids, str(t.dtype), require_aux=not mtp)
-
-
-def is_mtp(cfg: DictConfig) -> bool:
-    """Whether the draft group is an MTP draft (trained by MTPLightningModule, drafts with its own propose)."""
-    return str(cfg.draft.kind) in MTP_DRAFT_KINDS
-
-
-def resolve_mask_token_id(cfg: DictConfig, target: FrozenTarget) -> int:
-    mid = cfg.draft.mask_token_id
-    if mid is None:
-        tok = target.tokenizer
-        mid = tok.convert_tokens_to_ids("<|mask|>") if tok is not None else None
-        require(mid is not None and mid != getattr(tok, "unk_token_id", None), "draft.mask_token_id",
-                "null, and the target tokenizer has no <|mask|> token: set an explicit id")
-    require(0 <= int(mid) < target.vocab_size, "draft.mask_token_id",
-            f"{mid} outside the target vocabulary [0, {target.vocab_size})")
-    return int(mid)
+    layer_ids = [int(i) for i in (cfg.draft.get("target_layer_ids") or [])]
+    return load_hf_target(target_folder(cfg), layer_ids, str(t.dtype), require_aux=bool(layer_ids))
 
 
 # ---- draft ----------------------------------------------------------------------------------------
-DRAFT_FIELD_KEYS = ("num_layers", "block_size", "mask_token_id", "target_layer_ids", "markov_rank",
-                    "markov_head_type", "sliding_window")
-
-
-def draft_fields(d: DictConfig) -> dict:
-    """The draft group's architecture keys merged with its `arch` overrides: keyword arguments of the
-    draft config class (everything except kind / layout / init_from_target)."""
-    keys = {k: d[k] for k in DRAFT_FIELD_KEYS}
-    keys["target_layer_ids"] = [int(i) for i in keys["target_layer_ids"]]
-    arch = OmegaConf.to_container(d.arch, resolve=True) if d.get("arch") is not None else {}
-    clash = sorted(set(arch) & set(DRAFT_FIELD_KEYS))
-    require(not clash, "draft.arch", f"{clash} belong at the draft level, not under arch")
-    keys.update(arch)
-    return keys
-
-
-MTP_FIELD_KEYS = ("num_layers", "num_steps")
-
-
-def record_resolved(d: DictConfig, dcfg, top_level: tuple[str, ...]) -> None:
-    """Writes the built draft config back into the draft group: the group's own keys resolved (mask_token_id from
-    the tokenizer) and every size taken from the target under `arch`. draft/draft_config.json and the checkpoint's
-    hyper_parameters then hold the complete config: the draft rebuilds without the target and without Hydra
-    (dspark.models.pretrained.load_draft), and rebuilding it against the target gives the same draft."""
-    full = dataclasses.asdict(dcfg)
-    with open_dict(d):
-        for key in top_level:
-            if key in full:
-                d[key] = full[key]
-        d.arch = {k: v for k, v in full.items() if k not in top_level and k != "kind"}
-
-
-def _mtp_classes(kind: str):
-    import importlib
-
-    module, config_name, draft_name = MTP_DRAFT_KINDS[kind]
-    mod = importlib.import_module(module)
-    return getattr(mod, config_name), getattr(mod, draft_name)
-
-
-def mtp_draft_config(cfg: DictConfig, hf_config):
-    """The validated MTP draft config: block sizes from the target's HF config, `num_layers`, `num_steps` and
-    the `arch` overrides from the draft group (needs no target weights)."""
-    d = cfg.draft
-    Config, _ = _mtp_classes(str(d.kind))
-    for key in MTP_FIELD_KEYS:
-        require(key in d and int(d[key]) >= 1, f"draft.{key}", f"must be an int >= 1, got {d.get(key)!r}")
-    keys = {k: int(d[k]) for k in MTP_FIELD_KEYS}
-    arch = OmegaConf.to_container(d.arch, resolve=True) if d.get("arch") is not None else {}
-    clash = sorted(set(arch) & set(MTP_FIELD_KEYS))
-    require(not clash, "draft.arch", f"{clash} belong at the draft level, not under arch")
-    hidden = int(hf_config.hidden_size)
-    require(arch.get("hidden_size", hidden) == hidden, "draft.arch.hidden_size",
-            f"{arch.get('hidden_size')} does not match the target hidden size {hidden} "
-            "(the draft shares the target's embedding and LM head)")
-    keys.update(arch)
-    if d.get("mask_first_embedding") is not None:
-        keys["mask_first_embedding"] = bool(d.mask_first_embedding)
-    model_type = getattr(hf_config, "model_type", None)
-    if str(d.kind) == "dsv4_mtp":
-        require(model_type == "deepseek_v4", "draft.kind", f"dsv4_mtp needs a DeepSeek-V4 target, got {model_type!r}")
-    if str(d.kind) == "hyv4_mtp":
-        require(model_type == "hy_v4", "draft.kind", f"hyv4_mtp needs a HY V4 target, got {model_type!r}")
-    try:
-        if str(d.kind) == "hyv4_mtp":  # vLLM's HYV4Config rules need the raw config.json (from_target_config)
-            dcfg = Config.from_target_config(hf_config, config_json=_raw_config_json(hf_config), **keys)
-        else:
-            dcfg = Config.from_hf_config(hf_config, **keys)
-        dcfg.validate()
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"draft: {e}") from e
-    return dcfg
-
-
-def build_mtp_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
-    """An MTP draft (draft.kind in MTP_DRAFT_KINDS) built from mtp_draft_config, shared target weights attached."""
-    d = cfg.draft
-    _, Draft = _mtp_classes(str(d.kind))
-    dcfg = mtp_draft_config(cfg, target.model.config)
-    record_resolved(d, dcfg, MTP_FIELD_KEYS)
-    draft = Draft(dcfg)
-    if d.get("init_from_target", False):
-        require(hasattr(draft, "init_from_target"), "draft.init_from_target", f"not implemented for {d.kind}")
-        try:
-            draft.init_from_target(target.model)
-        except ValueError as e:
-            raise ConfigError(f"draft.init_from_target: {e}") from e
-    if getattr(draft, "needs_pre_head", False):
-        target.capture_pre_head = True  # the draft reads the last layer's raw output (TargetFeatures.pre_head)
-    draft.share_target_weights(target.embed_weight, target.lm_head_weight)
-    return draft
-
-
-def block_draft_config(cfg: DictConfig, hf_config, mask_token_id: int):
-    """The validated DSpark/DFlash draft config from the target's HF config and the draft group (needs no
-    target weights)."""
-    d = cfg.draft
-    require(int(d.block_size) >= 1, "draft.block_size", f"must be >= 1, got {d.block_size}")
-    require(d.layout in ("anchor", "mask"), "draft.layout", f"{d.layout!r} is not 'anchor' or 'mask'")
-    target_hidden = int(hf_config.hidden_size)
-    hidden = (d.get("arch") or {}).get("hidden_size", target_hidden)
-    require(hidden == target_hidden, "draft.arch.hidden_size",
-            f"{hidden} does not match the target hidden size {target_hidden} "
-            "(the draft shares the target's embedding and LM head)")
-    n_layers = int(hf_config.num_hidden_layers)
-    bad = [int(i) for i in d.target_layer_ids if not 0 <= int(i) < n_layers]
-    require(len(d.target_layer_ids) > 0 and not bad, "draft.target_layer_ids",
-            f"{list(d.target_layer_ids)}: ids must be 0-based layer indices in [0, {n_layers - 1}] of the target "
-            f"({n_layers} layers); bad: {bad or 'empty list'}")
-    keys = draft_fields(d)
-    keys["mask_token_id"] = mask_token_id
-    hc_mult = int(getattr(hf_config, "hc_mult", 0) or 0)
-    if d.kind == "dspark_v4":
-        from dspark.models.dspark_v4 import DSparkV4Config as Config
-
-        require(hc_mult > 0, "draft.kind", "dspark_v4 needs a DeepSeek-V4 target (config has no hc_mult)")
-        require(keys["sliding_window"] is not None, "draft.sliding_window", "dspark_v4 needs a window (V4: 128)")
-    else:
-        from dspark.models.dspark_dense import DSparkDenseConfig as Config
-
-        require(hc_mult == 0, "draft.kind", "dspark_dense needs a dense target; use dspark_v4 for DeepSeek-V4")
-    try:
-        dcfg = Config.from_hf_config(hf_config, **keys)
-        dcfg.validate()
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"draft: {e}") from e
-    return dcfg
-
-
-def _raw_config_json(hf_config) -> dict | None:
-    """The target folder's config.json as written (before transformers fills in defaults), or None."""
-    import json
-
-    path = Path(str(getattr(hf_config, "_name_or_path", "") or "")) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def build_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
-    d = cfg.draft
-    require(d.kind in DRAFT_KINDS, "draft.kind", f"{d.kind!r} is not one of {DRAFT_KINDS}")
-    if d.kind in MTP_DRAFT_KINDS:
-        return build_mtp_draft(cfg, target)
-    dcfg = block_draft_config(cfg, target.model.config, resolve_mask_token_id(cfg, target))
-    if d.kind == "dspark_v4":
-        from dspark.models.dspark_v4 import DSparkV4Draft as Draft
-    else:
-        from dspark.models.dspark_dense import DSparkDenseDraft as Draft
-    record_resolved(d, dcfg, DRAFT_FIELD_KEYS)
-    draft = Draft(dcfg)
-    if d.init_from_target:
-        require(d.kind == "dspark_v4", "draft.init_from_target", "only implemented for dspark_v4 drafts")
-        from dspark.models.dspark_v4 import init_draft_layers_from_target
-
-        n = len(target.layers)
-        init_draft_layers_from_target(draft, target.model, list(range(n - dcfg.num_layers, n)))
-    draft.share_target_weights(target.embed_weight, target.lm_head_weight)
+    """The draft group's family builds the draft against the target (dspark.models.registry.build_draft); the
+    resolved group is written back into cfg.draft, so draft/draft_config.json and the checkpoint's hyper_parameters
+    hold the complete config."""
+    draft = registry.build_draft(cfg.draft, target)
+    resolved = registry.resolved_group(draft.config, str(cfg.draft.kind), cfg.draft)
+    with open_dict(cfg.draft):
+        for key, value in resolved.items():
+            cfg.draft[key] = value
     return draft
+
+
+def drafts_per_step(cfg: DictConfig) -> tuple[str, int]:
+    """(group key, value) of the drafts per verify step: block_size (block drafts), num_steps (MTP drafts)."""
+    key = registry.family(str(cfg.draft.kind)).config.DRAFTS_KEY
+    return key, cfg.draft.get(key)
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -273,9 +108,9 @@ def build_dataset(cfg: DictConfig, tokenizer):
     from dspark.data.dataset import cached_chat_dataset
 
     data = cfg.data
-    depth_key = "num_steps" if is_mtp(cfg) else "block_size"
-    require(int(data.max_length) > int(cfg.draft[depth_key]) + 1, "data.max_length",
-            f"{data.max_length} is too short for {depth_key} {cfg.draft[depth_key]}")
+    depth_key, depth = drafts_per_step(cfg)
+    require(int(data.max_length) > int(depth) + 1, "data.max_length", f"{data.max_length} is too short for "
+            f"{depth_key} {depth}")
     records_fn = load_records(data)
     source = f"{data.source}:{data.path}:{data.limit}:en={data.english_only}:strict={data.strict}"
     if data.path is not None and Path(str(data.path)).is_file():  # a changed file is a new cache entry
@@ -394,9 +229,11 @@ def prepare_feature_cache(cfg: DictConfig, target: FrozenTarget | None, dataset)
 
 # ---- module ---------------------------------------------------------------------------------------
 def build_module(cfg: DictConfig, draft, target: FrozenTarget):
-    from dspark.training.module import DraftLightningModule, OptimConfig
+    """The LightningModule of the draft family's objective (dspark.training.modules.MODULES), its train.* keys
+    parsed by that module's from_config."""
     from dspark.ops.backend import OPS_BACKENDS, set_ops_backend
-    from dspark.training.objectives import LossWeights
+    from dspark.training.module import OptimConfig
+    from dspark.training.modules import MODULES
 
     tr = cfg.train
     ops = str(cfg.get("ops_backend", "auto"))
@@ -405,34 +242,7 @@ def build_module(cfg: DictConfig, draft, target: FrozenTarget):
     optim = OptimConfig(lr=float(tr.lr), weight_decay=float(tr.weight_decay), betas=tuple(tr.betas),
                         warmup_ratio=float(tr.warmup_ratio), min_lr_ratio=float(tr.min_lr_ratio),
                         max_steps=training_steps(cfg))
-    if is_mtp(cfg):
-        module = build_mtp_module(cfg, draft, target, optim)
-    else:
-        lw = LossWeights(**OmegaConf.to_container(tr.loss_weights))
-        module = DraftLightningModule(
-            draft, target, num_drafts=int(cfg.draft.block_size), mask_token_id=draft.config.mask_token_id,
-            layout=str(cfg.draft.layout), window=draft.config.sliding_window, decay_gamma=tr.decay_gamma,
-            loss_weights=lw, optim=optim, fused_loss=bool(tr.get("fused_loss", True)),
-        )
+    module = MODULES[registry.family(str(cfg.draft.kind)).objective].from_config(tr, draft, target, optim)
     # the resolved run config: in every checkpoint (hyper_parameters) and every logger (hparams.yaml, W&B config)
     module.save_hyperparameters(OmegaConf.to_container(cfg, resolve=True))
     return module
-
-
-def build_mtp_module(cfg: DictConfig, draft, target: FrozenTarget, optim):
-    """MTPLightningModule: train.mtp_beta (step weights beta^k, default 0.6) and train.mtp_loss_weights
-    ({ce, kl}, default 1.0 / 1.0)."""
-    from dspark.training.mtp_module import MTPLightningModule
-    from dspark.training.mtp_objectives import MTPLossWeights
-
-    tr = cfg.train
-    beta = float(tr.get("mtp_beta", 0.6))
-    require(beta > 0, "train.mtp_beta", f"must be > 0, got {beta}")
-    raw = OmegaConf.to_container(tr.mtp_loss_weights) if tr.get("mtp_loss_weights") is not None else {}
-    unknown = sorted(set(raw) - {"ce", "kl"})
-    require(not unknown, "train.mtp_loss_weights", f"unknown keys {unknown} (ce, kl)")
-    lw = MTPLossWeights(**{k: float(v) for k, v in raw.items()})
-    require(lw.ce >= 0 and lw.kl >= 0 and lw.ce + lw.kl > 0, "train.mtp_loss_weights",
-            f"weights must be >= 0 and not both 0, got {raw}")
-    return MTPLightningModule(draft, target, num_steps=int(draft.config.num_steps), beta=beta, loss_weights=lw,
-                              optim=optim)

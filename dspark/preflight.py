@@ -8,8 +8,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from dspark.errors import ConfigError
-from dspark.factory import (DATA_SOURCES, DRAFT_KINDS, MTP_DRAFT_KINDS, block_draft_config, is_mtp,
-                            mtp_draft_config, require, target_folder, training_steps)
+from dspark.factory import DATA_SOURCES, drafts_per_step, require, target_folder, training_steps
+from dspark.models import registry
 
 _POSITIVE_INTS = ("batch_size", "val_batch_size", "num_anchors")
 
@@ -61,7 +61,7 @@ def check_trainer(cfg: DictConfig) -> None:
 def check_data(cfg: DictConfig) -> None:
     data = cfg.data
     require(data.source in DATA_SOURCES, "data.source", f"{data.source!r} is not one of {DATA_SOURCES}")
-    depth_key = "num_steps" if is_mtp(cfg) else "block_size"
+    depth_key, _ = drafts_per_step(cfg)
     depth = int(_number(cfg.draft, depth_key, "draft"))
     require(int(_number(data, "max_length", "data")) > depth + 1, "data.max_length",
             f"{data.max_length} is too short for draft.{depth_key} {depth}")
@@ -106,25 +106,24 @@ def _target_hf_config(cfg: DictConfig):
         raise ConfigError(f"target.path: {folder!r} holds no readable config.json ({e})") from e
 
 
-def _mask_id_for_check(cfg: DictConfig, hf_config) -> int:
-    mid = cfg.draft.get("mask_token_id")
-    if mid is None:
-        return 0  # resolved from the tokenizer when the target loads (checked there)
-    vocab = int(hf_config.vocab_size)
-    require(0 <= int(mid) < vocab, "draft.mask_token_id", f"{mid} outside the target vocabulary [0, {vocab})")
-    return int(mid)
+def _tokenizer(cfg: DictConfig):
+    """The target folder's tokenizer (no weights): a null draft.mask_token_id is its <|mask|> token."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(target_folder(cfg), local_files_only=True)
+    except (OSError, ValueError):
+        return None
 
 
 def check_draft(cfg: DictConfig) -> None:
-    d = cfg.draft
-    require(d.kind in DRAFT_KINDS, "draft.kind", f"{d.kind!r} is not one of {DRAFT_KINDS}")
+    """The draft group built into its family's config against the target's config.json (dspark.models.registry)."""
+    registry.family(str(cfg.draft.kind))  # draft.kind first, even for a target this check cannot read
     hf_config = _target_hf_config(cfg)
     if hf_config is None:
         return
-    if d.kind in MTP_DRAFT_KINDS:
-        mtp_draft_config(cfg, hf_config)
-    else:
-        block_draft_config(cfg, hf_config, _mask_id_for_check(cfg, hf_config))
+    tokenizer = _tokenizer(cfg) if cfg.draft.get("mask_token_id", 0) is None else None
+    registry.build_config(cfg.draft, hf_config, tokenizer)
 
 
 def check_training_config(cfg: DictConfig) -> None:

@@ -93,7 +93,7 @@ def test_bad_shapes_raise():
 def test_flex_backend_equals_reference(hq, hk, with_sink):
     """The CUDA backend (flex_attention, here in eager mode on CPU) gives the reference's numbers,
     including the sink folded in from the log-sum-exp and rows with no visible key."""
-    from dspark.training.blocks import block_attention_mask
+    from dspark.models.block_draft import block_attention_mask
 
     torch.manual_seed(0)
     B, S, A, L, D = 2, 20, 3, 4, 16

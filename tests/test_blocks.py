@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from dspark.training.blocks import anchor_candidates, block_attention_mask, build_blocks, sample_anchors
+from dspark.models.block_draft import block_attention_mask
+from dspark.training.blocks import anchor_candidates, build_blocks, sample_anchors
 
 
 def test_anchor_candidates_need_loss_at_a_and_a_plus_1():

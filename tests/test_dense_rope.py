@@ -25,7 +25,7 @@ def _target_and_draft(spec):
     config_cls, model_cls, extra = spec
     torch.manual_seed(0)
     target = model_cls(config_cls(**SIZES, **extra)).eval()
-    cfg = DSparkDenseConfig.from_hf_config(target.config, block_size=4, mask_token_id=3, target_layer_ids=[0, 1],
+    cfg = DSparkDenseConfig.from_target_config(target.config, block_size=4, mask_token_id=3, target_layer_ids=[0, 1],
                                            markov_rank=0)
     return target, DSparkDenseDraft(cfg)
 

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from conftest import compose
 from dspark import factory
 from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
-from dspark.models.pretrained import load_draft, save_draft
+from dspark.pretrained import load_draft, save_draft
 from dspark.training.run import export_draft
 
 
@@ -48,7 +48,7 @@ def test_save_draft_round_trip_keeps_the_targets_rope(tmp_path):
                                              "original_max_position_embeddings": 8192})
     draft = DSparkDenseDraft(cfg)
     identity = {"kind": "hf", "path": "meta-llama/Llama-3.1-8B-Instruct", "fingerprint": "abc"}
-    save_draft(draft, tmp_path, kind="dspark_dense", layout="anchor", target=identity)
+    save_draft(draft, tmp_path, target=identity)
     back, target = load_draft(tmp_path)
     assert back.config == cfg and target == identity
     assert all(torch.equal(v, draft.state_dict()[k]) for k, v in back.state_dict().items())

@@ -8,8 +8,9 @@ import torch
 
 from conftest import tiny_v4_config
 from dspark.models.dsv4_mtp import (
-    DSV4MTPConfig, DSV4MTPDraft, causal_window_mask, chain_propose, from_serving_names, to_serving_names,
+    DSV4MTPConfig, DSV4MTPDraft, causal_window_mask, from_serving_names, to_serving_names,
 )
+from dspark.models.mtp_common import chain_propose
 from dspark.models.v4_names import draft_layer_to_hf_state
 from dspark.targets.hf_target import FrozenTarget, TargetFeatures
 
@@ -38,7 +39,7 @@ def _randomise(module: torch.nn.Module, seed: int) -> None:
 
 def _draft(seed=0, num_layers=1, **kw):
     hf_cfg = _hf_cfg()
-    draft = DSV4MTPDraft(DSV4MTPConfig.from_hf_config(hf_cfg, num_layers=num_layers, **kw))
+    draft = DSV4MTPDraft(DSV4MTPConfig.from_target_config(hf_cfg, num_layers=num_layers, **kw))
     _randomise(draft, seed)
     g = torch.Generator().manual_seed(seed + 100)
     embed, head = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g)
@@ -131,11 +132,11 @@ def test_serving_names_roundtrip_and_official_names():
 
 def test_config_errors_name_the_key():
     with pytest.raises(ValueError, match="num_steps"):
-        DSV4MTPConfig.from_hf_config(_hf_cfg(), num_steps=0)
+        DSV4MTPConfig.from_target_config(_hf_cfg(), num_steps=0)
     with pytest.raises(ValueError, match="DSV4MTPConfig.o_groups"):
-        DSV4MTPConfig.from_hf_config(_hf_cfg(), o_groups=3)
+        DSV4MTPConfig.from_target_config(_hf_cfg(), o_groups=3)
     with pytest.raises(ValueError, match="unknown keys"):
-        DSV4MTPConfig.from_hf_config(_hf_cfg(), block_size=4)
+        DSV4MTPConfig.from_target_config(_hf_cfg(), block_size=4)
     _, draft, _, _ = _draft()
     with pytest.raises(ValueError, match="pre_head"):
         draft.context_hidden(TargetFeatures(aux=torch.zeros(1, 3, 0), final=torch.zeros(1, 3, H)))
@@ -196,14 +197,14 @@ def test_greedy_speculative_decoding_equals_plain_decoding():
     target = _target(seed=8, vocab=6)  # a tiny vocabulary so that random drafts are sometimes accepted
     target.capture_pre_head = True
     hf_cfg = _hf_cfg(vocab_size=6)
-    draft = DSV4MTPDraft(DSV4MTPConfig.from_hf_config(hf_cfg, num_layers=1, num_steps=3))
+    draft = DSV4MTPDraft(DSV4MTPConfig.from_target_config(hf_cfg, num_layers=1, num_steps=3))
     _randomise(draft, 8)
     draft.share_target_weights(target.embed_weight, target.lm_head_weight)
     accepted = rejected = 0
     for seed in range(3):
         prompt = torch.randint(0, 6, (5,), generator=torch.Generator().manual_seed(seed))
         ref = target_generate(target, prompt, 12)
-        out, stats = speculative_generate(target, draft, prompt, max_new_tokens=12, num_drafts=3, mask_token_id=None)
+        out, stats = speculative_generate(target, draft, prompt, max_new_tokens=12, num_drafts=3)
         assert out.tolist() == ref.tolist()
         assert all(s.num_drafts == 3 for s in stats)
         accepted += sum(s.num_accepted for s in stats)

@@ -16,7 +16,7 @@ from conftest import REPO, reseal, tiny_v4_config
 from dspark.export.dense import export_dense, import_dense
 from dspark.export.dspark_v4 import export_v4_sidecar, import_v4_sidecar, v4_export_plan
 from dspark.export.verify import main_verify, verify_folder
-from dspark.factory import draft_fields
+from dspark.models.registry import config_values as draft_fields
 from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
 from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
 
@@ -32,7 +32,7 @@ def _randomise(module: torch.nn.Module, seed: int) -> None:
 
 def _v4_draft(seed: int = 0, dtype=None) -> DSparkV4Draft:
     hf = tiny_v4_config()
-    cfg = DSparkV4Config.from_hf_config(hf, num_layers=3, block_size=4, mask_token_id=3, target_layer_ids=[0, 1],
+    cfg = DSparkV4Config.from_target_config(hf, num_layers=3, block_size=4, mask_token_id=3, target_layer_ids=[0, 1],
                                         markov_rank=4)
     draft = DSparkV4Draft(cfg)
     _randomise(draft, seed)
@@ -295,7 +295,7 @@ def test_merge_into_a_target_checkpoint(tmp_path):
     save_file(own, str(target / "model.safetensors"), metadata={"format": "pt"})
     hf = json.loads((target / "config.json").read_text())
     keys = dict(num_layers=2, block_size=4, mask_token_id=4, target_layer_ids=[1, 2], markov_rank=8)
-    src = DSparkV4Draft(DSparkV4Config.from_hf_config(tiny_v4_config(**{
+    src = DSparkV4Draft(DSparkV4Config.from_target_config(tiny_v4_config(**{
         k: hf[k] for k in ("vocab_size", "hidden_size", "moe_intermediate_size", "num_attention_heads", "head_dim",
                            "q_lora_rank", "o_groups", "o_lora_rank", "n_routed_experts", "num_experts_per_tok",
                            "hc_mult", "sliding_window")}), **keys))

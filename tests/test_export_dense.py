@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import FP32_CROSS_SHAPE_ATOL, assert_same_argmax, reseal
 
-from dspark.evaluation.propose import propose
+from dspark.models.block_draft import propose
 from dspark.export.dense import dense_config_from_folder, export_dense, import_dense, read_dense_config
 from dspark.export.verify import verify_folder
 from dspark.export.vocab import build_vocab_mapping, count_tokens, count_tokens_jsonl, reduce_dense_vocab
@@ -131,7 +131,8 @@ def test_reduced_draft_logits_are_the_full_draft_at_kept_ids():
 def test_reduced_propose_drafts_only_kept_target_ids():
     full, small, t2d = _reduced()
     aux = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(3))
-    kw = dict(num_drafts=3, mask_token_id=49, layout="anchor")
+    kw = dict(num_drafts=3)
+    assert full.config.mask_token_id == small.config.mask_token_id == 49 and full.config.layout == "anchor"
     p_full, p_small = propose(full, aux, 5, 6, **kw), propose(small, aux, 5, 6, **kw)
     assert t2d[p_small.tokens].all()  # target ids, all inside the draft vocabulary
     # at T=0 the reduced draft picks the argmax of the full draft's logits restricted to kept ids

@@ -53,7 +53,7 @@ def _hy_draft(seed: int = 0, **overrides) -> HYV4MTPDraft:
 
 
 def _dsv4_draft(seed: int = 0, num_layers: int = 2) -> DSV4MTPDraft:
-    draft = DSV4MTPDraft(DSV4MTPConfig.from_hf_config(tiny_v4_config(), num_layers=num_layers))
+    draft = DSV4MTPDraft(DSV4MTPConfig.from_target_config(tiny_v4_config(), num_layers=num_layers))
     _randomise(draft, seed)
     _share(draft, 50, 16)
     return draft

@@ -17,7 +17,7 @@ from dspark.export.dspark_v4 import (QUANT_REPORT, export_v4_sidecar, import_v4_
                                      probe_logits, quant_report, v4_config_from_folder, v4_config_json,
                                      v4_export_plan)
 from dspark.export.verify import _v4_expected, _v4_optional, verify_folder
-from dspark.factory import draft_fields
+from dspark.models.registry import config_values as draft_fields
 from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
 from test_export import _cli, _randomise
 
@@ -140,7 +140,7 @@ def test_dequantize_tensors_pairs_and_raw_byte_scales():
 def _v4_draft(seed: int) -> DSparkV4Draft:
     # hidden and moe_intermediate multiples of 32 (FP4 groups); 3 layers, 2 experts, shared expert
     hf = tiny_v4_config(hidden_size=32, moe_intermediate_size=32, q_lora_rank=16)
-    cfg = DSparkV4Config.from_hf_config(hf, num_layers=3, block_size=4, mask_token_id=3, target_layer_ids=[0, 1],
+    cfg = DSparkV4Config.from_target_config(hf, num_layers=3, block_size=4, mask_token_id=3, target_layer_ids=[0, 1],
                                         markov_rank=4)
     draft = DSparkV4Draft(cfg)
     _randomise(draft, seed)
@@ -222,7 +222,7 @@ def test_merge_quant_must_match_the_target(tmp_path):
     keys = {k: hf[k] for k in ("vocab_size", "hidden_size", "moe_intermediate_size", "num_attention_heads", "head_dim",
                                "q_lora_rank", "o_groups", "o_lora_rank", "n_routed_experts", "num_experts_per_tok",
                                "hc_mult", "sliding_window")}
-    src = DSparkV4Draft(DSparkV4Config.from_hf_config(tiny_v4_config(**keys), num_layers=1, block_size=4,
+    src = DSparkV4Draft(DSparkV4Config.from_target_config(tiny_v4_config(**keys), num_layers=1, block_size=4,
                                                       mask_token_id=4, target_layer_ids=[1, 2], markov_rank=8))
     _randomise(src, 9)
     with pytest.raises(ValueError, match="no quantization_config"):

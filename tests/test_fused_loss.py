@@ -134,26 +134,24 @@ def _module(kind: str, markov: str, fused: bool):
     from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
     from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
     from dspark.targets.hf_target import FrozenTarget
-    from dspark.training.module import DraftLightningModule
+    from dspark.training.block_module import BlockDraftModule
 
     torch.manual_seed(0)
     if kind == "v4":
         cfg = tiny_v4_config(vocab_size=V, sliding_window=6)
         target = FrozenTarget(DeepseekV4ForCausalLM(cfg), [1, 2])
-        draft = DSparkV4Draft(DSparkV4Config.from_hf_config(
+        draft = DSparkV4Draft(DSparkV4Config.from_target_config(
             cfg, num_layers=1, block_size=G, mask_token_id=MASK, target_layer_ids=[1, 2], markov_rank=4,
             sliding_window=5, markov_head_type=markov))
-        window = 5
     else:
         cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                           num_attention_heads=4, num_key_value_heads=2)
         target = FrozenTarget(LlamaForCausalLM(cfg), [0, 2])
-        draft = DSparkDenseDraft(DSparkDenseConfig.from_hf_config(
+        draft = DSparkDenseDraft(DSparkDenseConfig.from_target_config(
             cfg, num_layers=1, block_size=G, mask_token_id=MASK, target_layer_ids=[0, 2], markov_rank=4,
             markov_head_type=markov))
-        window = None
     draft.share_target_weights(target.embed_weight, target.lm_head_weight)
-    return DraftLightningModule(draft, target, num_drafts=G, mask_token_id=MASK, window=window, fused_loss=fused)
+    return BlockDraftModule(draft, target, fused_loss=fused)
 
 
 def _batch():

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from dspark.ops.attention import masked_attention
-from dspark.training.blocks import block_attention_mask
+from dspark.models.block_draft import block_attention_mask
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -66,7 +66,7 @@ def test_greedy_speculative_equals_target(target, kind):
     stats_all = []
     for prompt, g in zip(prompts(target), (1, 3, 3)):
         ref = target_generate(target, prompt, 12, eos_token_id=eos)
-        out, stats = speculative_generate(target, draft, prompt, max_new_tokens=12, num_drafts=g, mask_token_id=0,
+        out, stats = speculative_generate(target, draft, prompt, max_new_tokens=12, num_drafts=g,
                                           eos_token_id=eos)
         assert out.tolist() == ref.tolist()
         assert stats and all(s.num_drafts == g and 0 <= s.num_accepted <= g for s in stats)

@@ -9,7 +9,7 @@ from transformers import DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
 from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
 from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
 from dspark.targets.hf_target import FrozenTarget
-from dspark.training.module import DraftLightningModule
+from dspark.training.block_module import BlockDraftModule
 
 V, S, G, MASK = 40, 24, 3, 39
 
@@ -18,10 +18,10 @@ def v4_setup():
     torch.manual_seed(0)
     cfg = tiny_v4_config(vocab_size=V, sliding_window=6)
     target = FrozenTarget(DeepseekV4ForCausalLM(cfg), [1, 2])
-    draft = DSparkV4Draft(DSparkV4Config.from_hf_config(
+    draft = DSparkV4Draft(DSparkV4Config.from_target_config(
         cfg, num_layers=2, block_size=G, mask_token_id=MASK, target_layer_ids=[1, 2], markov_rank=4,
         sliding_window=5))
-    return target, draft, 5
+    return target, draft
 
 
 def dense_setup():
@@ -29,9 +29,9 @@ def dense_setup():
     cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2)
     target = FrozenTarget(LlamaForCausalLM(cfg), [0, 2])
-    draft = DSparkDenseDraft(DSparkDenseConfig.from_hf_config(
+    draft = DSparkDenseDraft(DSparkDenseConfig.from_target_config(
         cfg, num_layers=2, block_size=G, mask_token_id=MASK, target_layer_ids=[0, 2], markov_rank=4))
-    return target, draft, None
+    return target, draft
 
 
 def same(x, y):
@@ -41,10 +41,10 @@ def same(x, y):
 
 
 def module_for(setup, layout):
-    target, draft, window = setup()
+    target, draft = setup()
+    draft.config.layout = layout
     draft.share_target_weights(target.embed_weight, target.lm_head_weight)
-    return DraftLightningModule(draft.eval(), target, num_drafts=G, mask_token_id=MASK, layout=layout,
-                                window=window)
+    return BlockDraftModule(draft.eval(), target)
 
 
 def batch(ids, anchors):

@@ -31,7 +31,7 @@ def _hy(seed: int = 0) -> HYV4MTPDraft:
 
 def _dsv4(seed: int = 0) -> DSV4MTPDraft:
     # a window of 3 positions: the chain rows' window edge falls inside the context
-    draft = DSV4MTPDraft(DSV4MTPConfig.from_hf_config(tiny_v4_config(sliding_window=3), num_layers=1)).eval()
+    draft = DSV4MTPDraft(DSV4MTPConfig.from_target_config(tiny_v4_config(sliding_window=3), num_layers=1)).eval()
     _randomise(draft, seed)
     g = torch.Generator().manual_seed(100 + seed)
     draft.share_target_weights(torch.randn(50, 16, generator=g), torch.randn(50, 16, generator=g))
@@ -150,7 +150,7 @@ def test_draft_kv_cache_equals_the_uncached_reference(kind):
 
 
 def test_two_mtp_layers_are_refused_for_chains():
-    draft = DSV4MTPDraft(DSV4MTPConfig.from_hf_config(tiny_v4_config(), num_layers=2))
+    draft = DSV4MTPDraft(DSV4MTPConfig.from_target_config(tiny_v4_config(), num_layers=2))
     draft.share_target_weights(torch.randn(50, 16), torch.randn(50, 16))
     with pytest.raises(ValueError, match="multi-module MTP speculator"):
         teacher_forced_chain(draft, torch.zeros(1, 5, 2, 16), torch.zeros(1, 5, dtype=torch.long), 2)

@@ -35,7 +35,7 @@ class RecordingDraft:
         self.masks.append((mask, kv if past is None else torch.cat([past, kv], 1)))
         return out, kv
 
-    def logits(self, hidden_out):
+    def logits(self, hidden_out, layer_idx=0):
         return hidden_out
 
 

@@ -11,12 +11,13 @@ from transformers import DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import dspark.evaluation.speculative as spec
 from dspark.evaluation.metrics import AcceptanceCounter
-from dspark.evaluation.propose import Proposal, propose
+from dspark.models.block_draft import propose
+from dspark.models.proposal import Proposal, RequestProposer
 from dspark.evaluation.speculative import acceptance_counter, speculative_generate, target_generate
 from dspark.evaluation.verify import verify_greedy, verify_rejection
 from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
 from dspark.targets.hf_target import FrozenTarget
-from dspark.training.module import DraftLightningModule
+from dspark.training.block_module import BlockDraftModule
 
 V, MASK = 64, 63
 
@@ -34,7 +35,7 @@ def dense_draft(target: FrozenTarget, seed: int = 1, **kw) -> DSparkDenseDraft:
     torch.manual_seed(seed)
     keys = dict(num_layers=1, block_size=3, mask_token_id=MASK, target_layer_ids=[0, 1], markov_rank=8)
     keys.update(kw)
-    draft = DSparkDenseDraft(DSparkDenseConfig.from_hf_config(target.model.config, **keys)).eval()
+    draft = DSparkDenseDraft(DSparkDenseConfig.from_target_config(target.model.config, **keys)).eval()
     draft.share_target_weights(target.embed_weight, target.lm_head_weight)
     return draft
 
@@ -49,11 +50,10 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
 @pytest.mark.parametrize("layout", ["anchor", "mask"])
 @pytest.mark.parametrize("g", [1, 3])
 def test_greedy_equals_target_with_random_draft(llama_target, layout, g):
-    draft = dense_draft(llama_target)
+    draft = dense_draft(llama_target, layout=layout)
     for prompt in prompts(3, V, seed=g):
         ref = target_generate(llama_target, prompt, 12)
-        out, stats = speculative_generate(llama_target, draft, prompt, max_new_tokens=12, num_drafts=g,
-                                          mask_token_id=MASK, layout=layout)
+        out, stats = speculative_generate(llama_target, draft, prompt, max_new_tokens=12, num_drafts=g)
         assert out.tolist() == ref.tolist()
         assert stats and all(s.num_drafts == g and 0 <= s.num_accepted <= g for s in stats)
         # every token is accounted for: 1 prefill token + (n + 1) per step, the last step truncated
@@ -61,7 +61,7 @@ def test_greedy_equals_target_with_random_draft(llama_target, layout, g):
         assert before_last < len(out) <= before_last + stats[-1].num_accepted + 1
 
 
-class OracleDraft:
+class OracleDraft(RequestProposer):
     """Drafts the target's own greedy continuation (all accepted); with `corrupt`, every other call gets one
     wrong token, cycling through the positions, to exercise partial acceptance."""
 
@@ -90,8 +90,7 @@ def test_greedy_equals_target_with_oracle_draft(llama_target, g, corrupt):
         cont = target_generate(llama_target, prompt, n_new + g + 2)
         reference = prompt.tolist() + cont.tolist()
         out, stats = speculative_generate(llama_target, OracleDraft(reference, corrupt), prompt,
-                                          max_new_tokens=n_new, num_drafts=g,
-                                          mask_token_id=MASK)
+                                          max_new_tokens=n_new, num_drafts=g)
         assert out.tolist() == cont[:n_new].tolist()  # truncated exactly at max_new_tokens
         accepted = [s.num_accepted for s in stats]
         if not corrupt:
@@ -110,11 +109,11 @@ def test_eos_stops_both_decoders_at_the_same_token(llama_target):
     cut = ref.index(eos) + 1
     plain = target_generate(llama_target, prompt, 16, eos_token_id=eos)
     out, _ = speculative_generate(llama_target, draft, prompt, max_new_tokens=16, num_drafts=3,
-                                  mask_token_id=MASK, eos_token_id=[eos])
+                                  eos_token_id=[eos])
     assert plain.tolist() == ref[:cut] and out.tolist() == ref[:cut]
 
 
-class TargetAsDraft:
+class TargetAsDraft(RequestProposer):
     """A 'draft' that samples from the target itself through the `draft.propose` interface (MTP-style)."""
 
     def __init__(self, target: FrozenTarget, corrupt_every: int = 0):
@@ -148,7 +147,7 @@ def test_sampling_with_the_target_as_draft_accepts_everything(llama_target):
     draft = TargetAsDraft(llama_target)
     gens = [torch.Generator().manual_seed(s) for s in (0, 1)]
     out = spec.speculative_generate_batch(llama_target, draft, [torch.tensor([1, 2, 3]), torch.tensor([5])],
-                                          max_new_tokens=10, num_drafts=2, mask_token_id=MASK, temperature=0.8,
+                                          max_new_tokens=10, num_drafts=2, temperature=0.8,
                                           generators=gens)
     assert [len(t) for t in out.tokens] == [10, 10]
     assert all(s.num_accepted == 2 for steps in out.steps for s in steps)
@@ -169,13 +168,13 @@ def test_draft_sample_method_greedy_drafts_the_argmax_and_stays_lossless(llama_t
     for method, want in (("greedy", 0.0), ("probabilistic", 0.8)):
         temps.clear()
         out = spec.speculative_generate_batch(llama_target, Recording(llama_target), [torch.tensor([1, 2, 3])],
-                                              max_new_tokens=8, num_drafts=2, mask_token_id=MASK, temperature=0.8,
+                                              max_new_tokens=8, num_drafts=2, temperature=0.8,
                                               generators=[torch.Generator().manual_seed(0)],
                                               draft_sample_method=method)
         assert temps and set(temps) == {want} and len(out.tokens[0]) == 8
     with pytest.raises(ValueError, match="draft_sample_method"):
         spec.speculative_generate_batch(llama_target, Recording(llama_target), [torch.tensor([1])], max_new_tokens=2,
-                                        num_drafts=1, mask_token_id=MASK, draft_sample_method="topk")
+                                        num_drafts=1, draft_sample_method="topk")
     g = torch.Generator().manual_seed(4)
     p, q = _random_dist(g, 5), _random_dist(g, 5)
     greedy_q = torch.nn.functional.one_hot(q.argmax(), 5).float()
@@ -192,7 +191,7 @@ def test_batched_cached_decoding_equals_one_request_at_a_time(llama_target):
     eos = refs[2].tolist()[6]  # request 2 (at least) stops early: its row leaves the batch mid-run
     refs = [target_generate(llama_target, p, 14, eos_token_id=eos) for p in ps]
     out = spec.speculative_generate_batch(llama_target, draft, ps, max_new_tokens=14, num_drafts=3,
-                                          mask_token_id=MASK, eos_token_id=eos)
+                                          eos_token_id=eos)
     assert [t.tolist() for t in out.tokens] == [r.tolist() for r in refs]
     assert any(0 < s.num_accepted < 3 for steps in out.steps for s in steps)  # partial rollbacks happened
     plain = spec.plain_generate(llama_target, ps, 14, eos_token_id=eos)
@@ -208,10 +207,10 @@ def test_sampled_batch_does_not_depend_on_batch_mates(llama_target):
     draft = dense_draft(llama_target, seed=5)
     ps = prompts(3, V, seed=30)
     batched = spec.speculative_generate_batch(
-        llama_target, draft, ps, max_new_tokens=9, num_drafts=2, mask_token_id=MASK, temperature=1.0,
+        llama_target, draft, ps, max_new_tokens=9, num_drafts=2, temperature=1.0,
         generators=[torch.Generator().manual_seed(100 + i) for i in range(3)])
     for i, p in enumerate(ps):
-        alone, _ = speculative_generate(llama_target, draft, p, max_new_tokens=9, num_drafts=2, mask_token_id=MASK,
+        alone, _ = speculative_generate(llama_target, draft, p, max_new_tokens=9, num_drafts=2,
                                         temperature=1.0, generator=torch.Generator().manual_seed(100 + i))
         assert alone.tolist() == batched.tokens[i].tolist()
 
@@ -411,47 +410,44 @@ def test_acceptance_counter_from_step_stats():
                                                 ("anchor", 3, "gated"), ("mask", 2, "vanilla")])
 def test_propose_teacher_forced_equals_training_forward(llama_target, layout, window, kind):
     g, S, a = 3, 12, 6
-    draft = dense_draft(llama_target, seed=5, markov_head_type=kind)
+    draft = dense_draft(llama_target, seed=5, markov_head_type=kind, layout=layout, sliding_window=window)
     for p in draft.parameters():  # make the heads matter: bigger weights than the 0.02 init
         torch.nn.init.normal_(p, std=0.3) if p.dim() == 2 else None
     ids = torch.randint(0, MASK, (1, S), generator=torch.Generator().manual_seed(7))
     batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones_like(ids),
                  anchors=torch.tensor([[a]]), keep=torch.tensor([[True]]))
-    module = DraftLightningModule(draft, llama_target, num_drafts=g, mask_token_id=MASK, layout=layout,
-                                  window=window)
+    module = BlockDraftModule(draft, llama_target)
     with torch.no_grad():
         ref = module.draft_outputs(batch)
     aux = llama_target.features(ids).aux  # [1, S, 2H]; propose reads positions 0..a-1 only
-    prop = propose(draft, aux, int(ids[0, a]), a, num_drafts=g, mask_token_id=MASK, layout=layout,
-                   window=window, forced_tokens=ids[0, a + 1 : a + 1 + g])
+    prop = propose(draft, aux, int(ids[0, a]), a, num_drafts=g, forced_tokens=ids[0, a + 1 : a + 1 + g])
     torch.testing.assert_close(prop.logits, ref.logits[0, 0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(prop.conf, torch.sigmoid(ref.conf_logits[0, 0]), atol=1e-6, rtol=1e-5)
     # only the context before the anchor is read: garbage after it changes nothing
     noisy = aux.clone()
     noisy[:, a:] = torch.randn_like(noisy[:, a:])
-    again = propose(draft, noisy, int(ids[0, a]), a, num_drafts=g, mask_token_id=MASK, layout=layout,
-                    window=window, forced_tokens=ids[0, a + 1 : a + 1 + g])
+    again = propose(draft, noisy, int(ids[0, a]), a, num_drafts=g, forced_tokens=ids[0, a + 1 : a + 1 + g])
     torch.testing.assert_close(again.logits, prop.logits)
     # free-running at T=0: y_k = argmax of the Markov-corrected logits given the previous own token
-    free = propose(draft, aux, int(ids[0, a]), a, num_drafts=g, mask_token_id=MASK, layout=layout, window=window)
+    free = propose(draft, aux, int(ids[0, a]), a, num_drafts=g)
     assert free.tokens[0] == prop.logits[0].argmax()
     assert torch.equal(free.tokens, free.logits.argmax(-1))
     assert torch.equal(free.q_probs, torch.nn.functional.one_hot(free.tokens, V).float())
 
 
 def test_propose_sampling_and_dflash_draft(llama_target):
-    draft = dense_draft(llama_target, markov_rank=0)  # DFlash: no Markov head, no confidence head
+    draft = dense_draft(llama_target, markov_rank=0, layout="mask")  # DFlash: no Markov head, no confidence head
     aux = llama_target.features(torch.tensor([[1, 2, 3, 4]])).aux
     gen = torch.Generator().manual_seed(0)
-    prop = propose(draft, aux, 5, 4, num_drafts=3, mask_token_id=MASK, layout="mask", temperature=0.7,
+    prop = propose(draft, aux, 5, 4, num_drafts=3, temperature=0.7,
                    generator=gen)
     assert prop.conf is None and prop.tokens.shape == (3,) and prop.q_probs.shape == (3, V)
     torch.testing.assert_close(prop.q_probs, torch.softmax(prop.logits / 0.7, -1))
     assert torch.allclose(prop.q_probs.sum(-1), torch.ones(3))
     with pytest.raises(ValueError, match="anchor_pos"):
-        propose(draft, aux, 5, 5, num_drafts=3, mask_token_id=MASK)
+        propose(draft, aux, 5, 5, num_drafts=3)
     with pytest.raises(ValueError, match="layout"):
-        propose(draft, aux, 5, 4, num_drafts=3, mask_token_id=MASK, layout="causal")
+        dense_draft(llama_target, markov_rank=0, layout="causal")
 
 
 # ---- (5) DeepSeek-V4 draft on a tiny DeepSeek-V4 target -----------------------------------------
@@ -462,7 +458,7 @@ def v4_target_and_draft():
     torch.manual_seed(0)
     hf = tiny_v4_config(initializer_range=0.2)
     target = FrozenTarget(DeepseekV4ForCausalLM(hf), [0, 2])
-    draft = DSparkV4Draft(DSparkV4Config.from_hf_config(
+    draft = DSparkV4Draft(DSparkV4Config.from_target_config(
         hf, num_layers=1, block_size=3, mask_token_id=49, target_layer_ids=[0, 2], markov_rank=4)).eval()
     draft.share_target_weights(target.embed_weight, target.lm_head_weight)
     return target, draft
@@ -470,12 +466,11 @@ def v4_target_and_draft():
 
 def test_v4_draft_speculative_greedy_equals_target():
     target, draft = v4_target_and_draft()
-    window = draft.config.sliding_window
     for prompt in prompts(2, 50, seed=4):
         ref = target_generate(target, prompt, 10)
         for layout in ("anchor", "mask"):
-            out, stats = speculative_generate(target, draft, prompt, max_new_tokens=10, num_drafts=3,
-                                              mask_token_id=49, layout=layout, window=window)
+            draft.config.layout = layout
+            out, stats = speculative_generate(target, draft, prompt, max_new_tokens=10, num_drafts=3)
             assert out.tolist() == ref.tolist()
             assert all(s.conf is not None and len(s.conf) == 3 for s in stats)
 
@@ -484,14 +479,12 @@ def test_v4_draft_speculative_greedy_equals_target():
 def test_propose_batch_rows_equal_proposing_alone(layout):
     """Right-padded contexts of different lengths in one draft forward (V4 draft, window 4 < contexts):
     every row's logits, confidences and sampled tokens equal proposing that request alone."""
-    from dspark.evaluation.propose import propose_batch
-
     target, draft = v4_target_and_draft()
-    window = draft.config.sliding_window
+    draft.config.layout = layout
     ctxs = [target.features(torch.randint(0, 49, (1, n))).aux for n in (2, 9, 5)]
     x0 = [3, 17, 40]
-    kw = dict(num_drafts=3, mask_token_id=49, layout=layout, window=window, temperature=1.0)
-    batch = propose_batch(draft, ctxs, x0, generators=[torch.Generator().manual_seed(i) for i in range(3)], **kw)
+    kw = dict(num_drafts=3, temperature=1.0)
+    batch = draft.propose_blocks(ctxs, x0, generators=[torch.Generator().manual_seed(i) for i in range(3)], **kw)
     for i, (c, x) in enumerate(zip(ctxs, x0)):
         alone = propose(draft, c, x, c.shape[1], generator=torch.Generator().manual_seed(i), **kw)
         assert batch[i].tokens.tolist() == alone.tokens.tolist()

@@ -27,7 +27,7 @@ def _hf_config(num_layers=1):
 def _draft_config(hf_cfg, **kw):
     keys = dict(block_size=4, mask_token_id=5, target_layer_ids=[0, 1], markov_rank=8, num_layers=1)
     keys.update(kw)
-    return DSparkV4Config.from_hf_config(hf_cfg, **keys)
+    return DSparkV4Config.from_target_config(hf_cfg, **keys)
 
 
 def _randomise(module: torch.nn.Module, seed: int) -> None:

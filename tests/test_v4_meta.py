@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dspark.factory import draft_fields
+from dspark.models.registry import config_values as draft_fields
 from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "draft"

@@ -53,7 +53,7 @@ def _draft_for_tiny_target(seed: int = 0, **keys) -> DSparkV4Draft:
     hf = AutoConfig.from_pretrained(str(TINY_V4_DIR))
     values = dict(num_layers=2, block_size=4, mask_token_id=4, target_layer_ids=[1, 2], markov_rank=8)
     values.update(keys)
-    draft = DSparkV4Draft(DSparkV4Config.from_hf_config(hf, **values))
+    draft = DSparkV4Draft(DSparkV4Config.from_target_config(hf, **values))
     _randomise(draft, seed)
     return draft
 
@@ -88,10 +88,10 @@ def test_draft_routing_follows_the_target_topk_method_and_norm_topk_prob():
     """vLLM builds e_score_correction_bias only for topk_method noaux_tc (nvidia/model.py:301-309) and
     renormalises the top-k weights iff norm_topk_prob (model.py:251, 432)."""
     base = tiny_v4_config()
-    with_bias = DSparkV4Draft(DSparkV4Config.from_hf_config(base, block_size=2, mask_token_id=3,
+    with_bias = DSparkV4Draft(DSparkV4Config.from_target_config(base, block_size=2, mask_token_id=3,
                                                             target_layer_ids=[0], markov_rank=2, num_layers=1))
     plain_cfg = tiny_v4_config(topk_method=None, norm_topk_prob=False)
-    plain = DSparkV4Draft(DSparkV4Config.from_hf_config(plain_cfg, block_size=2, mask_token_id=3,
+    plain = DSparkV4Draft(DSparkV4Config.from_target_config(plain_cfg, block_size=2, mask_token_id=3,
                                                         target_layer_ids=[0], markov_rank=2, num_layers=1))
     assert "layers.0.ffn.gate.bias" in dict(with_bias.named_parameters())
     assert "layers.0.ffn.gate.bias" not in dict(plain.named_parameters())
@@ -129,7 +129,7 @@ def test_merge_refuses_a_target_without_noaux_tc_and_the_verifier_catches_it(tmp
 
 def test_no_noaux_tc_draft_exports_without_gate_bias(tmp_path):
     hf_cfg = tiny_v4_config(topk_method=None)
-    nobias = DSparkV4Draft(DSparkV4Config.from_hf_config(hf_cfg, block_size=4, mask_token_id=3,
+    nobias = DSparkV4Draft(DSparkV4Config.from_target_config(hf_cfg, block_size=4, mask_token_id=3,
                                                          target_layer_ids=[0, 1], markov_rank=4, num_layers=1))
     out = export_v4_sidecar(nobias, tmp_path / "nb")
     assert not any(n.endswith("ffn.gate.bias") for n in load_file(str(out / "model.safetensors")))

@@ -233,13 +233,9 @@ def _validate(cfg: DictConfig) -> None:
             f"must be one of {DRAFT_SAMPLE_METHODS}, got {cfg.get('draft_sample_method')!r}")
 
 
-def vllm_settings(draft_group: DictConfig, draft, g: int, draft_sample_method: str) -> dict:
+def vllm_settings(draft, g: int, draft_sample_method: str) -> dict:
     """The vLLM 0.33.0 speculative_config these numbers correspond to (same drafts, same acceptance rule)."""
-    kind = str(draft_group.kind)
-    if kind in ("dsv4_mtp", "hyv4_mtp"):
-        method = "mtp"  # target_dependent_ar MTP speculator (v1/worker/gpu/spec_decode/mtp/speculator.py)
-    else:
-        method = "dspark" if int(getattr(draft.config, "markov_rank", 0) or 0) > 0 else "dflash"
+    method = draft.config.vllm_method  # mtp: target_dependent_ar MTP speculator (v1/worker/gpu/spec_decode/mtp/)
     out = {"method": method, "num_speculative_tokens": g, "draft_sample_method": draft_sample_method}
     if method == "mtp":
         out["note"] = ("vLLM's default num_speculative_tokens for MTP is num_nextn_predict_layers "
@@ -351,12 +347,12 @@ def run_eval(cfg: DictConfig) -> dict[str, dict]:
     torch.manual_seed(int(cfg.seed))
     target, draft, draft_group, weights, run_dir = build(cfg)
     require(target.tokenizer is not None, "target", "the target has no tokenizer; eval renders chat prompts")
-    # MTP drafts (own propose, chain drafting) have no mask token / layout; gamma defaults to num_steps.
+    # gamma defaults to the draft's drafts per verify step (block_size; MTP: num_steps). MTP drafts (chain drafting)
+    # have no mask token / layout; the report records what the draft's config says.
     dcfg = draft.config
     mask_id, window = getattr(dcfg, "mask_token_id", None), getattr(dcfg, "sliding_window", None)
-    default_g = getattr(dcfg, "block_size", None) or getattr(dcfg, "num_steps", None)
-    g = int(cfg.num_drafts) if cfg.num_drafts is not None else int(default_g)
-    layout = str(draft_group.get("layout", "chain"))
+    g = int(cfg.num_drafts) if cfg.num_drafts is not None else int(dcfg.block_size)
+    layout = str(getattr(dcfg, "layout", "chain"))
     temperature, eos = float(cfg.temperature), eos_ids(cfg, target)
     max_new, bs, seed = int(cfg.max_new_tokens), int(cfg.batch_size), int(cfg.seed)
     out_dir = resolve_path(cfg.out) if cfg.out else run_dir / "eval"
@@ -364,7 +360,7 @@ def run_eval(cfg: DictConfig) -> dict[str, dict]:
     tag = f"T{temperature:g}.g{g}" + ("" if sample_method == "greedy" or temperature == 0 else ".prob")
     common = {
         "engine": ENGINE, "temperature": temperature, "gamma": g, "layout": layout, "window": window,
-        "vllm_settings": vllm_settings(draft_group, draft, g, sample_method),
+        "vllm_settings": vllm_settings(draft, g, sample_method),
         "max_new_tokens": max_new, "batch_size": bs, "turns": str(cfg.turns), "seed": seed,
         "draft_kind": str(draft_group.kind), "draft_weights": str(weights),
         "target": OmegaConf.to_container(cfg.target, resolve=True), "eos_token_id": eos, "mask_token_id": mask_id,
@@ -373,7 +369,6 @@ def run_eval(cfg: DictConfig) -> dict[str, dict]:
 
     def spec_decode(prompts, gens) -> Decoded:
         return speculative_generate_batch(target, draft, prompts, max_new_tokens=max_new, num_drafts=g,
-                                          mask_token_id=mask_id, layout=layout, window=window,
                                           temperature=temperature, eos_token_id=eos, generators=gens,
                                           draft_sample_method=sample_method)
 

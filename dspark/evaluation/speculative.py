@@ -5,7 +5,8 @@ padding). One round, for every unfinished request:
 
     sequence so far: [prompt, generated...]; x0 = its last token (the target's bonus/correction token),
     at position a; the target's layer outputs for positions 0..a-1 are cached from earlier forwards.
-    1. propose g drafts y_0..y_{g-1} from those context features and x0      (draft_propose_batch: one draft forward)
+    1. propose g drafts y_0..y_{g-1} from those context features and x0      (draft.propose_batch: the family's
+       inference path, with its settings -- layout, mask token, window -- from draft.config)
        draft_sample_method (vLLM's speculative_config.draft_sample_method, vllm/config/speculative.py:634-640):
        "probabilistic" samples y_k from the draft distribution at the request temperature and verifies with
        the full q; "greedy" (vLLM's default) takes the draft argmax and verifies with a one-hot q
@@ -29,9 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.evaluation.metrics import AcceptanceCounter
-from dspark.evaluation.propose import Proposal, propose_batch, sample_from_logits
-from dspark.evaluation.verify import verify_greedy, verify_rejection
 from dspark.evaluation.target_session import TargetSession
+from dspark.evaluation.verify import verify_greedy, verify_rejection
+from dspark.models.proposal import Proposal, sample_from_logits
 from dspark.targets.hf_target import FrozenTarget, TargetFeatures
 
 
@@ -86,28 +87,6 @@ def score(target: FrozenTarget, ids: torch.Tensor) -> tuple[TargetFeatures, torc
     """One full-prefix target forward. ids [L] -> (features of batch 1 and length L, logits [L, V] fp32)."""
     feats = target.features(ids.unsqueeze(0))
     return feats, target.logits_from_final(feats.final[0]).float()
-
-
-def draft_propose_batch(draft, feats: list[TargetFeatures], tokens: list[torch.Tensor], *, num_drafts: int,
-                        mask_token_id: int, layout: str, window: int | None, temperature: float,
-                        generators: list, caches: list | None = None) -> list[Proposal]:
-    """One block of drafts per request i after x0 = tokens[i][-1] at position a_i = len(tokens[i]) - 1;
-    feats[i] covers positions 0..a_i-1 at least.
-
-    Drafts with their own inference path (MTP) implement `draft.propose(feats, tokens, num_drafts=,
-    temperature=, generator=, cache=)` and are called per request with that request's draft-side cache
-    (`caches[i]`, a mtp_common.ChainCache kept across rounds; None = recompute); DSpark / DFlash drafts propose
-    for every request in one forward (dspark.evaluation.propose.propose_batch).
-    """
-    anchors = [t.numel() - 1 for t in tokens]
-    if hasattr(draft, "propose"):
-        caches = caches if caches is not None else [None] * len(tokens)
-        return [draft.propose(f.prefix(a), t, num_drafts=num_drafts, temperature=temperature, generator=gen,
-                              **({} if c is None else {"cache": c}))
-                for f, t, a, gen, c in zip(feats, tokens, anchors, generators, caches)]
-    return propose_batch(draft, [f.aux[:, :a] for f, a in zip(feats, anchors)], [int(t[-1]) for t in tokens],
-                         num_drafts=num_drafts, mask_token_id=mask_token_id, layout=layout, window=window,
-                         temperature=temperature, generators=generators)
 
 
 class _Output:
@@ -230,15 +209,6 @@ def _drop_finished(session: TargetSession, outs: list, x0: list[int]) -> list[in
     return [x0[r] for r in alive]
 
 
-def _draft_caches(draft, n: int) -> list:
-    """One draft-side cache per request for MTP drafts (the served chain, mtp_common), None otherwise."""
-    if not hasattr(draft, "step_rows"):
-        return [None] * n
-    from dspark.models.mtp_common import ChainCache
-
-    return [ChainCache() for _ in range(n)]
-
-
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
@@ -250,9 +220,6 @@ def speculative_generate_batch(
     *,
     max_new_tokens: int,
     num_drafts: int,
-    mask_token_id: int,
-    layout: str = "anchor",
-    window: int | None = None,
     temperature: float = 0.0,
     eos_token_id: int | Sequence[int] | None = None,
     generators: Sequence[torch.Generator | None] | torch.Generator | None = None,
@@ -260,7 +227,9 @@ def speculative_generate_batch(
 ) -> Decoded:
     """Speculative decoding of a batch of prompts ([P_i] each). At T=0 every request's tokens equal
     `target_generate`'s; at T>0 they follow the same distribution. num_drafts is vLLM's num_speculative_tokens;
-    draft_sample_method as vLLM's (module docstring)."""
+    draft_sample_method as vLLM's (module docstring). The draft proposes through its eval interface
+    (`draft.propose_batch(feats, tokens, num_drafts=, temperature=, generators=, caches=)`, `draft.new_cache()`:
+    dspark.models.block_draft.BlockDraft, dspark.models.proposal.RequestProposer)."""
     g = int(num_drafts)
     if g < 1:
         raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
@@ -269,7 +238,7 @@ def speculative_generate_batch(
     draft_temperature = temperature if draft_sample_method == "probabilistic" else 0.0
     session, outs, x0, gens, timing = _start(target, prompts, max_new_tokens, temperature, eos_token_id, generators)
     steps: list[list[StepStats]] = [[] for _ in outs]
-    caches = _draft_caches(draft, len(outs))  # per request: the MTP chain's step-0 rows across rounds
+    caches = [draft.new_cache() for _ in outs]  # per request, across rounds (MTP: the chain's step-0 rows)
     forwards = 1
     x0 = _drop_finished(session, outs, x0)
     while x0:
@@ -277,10 +246,9 @@ def speculative_generate_batch(
         rows = range(session.batch_size)
         feats = [session.features(r) for r in rows]
         seqs = [torch.cat([session.tokens(r), session.tokens(r).new_tensor([x0[r]])]) for r in rows]
-        props = _timed(timing, "draft_s", draft_propose_batch, draft, feats, seqs, num_drafts=g,
-                       mask_token_id=mask_token_id, layout=layout, window=window, temperature=draft_temperature,
-                       generators=[gens[req] for req in session.requests],
-                       caches=[caches[req] for req in session.requests])  # [a_r + 1] tokens each
+        props = _timed(timing, "draft_s", draft.propose_batch, feats, seqs, num_drafts=g,
+                       temperature=draft_temperature, generators=[gens[req] for req in session.requests],
+                       caches=[caches[req] for req in session.requests])  # seqs: [a_r + 1] tokens each
         new_ids = torch.stack([torch.cat([torch.tensor([x], device=p.tokens.device), p.tokens])
                                for x, p in zip(x0, props)])  # [B, g + 1]
         logits = _timed(timing, "target_s", session.forward, new_ids)  # [B, g + 1, V]

@@ -177,7 +177,7 @@ def export_dense(draft: DSparkDenseDraft, out_dir, dtype: torch.dtype = torch.bf
     out_dir = Path(out_dir)
     tensors = {k: p.detach().to("cpu", dtype).contiguous() for k, p in draft.named_parameters()}
     if getattr(draft, "reduced_vocab", False):
-        _, lm_head = draft._shared()
+        lm_head = draft._shared("lm_head_weight")
         tensors["lm_head.weight"] = lm_head[draft.draft_to_target()].detach().to("cpu", dtype).contiguous()
         tensors["d2t"] = draft.d2t.detach().cpu().long().contiguous()
         tensors["t2d"] = draft.t2d.detach().cpu().bool().contiguous()

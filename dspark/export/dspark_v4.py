@@ -454,7 +454,7 @@ def _config_from_target_json(c: dict, **draft_keys) -> DSparkV4Config:
                     ("rope_theta", "dspark_rope_theta")):
         if c.get(ck) is not None:
             draft_keys.setdefault(key, c[ck])
-    return DSparkV4Config.from_hf_config(hf, **draft_keys)
+    return DSparkV4Config.from_target_config(hf, **draft_keys)
 
 
 def _check_merge_arch(config: dict, draft: DSparkV4Draft, target_dir: Path) -> None:

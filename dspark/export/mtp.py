@@ -182,7 +182,7 @@ def _served_config(config: dict, draft):
     from transformers import DeepseekV4Config
 
     hf = DeepseekV4Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
-    return DSV4MTPConfig.from_hf_config(hf, **keys)
+    return DSV4MTPConfig.from_target_config(hf, **keys)
 
 
 def _check_merge(config: dict, draft, target_dir: Path) -> None:

@@ -96,5 +96,5 @@ def reduce_dense_vocab(draft: DSparkDenseDraft, d2t: torch.Tensor, t2d: torch.Te
     small.load_state_dict(state, strict=True)
     for (_, p), (_, src) in zip(small.named_parameters(), draft.named_parameters()):
         p.data = p.data.to(src.dtype)
-    small.share_target_weights(*draft._shared())
+    small.share_target_weights(draft._shared("embed_weight"), draft._shared("lm_head_weight"))
     return small.eval()

@@ -12,6 +12,21 @@ import torch
 C = TypeVar("C")
 
 
+class FieldError(ValueError):
+    """A draft config field holds a bad value. `field` names it: building a draft from a run config reports it as
+    `draft.<field>` (a group key) or `draft.arch.<field>` (dspark.models.registry)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def field_error(config: Any, field: str, why: str) -> FieldError:
+    """FieldError "<ConfigClass>.<field> <why>"."""
+    name = config.__name__ if isinstance(config, type) else type(config).__name__
+    return FieldError(field, f"{name}.{field} {why}")
+
+
 def config_from_dict(cls: type[C], values: Mapping[str, Any]) -> C:
     """``cls(**values)`` for a dataclass config; unknown keys and missing required keys raise ValueError
     naming the class and the keys (no validation beyond that: callers validate)."""
@@ -26,6 +41,16 @@ def config_from_dict(cls: type[C], values: Mapping[str, Any]) -> C:
     if missing:
         raise ValueError(f"{cls.__name__}: missing keys {missing}")
     return cls(**dict(values))
+
+
+def raw_config_json(hf_config: Any) -> dict | None:
+    """The config.json of the folder `hf_config` was loaded from, as written (before transformers fills in its
+    defaults), or None (a config built in memory, or a Hub id)."""
+    import json
+    from pathlib import Path
+
+    path = Path(str(getattr(hf_config, "_name_or_path", "") or "")) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 class SharedTargetWeights:

@@ -18,12 +18,16 @@ layers.{i}.mlp.*, norm, markov_head.*, confidence_head.proj).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.models.block_draft import LAYOUTS, BlockDraft
+from dspark.models.common import FieldError, SharedTargetWeights, config_from_dict, field_error
 from dspark.models.heads import MARKOV_HEAD_KINDS, ConfidenceHead, build_markov_head
+from dspark.models.registry import register
 from dspark.ops.attention import masked_attention
 from dspark.ops.norms import RMSNorm
 from dspark.ops.rope import ROPE_TYPES, RotaryEmbedding, apply_rope
@@ -31,6 +35,11 @@ from dspark.ops.rope import ROPE_TYPES, RotaryEmbedding, apply_rope
 
 @dataclass(kw_only=True)
 class DSparkDenseConfig:
+    # draft-group keys at the top level of configs/draft/*.yaml (the rest sits under `arch`)
+    GROUP_KEYS: ClassVar[tuple[str, ...]] = ("num_layers", "block_size", "mask_token_id", "target_layer_ids",
+                                             "markov_rank", "markov_head_type", "sliding_window", "layout")
+    DRAFTS_KEY: ClassVar[str] = "block_size"  # the group key of the drafts per verify step
+
     hidden_size: int
     vocab_size: int
     num_layers: int = 1
@@ -52,48 +61,67 @@ class DSparkDenseConfig:
     draft_vocab_size: int | None = None  # None / == vocab_size: full vocabulary (no d2t)
     sliding_window: int | None = None  # DeepSpec dense drafts see the whole context
     initializer_range: float = 0.02
+    # block layout: anchor (DSpark) | mask (DFlash 1+N); unset: anchor with a Markov head, else mask (the only
+    # layout vLLM serves DFlash drafts with)
+    layout: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.layout is None:
+            self.layout = "anchor" if self.markov_rank > 0 else "mask"
+
+    @property
+    def vllm_method(self) -> str:
+        """vLLM's speculative_config method for this draft."""
+        return "dspark" if self.markov_rank > 0 else "dflash"
 
     def validate(self) -> "DSparkDenseConfig":
+        """Raise FieldError naming the offending key; returns self."""
+        bad = lambda key, why: field_error(self, key, why)  # noqa: E731
         for key in ("hidden_size", "vocab_size", "num_layers", "num_attention_heads", "num_key_value_heads",
                     "head_dim", "intermediate_size", "block_size"):
             if int(getattr(self, key)) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+                raise bad(key, f"must be >= 1, got {getattr(self, key)}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads})")
+            raise bad("num_attention_heads", f"({self.num_attention_heads}) must be a multiple of "
+                                             f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+            raise bad("head_dim", f"must be even for RoPE, got {self.head_dim}")
         if not self.target_layer_ids:
-            raise ValueError("target_layer_ids must name at least one target layer")
+            raise bad("target_layer_ids", "must name at least one target layer")
         if list(self.target_layer_ids) != sorted(set(self.target_layer_ids)):
             # vLLM appends the taps while running the target's layers in order (_maybe_add_hidden_state,
             # vllm/model_executor/models/interfaces.py:1640-1650 of vLLM 0.33.0): fc's input blocks are ascending
-            raise ValueError(f"target_layer_ids must be ascending without duplicates (vLLM concatenates the target "
-                             f"layers' outputs in layer order), got {list(self.target_layer_ids)}")
+            raise bad("target_layer_ids", f"must be ascending without duplicates (vLLM concatenates the target "
+                                          f"layers' outputs in layer order), got {list(self.target_layer_ids)}")
         if self.markov_rank < 0:
-            raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}")
+            raise bad("markov_rank", f"must be >= 0, got {self.markov_rank}")
         if self.markov_head_type not in MARKOV_HEAD_KINDS:
-            raise ValueError(f"markov_head_type must be one of {MARKOV_HEAD_KINDS}, got {self.markov_head_type!r}")
+            raise bad("markov_head_type", f"must be one of {MARKOV_HEAD_KINDS}, got {self.markov_head_type!r}")
+        if self.layout not in LAYOUTS:
+            raise bad("layout", f"must be one of {LAYOUTS}, got {self.layout!r}")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
+            raise bad("mask_token_id", f"{self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}] or null, "
-                             f"got {self.draft_vocab_size}")
+            raise bad("draft_vocab_size", f"must be in [1, vocab_size={self.vocab_size}] or null, "
+                                          f"got {self.draft_vocab_size}")
         if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1 or null, got {self.sliding_window}")
+            raise bad("sliding_window", f"must be >= 1 or null, got {self.sliding_window}")
         rp = self.rope_parameters
         if not isinstance(rp, dict) or "rope_theta" not in rp or any(isinstance(v, dict) for v in rp.values()):
-            raise ValueError(f"rope_parameters must be one flat transformers rope dict with rope_theta, got {rp!r}")
+            raise bad("rope_parameters", f"must be one flat transformers rope dict with rope_theta, got {rp!r}")
         if rp.get("rope_type", "default") not in ROPE_TYPES:
-            raise ValueError(f"rope_parameters.rope_type {rp.get('rope_type')!r} is not one of {ROPE_TYPES}")
+            raise bad("rope_parameters", f"rope_type {rp.get('rope_type')!r} is not one of {ROPE_TYPES}")
         if float(rp.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError("rope_parameters.partial_rotary_factor != 1 (partial rotary) is not supported by the "
-                             "dense draft")
+            raise bad("rope_parameters", "partial_rotary_factor != 1 (partial rotary) is not supported by the dense "
+                                         "draft")
         return self
 
     @classmethod
-    def from_hf_config(cls, hf, **draft_keys) -> "DSparkDenseConfig":
-        """Attention / MLP sizes from a dense HF config (Llama, Qwen2/3, SmolLM2, ...), draft keys given."""
+    def from_target_config(cls, hf, **draft_keys) -> "DSparkDenseConfig":
+        """Attention / MLP sizes and RoPE from a dense HF config (Llama, Qwen2/3, SmolLM2, ...), draft keys given;
+        refuses a DeepSeek-V4 target."""
+        if getattr(hf, "hc_mult", 0):
+            raise FieldError("kind", "dspark_dense needs a dense target; use dspark_v4 for DeepSeek-V4")
         heads = int(hf.num_attention_heads)
         base = dict(
             hidden_size=int(hf.hidden_size), vocab_size=int(hf.vocab_size), num_attention_heads=heads,
@@ -104,7 +132,7 @@ class DSparkDenseConfig:
             max_position_embeddings=int(getattr(hf, "max_position_embeddings", None) or 32768),
         )
         base.update(draft_keys)
-        return cls(**base)
+        return config_from_dict(cls, base).validate()
 
 
 def target_rope_parameters(hf) -> dict:
@@ -177,13 +205,13 @@ class DenseDraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DSparkDenseDraft(nn.Module):
+@register("dspark_dense", config=DSparkDenseConfig, objective="block")
+class DSparkDenseDraft(BlockDraft, SharedTargetWeights, nn.Module):
     def __init__(self, cfg: DSparkDenseConfig):
         super().__init__()
         cfg.validate()
         self.config = cfg
         H = cfg.hidden_size
-        self.sliding_window = cfg.sliding_window
         self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         # the target's positions (llama3 / yarn / ... scaling); non-persistent buffers: no checkpoint names
@@ -213,17 +241,6 @@ class DSparkDenseDraft(nn.Module):
                 continue  # the heads initialise themselves
             if p.dim() == 2:
                 nn.init.normal_(p, std=self.config.initializer_range)
-
-    def share_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        """The target's embedding and LM head (frozen), held as plain attributes: never saved or trained.
-        (object.__setattr__: nn.Module would register an nn.Parameter as the draft's own.)"""
-        object.__setattr__(self, "_embed_weight", embed_weight.detach())
-        object.__setattr__(self, "_lm_head_weight", lm_head_weight.detach())
-
-    def _shared(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._embed_weight is None:
-            raise RuntimeError("call share_target_weights(embed, lm_head) before running the draft")
-        return self._embed_weight, self._lm_head_weight
 
     # ---- reduced vocabulary ------------------------------------------------------------------------------
     def draft_to_target(self) -> torch.Tensor:
@@ -261,22 +278,27 @@ class DSparkDenseDraft(nn.Module):
 
     def backbone(self, block_ids, block_positions, ctx, attn_mask) -> torch.Tensor:
         """block_ids/positions [B, T], attn_mask [B, T, S+T] -> pre-norm hidden [B, T, H]."""
-        embed, _ = self._shared()
+        embed = self._shared("embed_weight")
         x = F.embedding(block_ids, embed).to(self.fc.weight.dtype)  # [B, T, H]
         for layer, kv in zip(self.layers, ctx):
             x = layer(x, block_positions, kv, attn_mask)
         return x
 
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., H] (pre-norm) -> norm(h) [..., H], the rows the shared LM head scores (the fused loss takes them)."""
+        return self.norm(h)
+
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
-        _, lm_head = self._shared()
+        """h [..., H] (pre-norm) -> lm_head(norm(h)) [..., V] (a reduced draft: -inf outside its ids)."""
+        lm_head = self._shared("lm_head_weight")
         if not self.reduced_vocab:
-            return F.linear(self.norm(h).to(lm_head.dtype), lm_head)  # [..., V]
+            return F.linear(self.head_input(h).to(lm_head.dtype), lm_head)  # [..., V]
         if self.training:
             raise RuntimeError("training a reduced-vocab dense draft is not implemented (the losses are over the "
                                "target vocabulary): train at full vocabulary and reduce at export "
                                "(python -m dspark.export dense --draft-vocab-size N --vocab-counts DATA)")
         ids = self.draft_to_target()
-        small = F.linear(self.norm(h).to(lm_head.dtype), lm_head[ids])  # [..., Vd]
+        small = F.linear(self.head_input(h).to(lm_head.dtype), lm_head[ids])  # [..., Vd]
         out = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))  # [..., V]
         return out.index_copy_(out.dim() - 1, ids, small)
 

@@ -15,14 +15,16 @@ from __future__ import annotations
 import re
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Any, ClassVar, Mapping, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.common import SharedTargetWeights, config_from_dict
+from dspark.models.block_draft import LAYOUTS, BlockDraft
+from dspark.models.common import FieldError, SharedTargetWeights, config_from_dict, field_error
 from dspark.models.heads import MARKOV_HEAD_KINDS, ConfidenceHead, build_markov_head
+from dspark.models.registry import register
 from dspark.models.v4_names import init_draft_layers_from_target  # re-exported for callers of this module
 from dspark.ops.attention import masked_attention
 from dspark.ops.mhc import hc_head, hc_post, hc_pre
@@ -89,6 +91,11 @@ V4_BLOCK_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(V4Bl
 class DSparkV4Config(V4BlockSizes):
     """Sizes of a DeepSeek-V4 DSpark draft. Attention / MoE / mHC sizes (V4BlockSizes) are the target's."""
 
+    # draft-group keys at the top level of configs/draft/*.yaml (the rest sits under `arch`)
+    GROUP_KEYS: ClassVar[tuple[str, ...]] = ("num_layers", "block_size", "mask_token_id", "target_layer_ids",
+                                             "markov_rank", "markov_head_type", "sliding_window", "layout")
+    DRAFTS_KEY: ClassVar[str] = "block_size"  # the group key of the drafts per verify step
+
     num_layers: int = 3
     block_size: int
     mask_token_id: int
@@ -96,12 +103,19 @@ class DSparkV4Config(V4BlockSizes):
     markov_rank: int
     markov_head_type: str = "vanilla"
     confidence_bias: bool = False
+    layout: str = "anchor"  # block layout: anchor (DSpark, sample_from_anchor) | mask (DFlash 1+N)
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
 
+    @property
+    def vllm_method(self) -> str:
+        """vLLM's speculative_config method for this draft."""
+        return "dspark"
+
     def validate(self) -> "DSparkV4Config":
-        """Raise ValueError naming the offending key; returns self so calls can be chained."""
+        """Raise FieldError naming the offending key; returns self so calls can be chained."""
+        bad = lambda key, why: field_error(self, key, why)  # noqa: E731
         positive = (
             "hidden_size vocab_size num_layers num_attention_heads head_dim rope_head_dim q_lora_rank o_groups "
             "o_lora_rank n_routed_experts num_experts_per_tok moe_intermediate_size hc_mult hc_sinkhorn_iters "
@@ -110,49 +124,40 @@ class DSparkV4Config(V4BlockSizes):
         for key in positive:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"DSparkV4Config.{key} must be a positive int, got {value!r}")
+                raise bad(key, f"must be a positive int, got {value!r}")
         if self.n_shared_experts < 0:
-            raise ValueError(f"DSparkV4Config.n_shared_experts must be >= 0, got {self.n_shared_experts}")
+            raise bad("n_shared_experts", f"must be >= 0, got {self.n_shared_experts}")
         if self.rope_head_dim > self.head_dim or self.rope_head_dim % 2:
-            raise ValueError(
-                f"DSparkV4Config.rope_head_dim ({self.rope_head_dim}) must be even and <= head_dim ({self.head_dim})"
-            )
+            raise bad("rope_head_dim", f"({self.rope_head_dim}) must be even and <= head_dim ({self.head_dim})")
         if (self.num_attention_heads * self.head_dim) % self.o_groups:
-            raise ValueError(
-                f"DSparkV4Config.o_groups ({self.o_groups}) must divide num_attention_heads * head_dim "
-                f"({self.num_attention_heads * self.head_dim})"
-            )
+            raise bad("o_groups", f"({self.o_groups}) must divide num_attention_heads * head_dim "
+                                  f"({self.num_attention_heads * self.head_dim})")
         if self.num_attention_heads % self.o_groups:
-            raise ValueError(
-                f"DSparkV4Config.o_groups ({self.o_groups}) must divide num_attention_heads "
-                f"({self.num_attention_heads})"
-            )
+            raise bad("o_groups", f"({self.o_groups}) must divide num_attention_heads ({self.num_attention_heads})")
         if self.num_experts_per_tok > self.n_routed_experts:
-            raise ValueError(
-                f"DSparkV4Config.num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts "
-                f"({self.n_routed_experts})"
-            )
+            raise bad("num_experts_per_tok", f"({self.num_experts_per_tok}) exceeds n_routed_experts "
+                                             f"({self.n_routed_experts})")
         floats = ("routed_scaling_factor", "swiglu_limit", "hc_eps", "rms_norm_eps", "rope_theta", "initializer_range")
         for key in floats:
             if not float(getattr(self, key)) > 0:
-                raise ValueError(f"DSparkV4Config.{key} must be > 0, got {getattr(self, key)!r}")
+                raise bad(key, f"must be > 0, got {getattr(self, key)!r}")
         if self.scoring_func not in SCORING_FUNCS:
-            raise ValueError(f"DSparkV4Config.scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
+            raise bad("scoring_func", f"must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
         if self.markov_head_type not in MARKOV_HEAD_KINDS:
-            raise ValueError(
-                f"DSparkV4Config.markov_head_type must be one of {MARKOV_HEAD_KINDS}, got {self.markov_head_type!r}"
-            )
+            raise bad("markov_head_type", f"must be one of {MARKOV_HEAD_KINDS}, got {self.markov_head_type!r}")
+        if self.layout not in LAYOUTS:
+            raise bad("layout", f"must be one of {LAYOUTS}, got {self.layout!r}")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"DSparkV4Config.mask_token_id ({self.mask_token_id}) outside [0, {self.vocab_size})")
+            raise bad("mask_token_id", f"({self.mask_token_id}) outside [0, {self.vocab_size})")
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
-            raise ValueError(f"DSparkV4Config.target_layer_ids must be non-empty, >= 0, got {self.target_layer_ids}")
+            raise bad("target_layer_ids", f"must be non-empty, >= 0, got {self.target_layer_ids}")
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
-            raise ValueError(f"DSparkV4Config.target_layer_ids has duplicates: {self.target_layer_ids}")
+            raise bad("target_layer_ids", f"has duplicates: {self.target_layer_ids}")
         if self.target_layer_ids != sorted(self.target_layer_ids):
             # vLLM collects the taps while running the target's layers in order and concatenates them in that
             # order (vllm/models/deepseek_v4/nvidia/model.py:993-1014): main_proj's input blocks are ascending.
-            raise ValueError(f"DSparkV4Config.target_layer_ids must be ascending (vLLM concatenates the target "
-                             f"layers' outputs in layer order), got {self.target_layer_ids}")
+            raise bad("target_layer_ids", f"must be ascending (vLLM concatenates the target layers' outputs in "
+                                          f"layer order), got {self.target_layer_ids}")
         return self
 
     @classmethod
@@ -161,14 +166,17 @@ class DSparkV4Config(V4BlockSizes):
         return config_from_dict(cls, values)
 
     @classmethod
-    def from_hf_config(cls, hf_cfg: Any, **draft_keys: Any) -> "DSparkV4Config":
-        """Attention / MoE / mHC sizes from a transformers DeepseekV4Config.
+    def from_target_config(cls, hf_cfg: Any, **draft_keys: Any) -> "DSparkV4Config":
+        """Attention / MoE / mHC sizes from a transformers DeepseekV4Config (the target's); refuses another target.
 
         DSpark keys come from `draft_keys`, falling back to the target config's `dspark_*` keys
         (dspark_block_size, dspark_noise_token_id, dspark_target_layer_ids, dspark_markov_rank,
         n_mtp_layers) when the checkpoint config carries them. rope_theta, topk_method and norm_topk_prob are the
         target's, as vLLM builds the draft layers from the target config.
         """
+        if not getattr(hf_cfg, "hc_mult", 0):
+            raise FieldError("kind", "dspark_v4 needs a DeepSeek-V4 target (config has no hc_mult); dense targets take "
+                                     "draft.kind=dspark_dense")
         rope_dim = getattr(hf_cfg, "qk_rope_head_dim", None) or hf_cfg.head_dim * hf_cfg.partial_rotary_factor
         values: dict[str, Any] = {
             "hidden_size": hf_cfg.hidden_size,
@@ -443,7 +451,8 @@ class DSparkV4Layer(nn.Module):
         return hc_post(self.ffn(self.ffn_norm(y)), x, post, comb)
 
 
-class DSparkV4Draft(SharedTargetWeights, nn.Module):
+@register("dspark_v4", config=DSparkV4Config, objective="block")
+class DSparkV4Draft(BlockDraft, SharedTargetWeights, nn.Module):
     """DeepSeek-V4 DSpark draft; interface in docs/CONTRACTS.md."""
 
     def __init__(self, cfg: DSparkV4Config):
@@ -521,10 +530,14 @@ class DSparkV4Draft(SharedTargetWeights, nn.Module):
         c = self.config
         return hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps)
 
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., H] (pre-norm) -> norm(h) [..., H], the rows the shared LM head scores (the fused loss takes them)."""
+        return self.norm(h)
+
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., H] (pre-norm) -> U = lm_head(norm(h)) [..., V]."""
         w = self._shared("lm_head_weight")
-        return F.linear(self.norm(h).to(w.dtype), w)
+        return F.linear(self.head_input(h).to(w.dtype), w)
 
     def confidence_logit(self, h: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
         """h [..., H] (pre-norm), feat [..., r] -> logit [...] (fp32); sigmoid gives c_k."""

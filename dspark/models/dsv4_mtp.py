@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.common import SharedTargetWeights, config_from_dict
+from dspark.models.common import FieldError, SharedTargetWeights, config_from_dict, field_error
 from dspark.models.dspark_v4 import (
     V4_BLOCK_FIELDS,
     DSparkV4Config,
@@ -37,7 +37,8 @@ from dspark.models.dspark_v4 import (
     _reset_hc,
     cast_compute_weights,
 )
-from dspark.models.mtp_common import chain_propose  # re-exported: the chain drafting of every MTP draft
+from dspark.models.mtp_common import ChainDraft
+from dspark.models.registry import register
 from dspark.ops.mhc import hc_head
 from dspark.ops.norms import RMSNorm
 
@@ -50,6 +51,10 @@ _DSPARK_ONLY = {"block_size": 1, "mask_token_id": 0, "target_layer_ids": [0], "m
 @dataclass(kw_only=True)
 class DSV4MTPConfig(V4BlockSizes):
     """Sizes of a DeepSeek-V4 MTP draft; block sizes (V4BlockSizes) are the target's."""
+
+    GROUP_KEYS: ClassVar[tuple[str, ...]] = ("num_layers", "num_steps", "mask_first_embedding")
+    DRAFTS_KEY: ClassVar[str] = "num_steps"
+    vllm_method: ClassVar[str] = "mtp"  # vLLM's target_dependent_ar MTP speculator
 
     kind: str = "dsv4_mtp"
     num_layers: int = 1  # MTP layers (mtp.0 ... mtp.{n-1}); step k uses layer k % num_layers
@@ -67,17 +72,17 @@ class DSV4MTPConfig(V4BlockSizes):
         return DSparkV4Config(num_layers=1, **values, **_DSPARK_ONLY)
 
     def validate(self) -> "DSV4MTPConfig":
-        """Raise ValueError naming the offending key; returns self."""
+        """Raise FieldError naming the offending key; returns self."""
         if self.kind != "dsv4_mtp":
-            raise ValueError(f"DSV4MTPConfig.kind must be 'dsv4_mtp', got {self.kind!r}")
+            raise field_error(self, "kind", f"must be 'dsv4_mtp', got {self.kind!r}")
         for key in ("num_layers", "num_steps"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"DSV4MTPConfig.{key} must be a positive int, got {value!r}")
+                raise field_error(self, key, f"must be a positive int, got {value!r}")
         try:
             self.block_config().validate()
-        except ValueError as e:
-            raise ValueError(str(e).replace("DSparkV4Config.", "DSV4MTPConfig.")) from None
+        except FieldError as e:
+            raise FieldError(e.field, str(e).replace("DSparkV4Config.", "DSV4MTPConfig.")) from None
         return self
 
     @classmethod
@@ -85,11 +90,14 @@ class DSV4MTPConfig(V4BlockSizes):
         return config_from_dict(cls, values)
 
     @classmethod
-    def from_hf_config(cls, hf_cfg: Any, **keys: Any) -> "DSV4MTPConfig":
+    def from_target_config(cls, hf_cfg: Any, **keys: Any) -> "DSV4MTPConfig":
         """Block sizes from a transformers DeepseekV4Config (its rope_theta, topk_method and norm_topk_prob, as vLLM
         builds the MTP block from the target config; YaRN is not modelled),
         num_layers from `num_nextn_predict_layers` when the config has MTP layers; `keys` override."""
-        block = DSparkV4Config.from_hf_config(hf_cfg, **_DSPARK_ONLY)
+        model_type = getattr(hf_cfg, "model_type", None)
+        if model_type != "deepseek_v4":
+            raise FieldError("kind", f"dsv4_mtp needs a DeepSeek-V4 target, got {model_type!r}")
+        block = DSparkV4Config.from_target_config(hf_cfg, **_DSPARK_ONLY)
         values: dict[str, Any] = {k: getattr(block, k) for k in BLOCK_FIELDS}
         n_mtp = getattr(hf_cfg, "num_nextn_predict_layers", 0) or 0
         if n_mtp > 0:
@@ -142,7 +150,8 @@ class DSV4MTPLayer(nn.Module):
         return self.norm(hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps))
 
 
-class DSV4MTPDraft(SharedTargetWeights, nn.Module):
+@register("dsv4_mtp", config=DSV4MTPConfig, objective="mtp")
+class DSV4MTPDraft(ChainDraft, SharedTargetWeights, nn.Module):
     """DeepSeek-V4 MTP draft; the MTP-draft interface is in docs/CONTRACTS.md ("MTP drafts")."""
 
     # FrozenTarget must capture the last layer's raw output (factory.build_draft sets it).
@@ -234,13 +243,6 @@ class DSV4MTPDraft(SharedTargetWeights, nn.Module):
         h = self.layers[layer_idx % len(self.layers)].collapse(hidden_out)  # [..., H]
         return F.linear(h.to(w.dtype), w)
 
-    @torch.no_grad()
-    def propose(self, feats, tokens: torch.Tensor, *, num_drafts: int, temperature: float = 0.0,
-                generator: torch.Generator | None = None, cache=None):
-        """Chain drafting as vLLM's MTP speculator does it (mtp_common.chain_propose); `cache` a ChainCache."""
-        return chain_propose(self, feats, tokens, num_drafts=num_drafts, temperature=temperature, generator=generator,
-                             cache=cache)
-
 
 # ---- serving checkpoint names -------------------------------------------------------------------
 _LAYER_LEVEL = ("enorm.", "hnorm.", "e_proj.", "h_proj.", "norm.", "hc_head_fn", "hc_head_base", "hc_head_scale")
@@ -275,5 +277,5 @@ def from_serving_names(serving: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     return out
 
 
-__all__ = ["DSV4MTPConfig", "DSV4MTPDraft", "DSV4MTPLayer", "causal_window_mask", "chain_propose", "to_serving_names",
+__all__ = ["DSV4MTPConfig", "DSV4MTPDraft", "DSV4MTPLayer", "causal_window_mask", "to_serving_names",
            "from_serving_names", "BLOCK_FIELDS"]

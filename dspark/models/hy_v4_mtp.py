@@ -28,15 +28,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dspark.models import hy_v4_names
-from dspark.models.common import SharedTargetWeights, config_from_dict
-from dspark.models.mtp_common import chain_propose
+from dspark.models.common import FieldError, SharedTargetWeights, config_from_dict, field_error, raw_config_json
+from dspark.models.mtp_common import ChainDraft
+from dspark.models.registry import register
 from dspark.ops.norms import RMSNorm
 from dspark.ops.rope import RotaryEmbedding, apply_rope
 
@@ -47,6 +48,10 @@ SPARSE_ATTENTION_TYPES = ("indexed_attention", "sparse_attention", "sparse", "de
 @dataclass(kw_only=True)
 class HYV4MTPConfig:
     """Sizes of a HY V4 MTP draft; block sizes are the target's (from_target_config)."""
+
+    GROUP_KEYS: ClassVar[tuple[str, ...]] = ("num_layers", "num_steps")
+    DRAFTS_KEY: ClassVar[str] = "num_steps"
+    vllm_method: ClassVar[str] = "mtp"  # vLLM's target_dependent_ar MTP speculator
 
     kind: str = "hyv4_mtp"
     num_layers: int = 1  # MTP layers (model.mtp_layers.0 .. n-1); step k uses layer k % num_layers
@@ -94,10 +99,10 @@ class HYV4MTPConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def validate(self) -> "HYV4MTPConfig":
-        """Raise ValueError naming the offending key; returns self."""
+        """Raise FieldError naming the offending key; returns self."""
 
-        def bad(key: str, why: str) -> ValueError:
-            return ValueError(f"HYV4MTPConfig.{key} {why}, got {getattr(self, key)!r}")
+        def bad(key: str, why: str) -> FieldError:
+            return field_error(self, key, f"{why}, got {getattr(self, key)!r}")
 
         if self.kind != "hyv4_mtp":
             raise bad("kind", "must be 'hyv4_mtp'")
@@ -145,19 +150,20 @@ class HYV4MTPConfig:
         The MTP layer's attention / MLP type is the target's entry at index num_hidden_layers, padded with the
         last entry when the lists are shorter (vLLM `_extend_layer_types`, vllm/models/hy_v4/nvidia/mtp.py:343-356,
         391-398 of vLLM 0.33.0); num_layers = num_nextn_predict_layers when the config has MTP layers.
-        `config_json` (the target's raw config.json) applies vLLM's own HYV4Config where it differs from
-        transformers': without `layer_types` vLLM builds no indexer (its config leaves layer_types None,
+        `config_json` (the target's raw config.json; default: the one in the folder hf_config was loaded from)
+        applies vLLM's own HYV4Config where it differs from transformers': without `layer_types` vLLM builds no indexer (its config leaves layer_types None,
         transformers_utils/configs/hy_v4.py:154-160; attention.py:322-341), while transformers defaults every layer
         to indexed attention. A target with gated_mla false is refused (vLLM then builds no output gate,
         attention.py:464-485; the draft always has one).
         """
         c = hf_config
+        if getattr(c, "model_type", "hy_v4") not in ("hy_v4", "hy_v4_vl_text"):
+            raise FieldError("kind", f"hyv4_mtp needs a HY V4 target, got {c.model_type!r}")
+        config_json = raw_config_json(c) if config_json is None else config_json
         gated = (config_json or {}).get("gated_mla", getattr(c, "gated_mla", True))
         if gated is False:
             raise ValueError("target gated_mla=false: vLLM builds the MTP attention without linear_gate "
                              "(vllm/models/hy_v4/nvidia/attention.py:464-485); the HY V4 MTP draft always gates")
-        if getattr(c, "model_type", "hy_v4") not in ("hy_v4", "hy_v4_vl_text"):
-            raise ValueError(f"HYV4MTPConfig.from_target_config: target model_type {c.model_type!r} is not hy_v4")
         rope = dict(getattr(c, "rope_parameters", None) or {})
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"target rope_parameters.rope_type={rope.get('rope_type')!r}: only 'default' RoPE is "
@@ -447,7 +453,8 @@ class HyMTPLayer(HyBlock):
 
 
 # ---- the draft ------------------------------------------------------------------------------------
-class HYV4MTPDraft(SharedTargetWeights, nn.Module):
+@register("hyv4_mtp", config=HYV4MTPConfig, objective="mtp")
+class HYV4MTPDraft(ChainDraft, SharedTargetWeights, nn.Module):
     """HY V4 MTP draft; the MTP-draft interface is in docs/CONTRACTS.md (HY V4 (Hy4))."""
 
     needs_pre_head = False  # consumes TargetFeatures.final (after hc_head and the final norm)
@@ -528,19 +535,10 @@ class HYV4MTPDraft(SharedTargetWeights, nn.Module):
         return layer(emb, hidden.to(self.dtype), position_ids, past, mask)
 
     def logits(self, hidden_out: torch.Tensor, layer_idx: int = 0) -> torch.Tensor:
-        """hidden_out [..., H] (already final_layernorm'ed by step) -> target lm_head logits [..., V].
-        layer_idx is accepted for interface parity with per-layer heads; HY V4 layers share the target's head."""
+        """hidden_out [..., H] (already final_layernorm'ed by step) -> target lm_head logits [..., V]. Every HY V4 MTP
+        layer scores with the target's head (vLLM's shared_head is the identity), whatever `layer_idx`."""
         w = self._shared("lm_head_weight")
         return F.linear(hidden_out.to(w.dtype), w)
-
-    @torch.no_grad()
-    def propose(self, feats, tokens: torch.Tensor, *, num_drafts: int, temperature: float = 0.0,
-                generator: torch.Generator | None = None, cache=None):
-        """`num_drafts` chain drafts after x0 = tokens[a], as vLLM's MTP speculator drafts them (mtp_common.
-        chain_propose): step-0 rows (t_{p+1}, h_p) once, then one row (y_{k-1}, out_{k-1}) per step; `cache` a
-        mtp_common.ChainCache kept across the request's rounds."""
-        return chain_propose(self, feats, tokens, num_drafts=num_drafts, temperature=temperature, generator=generator,
-                             cache=cache)
 
     # -- serving names -----------------------------------------------------------------------------
     def to_serving_names(self, state_dict: Mapping[str, torch.Tensor] | None = None, *,

@@ -22,25 +22,18 @@ A draft provides
                                  themselves as `mask` allows (keys: the P past rows, then the T new rows)
     draft.attention_window -> int | None   (keys with position_q - position_k >= window are not visible)
     draft.context_hidden(feats), draft.logits(out, layer_idx), draft.config.num_layers
+`ChainDraft` gives such a draft its eval interface (`propose`, `propose_batch`, `new_cache`): the chain below.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-
-def takes_layer(draft: nn.Module) -> bool:
-    """Whether draft.logits accepts the step's layer index (per-layer head stacks, as DSV4 MTP has)."""
-    return "layer_idx" in inspect.signature(draft.logits).parameters
-
-
-def _logits(draft: nn.Module, out: torch.Tensor, k: int) -> torch.Tensor:
-    return draft.logits(out, k) if takes_layer(draft) else draft.logits(out)
+from dspark.models.proposal import Proposal, RequestProposer, sample_from_logits
 
 
 def check_chain(draft: nn.Module, num_steps: int, where: str) -> None:
@@ -102,8 +95,6 @@ def chain_propose(draft: nn.Module, feats, tokens: torch.Tensor, *, num_drafts: 
     n..a-1 are computed (the rows after the cached prefix; at least the last one). cache=None recomputes every
     step-0 row: the uncached reference, same arithmetic.
     """
-    from dspark.evaluation.propose import Proposal, sample_from_logits  # noqa: PLC0415 (evaluation imports models)
-
     a = int(tokens.numel()) - 1
     if a < 1:
         raise ValueError("chain_propose: tokens must hold at least one context token before x0")
@@ -137,7 +128,7 @@ def chain_propose(draft: nn.Module, feats, tokens: torch.Tensor, *, num_drafts: 
             mask = visible(q, torch.arange(a + k, device=dev).unsqueeze(0), window)  # [1, 1, a+k]
             h, kv = draft.step_rows(ys[-1].view(1, 1).to(dev), h, q, k, chain_kv, mask)
             chain_kv = concat_kv(chain_kv, kv)
-        logits = _logits(draft, h, k)[0, 0].float()  # [V]
+        logits = draft.logits(h, k)[0, 0].float()  # [V]
         y, q_probs = sample_from_logits(logits, temperature, generator)
         ys.append(y)
         q_rows.append(q_probs)
@@ -182,5 +173,21 @@ def teacher_forced_chain(draft: nn.Module, context_hidden: torch.Tensor, ids: to
     return outs
 
 
-__all__ = ["ChainCache", "chain_propose", "teacher_forced_chain", "check_chain", "concat_kv", "take_kv", "visible",
-           "takes_layer"]
+class ChainDraft(RequestProposer):
+    """Mixin of the MTP families: drafting is the served chain (chain_propose), request by request, each request
+    with its own draft-side cache of step-0 rows (a ChainCache kept by the decoding loop across rounds)."""
+
+    def new_cache(self) -> ChainCache:
+        return ChainCache()
+
+    @torch.no_grad()
+    def propose(self, feats, tokens: torch.Tensor, *, num_drafts: int, temperature: float = 0.0,
+                generator: torch.Generator | None = None, cache: ChainCache | None = None) -> Proposal:
+        """`num_drafts` chain drafts after x0 = tokens[a] (chain_propose): step-0 rows (t_{p+1}, h_p) once, then one
+        row (y_{k-1}, out_{k-1}) per step; `cache` = this request's ChainCache (None: recompute every row)."""
+        return chain_propose(self, feats, tokens, num_drafts=num_drafts, temperature=temperature, generator=generator,
+                             cache=cache)
+
+
+__all__ = ["ChainCache", "ChainDraft", "chain_propose", "teacher_forced_chain", "check_chain", "concat_kv", "take_kv",
+           "visible"]

@@ -1,13 +1,9 @@
-"""Anchors, block inputs, labels, eval masks and the packed block attention mask (SPEC.md 2-3).
+"""Anchors, block inputs, labels and eval masks for training (SPEC.md 3).
 
-Everything here is a pure function of tensors so tests can pin it down with tiny hand-made inputs.
-
-Layouts (per block at anchor position a, gamma = number of drafted tokens):
-- "anchor" (DSpark, `sample_from_anchor=True`): inputs [x_a, m, ..., m] of length gamma at positions
-  a..a+gamma-1; output row k (position a+k) predicts x_{a+k+1}.
-- "mask" (DFlash, `sample_from_anchor=False`): inputs [x_a, m, ..., m] of length gamma+1 at positions
-  a..a+gamma; output row k+1 (a mask at position a+k+1) predicts x_{a+k+1}.
-In both layouts prediction j (0-based) has label x_{a+j+1}, teacher row a+j and Markov prev x_{a+j}.
+Everything here is a pure function of tensors so tests can pin it down with tiny hand-made inputs. The block
+layouts and the packed block attention mask are the draft's inference path (dspark.models.block_draft): training
+builds the same blocks. In both layouts prediction j (0-based) has label x_{a+j+1}, teacher row a+j and Markov
+prev x_{a+j}.
 """
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-LAYOUTS = ("anchor", "mask")
+from dspark.models.block_draft import block_layout
 
 
 def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -73,11 +69,9 @@ def build_blocks(
     layout: str = "anchor",
 ) -> Blocks:
     """input_ids, loss_mask: [B, S]; anchors, keep: [B, A]. Returns the packed Blocks."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     B, S = input_ids.shape
     g = num_drafts
-    L = g if layout == "anchor" else g + 1
+    L, pred_offset = block_layout(layout, g)
     offs = torch.arange(L, device=input_ids.device)
     positions = anchors.unsqueeze(-1) + offs  # [B, A, L]
     block_ids = torch.full_like(positions, mask_token_id)
@@ -103,30 +97,5 @@ def build_blocks(
         eval_mask=eval_mask,
         prev_ids=prev_ids,
         teacher_positions=prev_pos,
-        pred_offset=0 if layout == "anchor" else 1,
+        pred_offset=pred_offset,
     )
-
-
-def block_attention_mask(
-    anchors: torch.Tensor, block_len: int, context_len: int, window: int | None
-) -> torch.Tensor:
-    """Which keys each packed block query may attend to.
-
-    anchors: [B, A]. Keys are the `context_len` context positions followed by the A*block_len block
-    slots in query order. A query of block b sees context keys j with max(a_b - W, 0) <= j < a_b
-    (no lower bound when window is None) and every slot of its own block (bidirectional), nothing else.
-    Returns bool [B, A*block_len, context_len + A*block_len].
-    """
-    if window is not None and window <= 0:
-        raise ValueError(f"window must be positive or None, got {window}")
-    B, A = anchors.shape
-    T = A * block_len
-    dev = anchors.device
-    a = anchors.repeat_interleave(block_len, dim=1).unsqueeze(-1)  # [B, T, 1]
-    j = torch.arange(context_len, device=dev)  # [S]
-    ctx = j < a
-    if window is not None:
-        ctx &= j >= a - window
-    blk_of = torch.arange(T, device=dev) // block_len  # [T]
-    own = (blk_of.unsqueeze(1) == blk_of.unsqueeze(0)).expand(B, T, T)  # [B, T, T]
-    return torch.cat([ctx, own], dim=-1)

@@ -25,15 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.models.mtp_common import takes_layer as mtp_takes_layer
 from dspark.models.mtp_common import teacher_forced_chain
 from dspark.training.objectives import acceptance_targets, tau_prob
 
 
 @dataclass(frozen=True)
 class MTPLossWeights:
-    ce: float = 1.0
-    kl: float = 1.0
+    ce: float = 0.1  # CE vs the true token
+    kl: float = 0.9  # KL(target || draft) per row
 
 
 def step_weights(num_steps: int, beta: float) -> torch.Tensor:
@@ -91,7 +90,6 @@ def recursive_forward(draft, context_hidden: torch.Tensor, ids: torch.Tensor, lo
     context_hidden [B, S, ...] (draft.context_hidden(feats)), ids / loss_mask [B, S], final [B, S, H]
     -> one StepOutputs per step. Steps that need longer sequences than S (no row with a label) are skipped.
     """
-    takes_layer = mtp_takes_layer(draft)
     steps = min(int(num_steps), max(ids.shape[1] - 2, 0))  # step k has a labelled row iff S >= k + 3
     outs: list[StepOutputs] = []
     for k, hidden in enumerate(teacher_forced_chain(draft, context_hidden, ids, steps)):
@@ -99,7 +97,7 @@ def recursive_forward(draft, context_hidden: torch.Tensor, ids: torch.Tensor, lo
         scored = hidden[:, :-1]  # [B, L_k - 1, ...]: rows with a label
         where = r.valid.nonzero()  # [N_k, 2] (b, t)
         sel = scored[where[:, 0], where[:, 1]]  # [N_k, ...]
-        logits = draft.logits(sel.unsqueeze(0), k) if takes_layer else draft.logits(sel.unsqueeze(0))
+        logits = draft.logits(sel.unsqueeze(0), k)
         outs.append(StepOutputs(
             logits=logits[0], labels=r.labels[where[:, 0], where[:, 1]],
             teacher_final=final[where[:, 0], r.teacher_positions[where[:, 1]]], rows=where, hidden=sel,

@@ -1,0 +1,180 @@
+"""The block drafts' inference path (DSpark / DFlash, SPEC.md 2), shared by every block-draft family.
+
+One block of g drafts per request from the target's context features, in ONE draft forward for all requests:
+
+    main_x = draft.combine(aux[:, :a])                 context = positions 0..a-1   [B, a, H]
+    ctx    = draft.context_kv(main_x, 0..a-1)
+    block  = [x0, m, ..., m] at positions a, a+1, ...  (length g "anchor", g+1 "mask"; m = config.mask_token_id)
+    h      = draft.backbone(block, ctx, block_attention_mask)[pred_offset : pred_offset + g]   [B, g, H]
+    U      = draft.base_logits(h)                                                            [B, g, V]
+    prev_0 = x0;  logits_k = U_k + markov_head.step(prev_k, h_k) bias;  y_k ~ logits_k / T;  prev_{k+1} = y_k
+
+It is the training forward (dspark.training.block_module builds the same blocks and the same mask), except that
+the Markov head runs step by step on the draft's own samples instead of the ground truth (`forced_tokens` feeds
+given tokens instead: teacher forcing). A draft without a Markov head (DFlash) samples each position from U_k.
+The layout, the mask token and the attention window are the draft's config (`layout`, `mask_token_id`,
+`sliding_window`): nothing travels down the call.
+
+Layouts (per block at anchor position a, g = number of drafted tokens):
+- "anchor" (DSpark, `sample_from_anchor=True`): inputs [x_a, m, ..., m] of length g at positions a..a+g-1;
+  output row k (position a+k) predicts x_{a+k+1}.
+- "mask" (DFlash, `sample_from_anchor=False`): inputs [x_a, m, ..., m] of length g+1 at positions a..a+g;
+  output row k+1 (a mask at position a+k+1) predicts x_{a+k+1}.
+"""
+from __future__ import annotations
+
+import torch
+
+from dspark.models.proposal import Proposal, sample_from_logits
+
+LAYOUTS = ("anchor", "mask")
+
+
+def block_layout(layout: str, num_drafts: int) -> tuple[int, int]:
+    """-> (block length, offset of the first prediction row) of a block of `num_drafts` drafts."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return (num_drafts, 0) if layout == "anchor" else (num_drafts + 1, 1)
+
+
+def block_attention_mask(
+    anchors: torch.Tensor, block_len: int, context_len: int, window: int | None
+) -> torch.Tensor:
+    """Which keys each packed block query may attend to.
+
+    anchors: [B, A]. Keys are the `context_len` context positions followed by the A*block_len block
+    slots in query order. A query of block b sees context keys j with max(a_b - W, 0) <= j < a_b
+    (no lower bound when window is None) and every slot of its own block (bidirectional), nothing else.
+    Returns bool [B, A*block_len, context_len + A*block_len].
+    """
+    if window is not None and window <= 0:
+        raise ValueError(f"window must be positive or None, got {window}")
+    B, A = anchors.shape
+    T = A * block_len
+    dev = anchors.device
+    a = anchors.repeat_interleave(block_len, dim=1).unsqueeze(-1)  # [B, T, 1]
+    j = torch.arange(context_len, device=dev)  # [S]
+    ctx = j < a
+    if window is not None:
+        ctx &= j >= a - window
+    blk_of = torch.arange(T, device=dev) // block_len  # [T]
+    own = (blk_of.unsqueeze(1) == blk_of.unsqueeze(0)).expand(B, T, T)  # [B, T, T]
+    return torch.cat([ctx, own], dim=-1)
+
+
+def _check_context(aux: torch.Tensor, anchor_pos: int, num_drafts: int) -> None:
+    if num_drafts < 1:
+        raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
+    if aux.dim() != 3 or aux.shape[0] != 1:
+        raise ValueError(f"target_feats_aux must be [1, S, n*H], got {tuple(aux.shape)}")
+    if not 1 <= anchor_pos <= aux.shape[1]:
+        raise ValueError(
+            f"anchor_pos {anchor_pos} needs context features for positions 0..{anchor_pos - 1}, "
+            f"target_feats_aux has {aux.shape[1]} positions"
+        )
+
+
+class BlockDraft:
+    """Mixin of the block-draft families: their eval interface (propose_batch, new_cache) over the draft interface
+    combine / context_kv / backbone / base_logits / markov_head / confidence_logit (docs/CONTRACTS.md)."""
+
+    def new_cache(self):
+        return None  # block drafts keep no state across rounds
+
+    @torch.no_grad()
+    def propose_batch(self, feats: list, tokens: list[torch.Tensor], *, num_drafts: int, temperature: float,
+                      generators: list, caches: list | None = None) -> list[Proposal]:
+        """One block per request i after x0 = tokens[i][-1] at position a_i = len(tokens[i]) - 1; feats[i]
+        (TargetFeatures) covers positions 0..a_i-1 at least."""
+        anchors = [t.numel() - 1 for t in tokens]
+        return self.propose_blocks([f.aux[:, :a] for f, a in zip(feats, anchors)], [int(t[-1]) for t in tokens],
+                                   num_drafts=num_drafts, temperature=temperature, generators=generators)
+
+    @torch.no_grad()
+    def propose_blocks(self, contexts: list[torch.Tensor], anchor_tokens: list[int], *, num_drafts: int,
+                       temperature: float = 0.0, generators: list[torch.Generator | None] | None = None,
+                       forced_tokens: torch.Tensor | None = None) -> list[Proposal]:
+        """One block per request in ONE draft forward. contexts[i]: [1, a_i, n*H] target features of request i's
+        positions 0..a_i-1; its anchor x0 = anchor_tokens[i] sits at position a_i. Contexts are right-padded to
+        the longest: the block mask only lets a block see context keys before its anchor, so the padding is never
+        attended (the training forward packs blocks the same way). Request i samples with generators[i], in the
+        same order as alone, so batching does not change its tokens. forced_tokens: optional [B, g]."""
+        cfg = self.config
+        g, bsz = int(num_drafts), len(contexts)
+        if bsz == 0 or len(anchor_tokens) != bsz:
+            raise ValueError(f"need one anchor token per context, got {len(anchor_tokens)} for {bsz}")
+        for c in contexts:
+            _check_context(c, c.shape[1], g)
+        gens = [None] * bsz if generators is None else list(generators)
+        if forced_tokens is not None and tuple(forced_tokens.shape) != (bsz, g):
+            raise ValueError(f"forced_tokens must be [{bsz}, {g}], got {tuple(forced_tokens.shape)}")
+        dev = contexts[0].device
+        lens = [int(c.shape[1]) for c in contexts]
+        width = max(lens)
+        aux = contexts[0].new_zeros(bsz, width, contexts[0].shape[-1])  # [B, A, n*H] right-padded
+        for i, c in enumerate(contexts):
+            aux[i, : lens[i]] = c[0]
+
+        # ---- parallel stage: one non-causal forward over every block ----------------------------------
+        main_x = self.combine(aux)  # [B, A, H]
+        ctx = self.context_kv(main_x, torch.arange(width, device=dev).expand(bsz, width))
+        block_len, pred_offset = block_layout(cfg.layout, g)
+        anchors = torch.tensor(lens, dtype=torch.long, device=dev).unsqueeze(1)  # [B, 1] = a_i
+        block_ids = torch.full((bsz, block_len), int(cfg.mask_token_id), dtype=torch.long, device=dev)  # [B, L]
+        block_ids[:, 0] = torch.tensor([int(t) for t in anchor_tokens], dtype=torch.long, device=dev)
+        block_pos = anchors + torch.arange(block_len, device=dev)  # [B, L]
+        mask = block_attention_mask(anchors, block_len, width, cfg.sliding_window)  # [B, L, A + L]
+        h = self.backbone(block_ids, block_pos, ctx, mask)[:, pred_offset : pred_offset + g]  # [B, g, H]
+        base = self.base_logits(h)  # [B, g, V]
+
+        # ---- sequential stage: Markov-corrected sampling, left to right -----------------------------
+        markov = self.markov_head
+        has_conf = self.confidence_head is not None
+        prev = block_ids[:, 0].clone()  # [B]
+        state = None
+        tokens, q_rows, logit_rows, conf = [], [], [], []
+        for k in range(g):
+            h_k = h[:, k]  # [B, H]
+            feat = None
+            if markov is not None:
+                bias, feat, state = markov.step(prev, h_k, state)  # [B, V], [B, r]
+                logits_k = base[:, k] + bias  # [B, V]
+            else:
+                logits_k = base[:, k]  # [B, V]
+            if has_conf:
+                conf.append(self.confidence_logit(h_k, feat).float())  # [B]
+            picked = [sample_from_logits(logits_k[i], temperature, gens[i]) for i in range(bsz)]
+            y = torch.stack([t for t, _ in picked]).to(dev)  # [B]
+            if forced_tokens is not None:
+                y = forced_tokens[:, k].to(device=dev, dtype=torch.long)
+            tokens.append(y)
+            q_rows.append(torch.stack([q for _, q in picked]))  # [B, V]
+            logit_rows.append(logits_k.float())
+            prev = y
+        toks, qs, lgs = torch.stack(tokens, 1), torch.stack(q_rows, 1), torch.stack(logit_rows, 1)  # [B, g(, V)]
+        zs = torch.stack(conf, 1) if has_conf else None  # [B, g]
+        return [Proposal(tokens=toks[i], q_probs=qs[i], conf=None if zs is None else torch.sigmoid(zs[i]),
+                         logits=lgs[i], conf_logits=None if zs is None else zs[i]) for i in range(bsz)]
+
+
+@torch.no_grad()
+def propose(draft: BlockDraft, target_feats_aux: torch.Tensor, anchor_token: int, anchor_pos: int, *, num_drafts: int,
+            temperature: float = 0.0, generator: torch.Generator | None = None,
+            forced_tokens: torch.Tensor | None = None) -> Proposal:
+    """One request: `num_drafts` tokens after the anchor x0 = `anchor_token` sitting at position `anchor_pos`.
+
+    target_feats_aux: [1, S, n*H] target layer outputs with S >= anchor_pos; only positions 0..anchor_pos-1 are read
+    (the anchor's own target state does not exist yet). forced_tokens: optional [g] long; when given, y_k =
+    forced_tokens[k] is fed to the Markov head instead of a sample (teacher forcing), the returned logits / q_probs /
+    conf are those of that path.
+    """
+    g, a = int(num_drafts), int(anchor_pos)
+    _check_context(target_feats_aux, a, g)
+    if forced_tokens is not None and tuple(forced_tokens.shape) != (g,):
+        raise ValueError(f"forced_tokens must be [{g}], got {tuple(forced_tokens.shape)}")
+    return draft.propose_blocks([target_feats_aux[:, :a]], [anchor_token], num_drafts=g, temperature=temperature,
+                                generators=[generator],
+                                forced_tokens=None if forced_tokens is None else forced_tokens.view(1, g))[0]
+
+
+__all__ = ["LAYOUTS", "BlockDraft", "block_attention_mask", "block_layout", "propose"]

@@ -1,0 +1,230 @@
+"""One registry of draft families. Each family's module in dspark/models/ registers its draft class:
+
+    @register("dsv4_mtp", config=DSV4MTPConfig, objective="mtp")
+    class DSV4MTPDraft(ChainDraft, SharedTargetWeights, nn.Module): ...
+
+and owns, in that one file,
+  * its Config: `Config.from_target_config(hf_config, **keys)`, the one constructor from the target's config,
+    holding the family's checks against the target (FieldError names the key); `GROUP_KEYS` (the draft-group keys
+    at the top level of configs/draft/*.yaml, the rest under `arch`), `DRAFTS_KEY` (drafts per verify step),
+    `block_size` (that number), `vllm_method` (vLLM's speculative_config method);
+  * its draft: the interface its objective trains (docs/CONTRACTS.md), `init_from_target(hf_model)` when it can
+    start from the target's layers, and the eval interface `propose_batch(feats, tokens, ...)` / `new_cache()`
+    reading its settings from `self.config` (dspark.models.block_draft.BlockDraft, dspark.models.mtp_common.
+    ChainDraft);
+  * `objective`: the training step it trains with, a subclass of the shared LightningModule
+    (dspark.training.modules.MODULES: "block" = DSpark / DFlash blocks, "mtp" = the MTP chain).
+Its serving adapters (checkpoint names, config.json, vLLM rules) are in dspark/export/, registered by draft kind.
+
+The family modules are found by importing every module of this package once (no list to edit): adding a family
+is one new file here plus its configs (docs/design.md, "How to add a family").
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dspark.errors import ConfigError
+
+NOT_CONFIG_KEYS = ("kind", "init_from_target", "arch")  # draft-group keys that are not config fields
+
+
+@dataclass(frozen=True)
+class Family:
+    kind: str  # draft.kind
+    draft: type  # the nn.Module
+    config: type  # its config dataclass
+    objective: str  # the training step (dspark.training.modules.MODULES)
+
+    @property
+    def group_keys(self) -> tuple[str, ...]:
+        return tuple(self.config.GROUP_KEYS)
+
+
+_FAMILIES: dict[str, Family] = {}
+_discovered = False
+
+
+def register(kind: str, *, config: type, objective: str):
+    """Class decorator of a family's draft class."""
+
+    def add(draft: type) -> type:
+        if kind in _FAMILIES and _FAMILIES[kind].draft is not draft:
+            raise ValueError(f"draft kind {kind!r} is registered twice ({_FAMILIES[kind].draft.__name__}, "
+                             f"{draft.__name__})")
+        _FAMILIES[kind] = Family(kind=kind, draft=draft, config=config, objective=objective)
+        draft.family_kind = kind
+        return draft
+
+    return add
+
+
+def _discover() -> None:
+    """Import every module of dspark.models once, so every family has registered itself."""
+    global _discovered
+    if _discovered:
+        return
+    import dspark.models as package
+
+    for info in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{info.name}")
+    _discovered = True
+
+
+def families() -> dict[str, Family]:
+    _discover()
+    return dict(_FAMILIES)
+
+
+def kinds() -> tuple[str, ...]:
+    return tuple(families())
+
+
+def family(kind: str) -> Family:
+    """The family of a draft kind; ConfigError naming draft.kind when there is none."""
+    fams = families()
+    if kind not in fams:
+        raise ConfigError(f"draft.kind: {kind!r} is not one of {tuple(fams)}")
+    return fams[kind]
+
+
+def family_of(draft: torch.nn.Module) -> Family:
+    """The family a built draft belongs to."""
+    kind = getattr(type(draft), "family_kind", None)
+    if kind is None:
+        raise ValueError(f"{type(draft).__name__} is not a registered draft family")
+    return family(kind)
+
+
+# ---- draft group <-> config ----------------------------------------------------------------------------
+def _plain(group: Any) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(group, resolve=True) if OmegaConf.is_config(group) else dict(group)
+
+
+def config_values(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A draft group (configs/draft/*.yaml, draft_config.json) -> keyword arguments of its family's config: the
+    top-level group keys of the family merged with `arch`."""
+    group = _plain(group)
+    fam = family(str(group.get("kind")))
+    values = {k: group[k] for k in fam.group_keys if k in group}
+    if values.get("target_layer_ids") is not None:
+        values["target_layer_ids"] = [int(i) for i in values["target_layer_ids"]]
+    arch = dict(group.get("arch") or {})
+    clash = sorted(set(arch) & set(fam.group_keys))
+    if clash:
+        raise ConfigError(f"draft.arch: {clash} belong at the draft level, not under arch")
+    values.update(arch)
+    return values
+
+
+def resolved_group(config: Any, kind: str, group: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The draft group of a built config: `group`'s own keys (kind, init_from_target, ...) with the family's group
+    keys resolved (mask_token_id from the tokenizer) and every other config field (the target's sizes, RoPE,
+    vocabulary) under `arch`. draft/draft_config.json and a checkpoint's hyper_parameters hold it: the draft rebuilds
+    from it without the target (load_draft), and rebuilding it against the target gives the same draft."""
+    fam = family(kind)
+    full = dataclasses.asdict(config)
+    out = {k: v for k, v in _plain(group or {"kind": kind, "init_from_target": False}).items()}
+    out.update({k: full[k] for k in fam.group_keys if k in full})
+    out["arch"] = {k: v for k, v in full.items() if k not in fam.group_keys and k != "kind"}
+    return out
+
+
+def field_key(fam: Family, field: str) -> str:
+    """Where a config field sits in the draft group: draft.<key> (group key or kind) or draft.arch.<key>."""
+    return f"draft.{field}" if field in fam.group_keys or field == "kind" else f"draft.arch.{field}"
+
+
+def tokenizer_mask_id(tokenizer) -> int:
+    """A null mask_token_id: the target tokenizer's <|mask|> token."""
+    mid = tokenizer.convert_tokens_to_ids("<|mask|>") if tokenizer is not None else None
+    if mid is None or mid == getattr(tokenizer, "unk_token_id", None):
+        raise ConfigError("draft.mask_token_id: null, and the target tokenizer has no <|mask|> token: set an "
+                          "explicit id")
+    return int(mid)
+
+
+def build_config(group: Mapping[str, Any], hf_config, tokenizer=None):
+    """The validated draft config of a draft group against the target's HF config (no weights needed): the checks
+    every family shares (the draft reads the target's layers and shares its embedding / LM head), then the family's
+    own (Config.from_target_config). Errors are ConfigError naming the draft-group key."""
+    from dspark.models.common import FieldError
+
+    group = _plain(group)
+    fam = family(str(group.get("kind")))
+    values = config_values(group)
+    target_hidden = int(hf_config.hidden_size)
+    if values.get("hidden_size", target_hidden) != target_hidden:
+        raise ConfigError(f"draft.arch.hidden_size: {values['hidden_size']} does not match the target hidden size "
+                          f"{target_hidden} (the draft shares the target's embedding and LM head)")
+    ids = values.get("target_layer_ids")
+    if ids is not None:
+        n = int(hf_config.num_hidden_layers)
+        bad = [i for i in ids if not 0 <= i < n]
+        if not ids or bad:
+            raise ConfigError(f"draft.target_layer_ids: {ids}: ids must be 0-based layer indices in [0, {n - 1}] of "
+                              f"the target ({n} layers); bad: {bad or 'empty list'}")
+    if "mask_token_id" in values and values["mask_token_id"] is None:
+        values["mask_token_id"] = tokenizer_mask_id(tokenizer)
+    vocab = int(hf_config.vocab_size)
+    if values.get("mask_token_id") is not None and not 0 <= int(values["mask_token_id"]) < vocab:
+        raise ConfigError(f"draft.mask_token_id: {values['mask_token_id']} outside the target vocabulary [0, {vocab})")
+    try:
+        return fam.config.from_target_config(hf_config, **values)
+    except ConfigError:
+        raise
+    except FieldError as e:
+        raise ConfigError(f"{field_key(fam, e.field)}: {e}") from e
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"draft: {e}") from e
+
+
+def build_draft(group: Mapping[str, Any], target) -> torch.nn.Module:
+    """The draft of a draft group, built against a loaded FrozenTarget: its config (build_config), the draft,
+    its start from the target's layers (`init_from_target`), the target's embedding / LM head attached."""
+    group = _plain(group)
+    fam = family(str(group.get("kind")))
+    draft = fam.draft(build_config(group, target.model.config, target.tokenizer))
+    if group.get("init_from_target", False):
+        if not hasattr(draft, "init_from_target"):
+            raise ConfigError(f"draft.init_from_target: not implemented for {fam.kind}")
+        try:
+            draft.init_from_target(target.model)
+        except ValueError as e:
+            raise ConfigError(f"draft.init_from_target: {e}") from e
+    if getattr(draft, "needs_pre_head", False):
+        target.capture_pre_head = True  # the draft reads the last layer's raw output (TargetFeatures.pre_head)
+    draft.share_target_weights(target.embed_weight, target.lm_head_weight)
+    return draft
+
+
+def config_from_group(group: Mapping[str, Any]):
+    """A resolved draft group (draft_config.json) -> its family's config object, from the group alone (no target)."""
+    from dspark.models.common import config_from_dict
+
+    group = _plain(group)
+    kind = str(group.get("kind"))
+    fam = family(kind)
+    values = config_values(group)
+    if "kind" in {f.name for f in dataclasses.fields(fam.config)}:
+        values["kind"] = kind
+    if "mask_token_id" in values and values["mask_token_id"] is None:
+        raise ValueError("draft_config.json: mask_token_id is null (a run from before the config was recorded "
+                         "resolved): rebuild it against its target with dspark.factory.build_draft")
+    try:
+        return config_from_dict(fam.config, values).validate()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"draft_config.json ({kind}): {e}; a draft folder written before the sizes were recorded "
+                         "needs its target (dspark.factory.build_draft)") from e
+
+
+__all__ = ["Family", "register", "families", "kinds", "family", "family_of", "config_values", "resolved_group",
+           "build_config", "build_draft", "config_from_group", "tokenizer_mask_id"]

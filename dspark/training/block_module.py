@@ -1,0 +1,161 @@
+"""The block drafts' objective (DSpark / DFlash, SPEC.md 3): target features -> packed blocks -> draft -> losses.
+
+The blocks, their mask, the layout and the mask token are the draft's own (its config and
+dspark.models.block_draft): the training forward and the inference path build the same blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from dspark.models.block_draft import block_attention_mask
+from dspark.targets.hf_target import FrozenTarget
+from dspark.training.blocks import Blocks, build_blocks
+from dspark.training.module import DraftLightningModule, OptimConfig, is_distributed
+from dspark.training.objectives import LossWeights, draft_losses, draft_losses_fused, position_weights
+
+
+@dataclass
+class DraftRows:
+    """The draft's outputs at the prediction rows of a batch's blocks (teacher-forced Markov prev)."""
+
+    hidden: torch.Tensor  # [B, A, g, H] backbone output (before the heads)
+    latent: torch.Tensor | None  # [B, A, g, r] Markov latent (bias = latent @ markov_w2^T), None without a head
+    conf_logits: torch.Tensor | None  # [B, A, g]
+    blocks: Blocks
+    final: torch.Tensor  # [B, S, H] target final hidden (teacher rows are gathered from it)
+
+
+@dataclass
+class DraftOutputs:
+    logits: torch.Tensor  # [B, A, g, V] Markov-corrected draft logits (teacher-forced prev)
+    conf_logits: torch.Tensor | None  # [B, A, g]
+    hidden: torch.Tensor  # [B, A, g, H] backbone output at the prediction rows (before the Markov head)
+    blocks: Blocks
+    final: torch.Tensor  # [B, S, H]
+
+
+class BlockDraftModule(DraftLightningModule):
+    TRAIN_LOGGED = ("loss", "ce", "l1", "conf", "tau_prob")
+
+    def __init__(self, draft: torch.nn.Module, target: FrozenTarget, *, decay_gamma: float | None = 4.0,
+                 loss_weights: LossWeights = LossWeights(), optim: OptimConfig = OptimConfig(),
+                 fused_loss: bool = True):
+        super().__init__(draft, target, optim)
+        self.decay_gamma, self.loss_weights = decay_gamma, loss_weights
+        self.fused_loss = fused_loss  # losses from hidden rows (dspark.ops.fused_loss), no [B, A, g, V] logits
+
+    @classmethod
+    def from_config(cls, train: DictConfig, draft, target: FrozenTarget, optim: OptimConfig) -> "BlockDraftModule":
+        """train.loss_weights ({ce, l1, conf}), train.decay_gamma, train.fused_loss (checked by dspark.preflight)."""
+        return cls(draft, target, decay_gamma=train.decay_gamma,
+                   loss_weights=LossWeights(**OmegaConf.to_container(train.loss_weights)), optim=optim,
+                   fused_loss=bool(train.get("fused_loss", True)))
+
+    # ---- forward ----------------------------------------------------------------------------------
+    def _hidden(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Blocks, torch.Tensor]:
+        """One draft forward over every block of the batch (SPEC.md 3) -> (h [B, A, g, H] backbone output at the
+        prediction rows, blocks, target final [B, S, H])."""
+        cfg = self.draft.config
+        ids = batch["input_ids"]  # [B, S]
+        B, S = ids.shape
+        feats = self.features(batch)  # aux [B, S, n*H], final [B, S, H]
+        g = int(cfg.block_size)
+        blocks = build_blocks(ids, batch["loss_mask"], batch["anchors"], batch["keep"], g, cfg.mask_token_id,
+                              cfg.layout)
+        A, Lb = blocks.input_ids.shape[1:]
+        draft = self.draft
+        main_x = draft.combine(feats.aux)  # [B, S, H]
+        ctx = draft.context_kv(main_x, torch.arange(S, device=ids.device).expand(B, S))
+        mask = block_attention_mask(batch["anchors"], Lb, S, cfg.sliding_window)  # [B, A*Lb, S + A*Lb]
+        h = draft.backbone(blocks.input_ids.flatten(1), blocks.positions.flatten(1), ctx, mask)  # [B, A*Lb, H]
+        return h.view(B, A, Lb, -1)[:, :, blocks.pred_offset : blocks.pred_offset + g], blocks, feats.final
+
+    def _heads(self, prev: torch.Tensor, h: torch.Tensor):
+        """The Markov latent and the confidence logits at the prediction rows: prev [B, A, g], h [B, A, g, H] ->
+        (latent [B, A, g, r] | None, conf_logits [B, A, g] | None)."""
+        draft = self.draft
+        latent = feat = None
+        if draft.markov_head is not None:
+            latent, feat = draft.markov_head.latent(prev, h)  # [B, A, g, r] x2
+        return latent, draft.confidence_logit(h, feat) if draft.confidence_head is not None else None
+
+    def draft_rows(self, batch: dict[str, torch.Tensor]) -> DraftRows:
+        """The prediction rows' hidden, Markov latent and confidence logits (what the fused loss takes)."""
+        h, blocks, final = self._hidden(batch)
+        latent, conf = self._heads(blocks.prev_ids, h)
+        return DraftRows(hidden=h, latent=latent, conf_logits=conf, blocks=blocks, final=final)
+
+    def draft_outputs(self, batch: dict[str, torch.Tensor]) -> DraftOutputs:
+        """The prediction rows as logits: base_logits(h) + the Markov bias [B, A, g, V]."""
+        h, blocks, final = self._hidden(batch)
+        logits = self.draft.base_logits(h)  # [B, A, g, V]
+        latent, conf = self._heads(blocks.prev_ids, h)
+        if latent is not None:
+            logits = logits + self.draft.markov_head.project(latent)
+        return DraftOutputs(logits=logits, conf_logits=conf, hidden=h, blocks=blocks, final=final)
+
+    def _teacher_rows(self, final: torch.Tensor, b: Blocks) -> torch.Tensor:
+        """Target final hidden at the teacher positions: [B, S, H] -> [B, A, g, H]."""
+        H = final.shape[-1]
+        rows = torch.gather(final, 1, b.teacher_positions.flatten(1).unsqueeze(-1).expand(-1, -1, H))
+        return rows.view(*b.labels.shape, H)
+
+    def _losses(self, batch) -> tuple[dict[str, torch.Tensor], Blocks]:
+        """The DSpark losses (objectives.draft_losses), through the fused LM loss unless fused_loss is off (then
+        from materialised [B, A, g, V] logits; the two are tested equal)."""
+        flat = lambda t: None if t is None else t.flatten(0, 1)  # noqa: E731  [B, A, ...] -> [B*A, ...]
+        kw = dict(decay_gamma=self.decay_gamma, weights=self.loss_weights)
+        if self.fused_loss:
+            r = self.draft_rows(batch)
+            b = r.blocks
+            eval_mask = b.eval_mask.flatten(0, 1)  # [B*A, g]
+            head = self.draft.markov_head
+            losses = draft_losses_fused(
+                flat(self.draft.head_input(r.hidden)), flat(self._teacher_rows(r.final, b)),
+                self.target.lm_head_weight, flat(r.latent), None if head is None else head.markov_w2.weight,
+                flat(b.labels), eval_mask, flat(r.conf_logits),
+                normalizer=self._global_normalizer(eval_mask) if self.training else None, **kw)
+            return losses, b
+        out = self.draft_outputs(batch)
+        b = out.blocks
+        teacher = self.target.logits_from_final(self._teacher_rows(out.final, b))  # [B, A, g, V]
+        eval_mask = b.eval_mask.flatten(0, 1)  # [B*A, g]
+        losses = draft_losses(flat(out.logits), flat(b.labels), eval_mask, flat(teacher), flat(out.conf_logits),
+                              normalizer=self._global_normalizer(eval_mask) if self.training else None, **kw)
+        return losses, b
+
+    def losses(self, batch) -> dict[str, torch.Tensor]:
+        return self._losses(batch)[0]
+
+    def _global_normalizer(self, eval_mask: torch.Tensor) -> torch.Tensor | None:
+        """Sum of loss weights over all ranks / world size, so DDP optimises the single-process loss."""
+        if not is_distributed():
+            return None
+        total = position_weights(eval_mask, self.decay_gamma).sum()
+        dist.all_reduce(total)
+        return total / dist.get_world_size()
+
+    # ---- validation ------------------------------------------------------------------------------
+    def validation_sums(self, batch) -> dict[str, torch.Tensor]:
+        out, b = self._losses(batch)
+        em = b.eval_mask.flatten(0, 1)
+        wsum = position_weights(em, self.decay_gamma).sum()
+        nblocks = em[:, 0].sum()
+        sums = {"wsum": wsum, "nblocks": nblocks}
+        sums.update({k: out[k] * wsum for k in ("loss", "ce", "l1", "conf") if k in out})
+        if "tau_prob" in out:
+            sums.update(tau_prob=out["tau_prob"] * nblocks, agree_count=out["agree_count"],
+                        agree_total=out["agree_total"])
+        return sums
+
+    def validation_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        metrics = {f"val/{k}": sums[k] / sums["wsum"].clamp_min(1e-12) for k in ("loss", "ce", "l1", "conf")
+                   if k in sums}
+        if "tau_prob" in sums:
+            metrics["val/tau_prob"] = sums["tau_prob"] / sums["nblocks"].clamp_min(1)
+            metrics.update(self.agreement(sums))
+        return metrics
