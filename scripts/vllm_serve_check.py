@@ -64,7 +64,7 @@ def make_dense_target(out: Path) -> Path:
 def case_plan(case: str, out: Path, steps: int) -> dict:
     """train overrides, export args, served target folder, speculative_config, eval overrides."""
     run_dir, export = out / case / "run", out / case / "export"
-    common = ["trainer=gpu", f"train.max_steps={steps}", "train.val_every_steps=1000", "validate_at_start=false",
+    common = ["trainer=gpu", f"trainer.max_steps={steps}", "trainer.val_check_interval=1000", "validate_at_start=false",
               "trainer.enable_progress_bar=false", f"run_dir={run_dir}"]
     if case in ("dspark_v4", "dsv4_mtp", "hyv4_mtp"):
         from dspark.targets.tiny_hy_v4 import TINY_HY_V4_DIR

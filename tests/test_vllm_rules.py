@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import tiny_v4_config
+from conftest import reseal, tiny_v4_config
+from dspark.integrity import MANIFEST_NAME
 from dspark.export.dense import export_dense
 from dspark.export.dspark_v4 import export_v4_sidecar, import_v4_sidecar, merge_v4_into_target
 from dspark.export.mtp import export_mtp
@@ -30,6 +31,8 @@ def _edit_config(folder, name: str, **changes) -> None:
         else:
             c[key] = value
     path.write_text(json.dumps(c))
+    if (folder / MANIFEST_NAME).is_file():
+        reseal(folder)  # hand-edited: only the serving rules should object, not the checksum
 
 
 def _serving(folder) -> list[str]:
@@ -320,7 +323,7 @@ def test_vllm_serve_check_plans_compose(tmp_path):
     for case in mod.CASES:
         plan = mod.case_plan(case, tmp_path, steps=5)
         cfg = compose([o for o in plan["train"] if not o.startswith("run_dir=")])
-        assert cfg.trainer.accelerator == "gpu" and cfg.train.max_steps == 5
+        assert cfg.trainer.accelerator == "gpu" and cfg.trainer.max_steps == 5
         g = cfg.draft.get("block_size") or cfg.draft.get("num_steps")
         assert plan["spec"]["num_speculative_tokens"] == plan["g"] == g, case
     assert (tmp_path / "dense_target" / "config.json").is_file()
