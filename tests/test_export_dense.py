@@ -165,7 +165,7 @@ def test_reduced_export_import_round_trip(tmp_path, fmt):
     cfg, _ = dense_config_from_folder(out)
     assert cfg.draft_vocab_size == 20
     dst = DSparkDenseDraft(cfg).eval()
-    dst.share_target_weights(*full._shared())
+    dst.share_target_weights(full._shared("embed_weight"), full._shared("lm_head_weight"))
     import_dense(out, dst)
     assert torch.equal(dst.d2t, small.d2t) and torch.equal(_logits(dst), _logits(small))
     # without t2d (vLLM does not need it) the mapping is rebuilt from d2t
@@ -174,7 +174,7 @@ def test_reduced_export_import_round_trip(tmp_path, fmt):
     reseal(out)  # hand-edited: only the layout checks should object
     assert verify_folder(out).ok
     dst2 = DSparkDenseDraft(cfg).eval()
-    dst2.share_target_weights(*full._shared())
+    dst2.share_target_weights(full._shared("embed_weight"), full._shared("lm_head_weight"))
     assert torch.equal(import_dense(out, dst2).t2d, t2d)
     # a folder whose lm_head rows are not the target's would score differently: refused
     tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1
