@@ -51,11 +51,11 @@ def test_draft_rotary_equals_the_targets(spec):
 def test_export_writes_the_targets_rope_settings(spec, tmp_path):
     target, draft = _target_and_draft(spec)
     want = {k: v for k, v in target.config.rope_parameters.items()}
-    got = dense_config_json(draft.config, layout="mask")
+    got = dense_config_json(draft.config)  # a DFlash draft: the 1+N mask layout
     assert got["rope_parameters"] == want and got["rope_parameters"]["rope_type"] != "default"
     assert got["max_position_embeddings"] == target.config.max_position_embeddings
-    export_dense(draft, tmp_path, dtype=torch.float32, layout="mask")
-    back, _ = dense_config_from_folder(tmp_path)  # the exported folder rebuilds the same positions
+    export_dense(draft, tmp_path, dtype=torch.float32)
+    back = dense_config_from_folder(tmp_path)  # the exported folder rebuilds the same positions
     assert back.rope_parameters == want and back.max_position_embeddings == target.config.max_position_embeddings
 
 

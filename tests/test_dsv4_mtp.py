@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from conftest import tiny_v4_config
-from dspark.models.dsv4_mtp import (
-    DSV4MTPConfig, DSV4MTPDraft, causal_window_mask, from_serving_names, to_serving_names,
-)
+from dspark.export.dsv4_mtp import from_serving_names, to_serving_names
+from dspark.models.dsv4_mtp import DSV4MTPConfig, DSV4MTPDraft, causal_window_mask
 from dspark.models.mtp_common import chain_propose
 from dspark.models.v4_names import draft_layer_to_hf_state
 from dspark.targets.hf_target import FrozenTarget, TargetFeatures

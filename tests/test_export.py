@@ -246,7 +246,7 @@ def test_flash_export_plan_on_meta():
 def test_flash_plan_matches_the_independent_verifier_rules():
     """The exporter's plan and the verifier's re-derivation from dspark_config.json agree at real size."""
     from dspark.export.dspark_v4 import v4_config_json
-    from dspark.export.verify import _v4_expected, _v4_optional
+    from dspark.export.dspark_v4 import v4_expected as _v4_expected, v4_optional as _v4_optional
 
     values = draft_fields(OmegaConf.load(REPO / "configs" / "draft" / "dspark_v4_flash.yaml"))
     cfg = DSparkV4Config.from_dict(values).validate()

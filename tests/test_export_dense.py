@@ -3,6 +3,7 @@ verifier on both, and the `dense` CLI on a run against a tiny HF target."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,10 +11,10 @@ from safetensors.torch import load_file, save_file
 
 from conftest import FP32_CROSS_SHAPE_ATOL, assert_same_argmax, reseal
 
-from dspark.models.block_draft import propose
 from dspark.export.dense import dense_config_from_folder, export_dense, import_dense, read_dense_config
 from dspark.export.verify import verify_folder
 from dspark.export.vocab import build_vocab_mapping, count_tokens, count_tokens_jsonl, reduce_dense_vocab
+from dspark.models.block_draft import propose
 from dspark.models.dspark_dense import DSparkDenseDraft
 from test_export import _cli, _dense_cfg, _dense_draft, _logits, _randomise
 
@@ -37,8 +38,8 @@ def test_speculators_round_trip(tmp_path, markov_rank):
     v = read_dense_config(out)
     assert v["dflash_config"]["target_layer_ids"] == [0, 1]
     assert v["architectures"] == ["Qwen3DSparkModel" if markov_rank else "DFlashDraftModel"]
-    cfg, layout = dense_config_from_folder(out)
-    assert cfg == src.config and layout == ("anchor" if markov_rank else "mask")
+    cfg = dense_config_from_folder(out)
+    assert cfg == src.config and cfg.layout == ("anchor" if markov_rank else "mask")
     dst = _dense_draft(markov_rank, seed=2)
     assert not torch.equal(_logits(src), _logits(dst))
     import_dense(out, dst)
@@ -76,7 +77,7 @@ def test_vllm_confidence_head_defaults_are_checked(tmp_path):
 
 def test_dflash_with_anchor_layout_is_refused(tmp_path):
     with pytest.raises(ValueError, match="only runs with the 1\\+N 'mask' layout"):
-        export_dense(_dense_draft(0), tmp_path / "d", layout="anchor")
+        export_dense(DSparkDenseDraft(replace(_dense_cfg(0), layout="anchor")), tmp_path / "d")
 
 
 # ---- reduced vocabulary --------------------------------------------------------------------------------
@@ -162,7 +163,7 @@ def test_reduced_export_import_round_trip(tmp_path, fmt):
     assert tensors["markov_head.markov_w2.weight"].shape == (20, 6)
     assert tensors["markov_head.markov_w1.weight"].shape == (50, 6)
     assert verify_folder(out).ok, verify_folder(out).problems
-    cfg, _ = dense_config_from_folder(out)
+    cfg = dense_config_from_folder(out)
     assert cfg.draft_vocab_size == 20
     dst = DSparkDenseDraft(cfg).eval()
     dst.share_target_weights(full._shared("embed_weight"), full._shared("lm_head_weight"))
@@ -233,7 +234,7 @@ def test_cli_dense_reduced_speculators_export(tmp_path):
     assert c["speculators_model_type"] == "dspark" and c["draft_vocab_size"] == 16
     kept = (torch.arange(16) + load_file(str(out / "model.safetensors"))["d2t"]).tolist()
     assert 7 in kept and kept == sorted(kept)
-    back = DSparkDenseDraft(dense_config_from_folder(out)[0]).eval()
+    back = DSparkDenseDraft(dense_config_from_folder(out)).eval()
     back.share_target_weights(target.embed_weight, target.lm_head_weight)
     import_dense(out, back)
     full = _logits(draft.eval())

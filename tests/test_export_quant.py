@@ -16,7 +16,8 @@ from dspark.export import quant as q
 from dspark.export.dspark_v4 import (QUANT_REPORT, export_v4_sidecar, import_v4_sidecar, merge_v4_into_target,
                                      probe_logits, quant_report, v4_config_from_folder, v4_config_json,
                                      v4_export_plan)
-from dspark.export.verify import _v4_expected, _v4_optional, verify_folder
+from dspark.export.dspark_v4 import v4_expected as _v4_expected, v4_optional as _v4_optional
+from dspark.export.verify import verify_folder
 from dspark.models.registry import config_values as draft_fields
 from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
 from test_export import _cli, _randomise

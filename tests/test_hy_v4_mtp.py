@@ -9,6 +9,7 @@ from torch import nn
 from transformers import HYV4Config
 from transformers.models.hy_v4.modeling_hy_v4 import HYV4DecoderLayer, HYV4RotaryEmbedding
 
+from dspark.export.hy_v4_mtp import HYV4MTPAdapter, from_serving_names, to_serving_names
 from dspark.models import hy_v4_names
 from dspark.models.hy_v4_mtp import HYV4MTPConfig, HYV4MTPDraft
 from dspark.ops.rope import apply_rope
@@ -236,7 +237,7 @@ def test_serving_names_roundtrip():
     draft = draft_for(cfg, initializer_range=0.3)
     assert draft.config.num_layers == 2 and draft.config.mtp_start_layer == 3
     sd = draft.state_dict()
-    serving = draft.to_serving_names()
+    serving = to_serving_names(draft.state_dict())
     assert all(k.startswith(("model.mtp_layers.0.", "model.mtp_layers.1.")) for k in serving)
     for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight", "input_layernorm.weight",
                  "self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.linear_gate.weight",
@@ -248,9 +249,9 @@ def test_serving_names_roundtrip():
     def same(a, b):
         return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
-    assert same(draft.from_serving_names(serving), sd)
+    assert same(HYV4MTPAdapter().from_serving(serving, draft), sd)
     # split per-expert layout and the model.layers.{N+i} form, plus shared copies / target layers that are skipped
-    split = draft.to_serving_names(split_experts=True)
+    split = to_serving_names(draft.state_dict(), split_experts=True)
     gate_up = sd["mtp_layers.0.mlp.experts.gate_up_proj"]
     assert torch.equal(split["model.mtp_layers.0.mlp.experts.2.up_proj.weight"], gate_up[2, cfg.moe_intermediate_size:])
     layered = {k.replace("model.mtp_layers.0.", "model.layers.3.").replace("model.mtp_layers.1.", "model.layers.4."): v
@@ -258,14 +259,14 @@ def test_serving_names_roundtrip():
     layered["model.layers.3.embed_tokens.weight"] = torch.zeros(V, cfg.hidden_size)
     layered["model.layers.3.shared_head.head.weight"] = torch.zeros(V, cfg.hidden_size)
     layered["model.layers.2.mlp.gate.weight"] = torch.zeros(4, cfg.hidden_size)  # a target layer
-    assert same(draft.from_serving_names(layered), sd)
+    assert same(HYV4MTPAdapter().from_serving(layered, draft), sd)
     fresh = draft_for(cfg)
-    fresh.load_state_dict(fresh.from_serving_names(serving), strict=True)
+    fresh.load_state_dict(HYV4MTPAdapter().from_serving(serving, fresh), strict=True)
     assert same(fresh.state_dict(), sd)
     with pytest.raises(ValueError, match="mtp_layers"):
-        hy_v4_names.to_serving_names({"layers.0.x": torch.zeros(1)})
+        to_serving_names({"layers.0.x": torch.zeros(1)})
     with pytest.raises(ValueError, match="no model.mtp_layers"):
-        hy_v4_names.from_serving_names({"lm_head.weight": torch.zeros(1)})
+        from_serving_names({"lm_head.weight": torch.zeros(1)})
 
 
 def test_config_errors_name_the_key():

@@ -36,7 +36,7 @@ def test_dsv4_mtp_tiny_run_trains_and_evaluates(tmp_path):
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
     assert ckpt["state_dict"] and all(n.startswith("draft.layers.0.") for n in ckpt["state_dict"])
     weights = load_file(tmp_path / "draft" / "model.safetensors")
-    from dspark.models.dsv4_mtp import from_serving_names, to_serving_names
+    from dspark.export.dsv4_mtp import from_serving_names, to_serving_names
 
     serving = to_serving_names(weights)
     assert {"mtp.0.e_proj.weight", "mtp.0.h_proj.weight", "mtp.0.hc_head_fn", "mtp.0.attn.wkv.weight"} <= set(serving)

@@ -181,14 +181,14 @@ def test_v4_heads_vllm_lacks_are_refused_unless_not_for_vllm(tmp_path, change, w
 def test_v4_mask_layout_writes_sample_from_anchor_false(tmp_path):
     """vLLM's DSpark speculator defaults to the anchor layout (dspark/speculator.py:49-55)."""
     draft = _v4_draft()
-    out = export_v4_sidecar(draft, tmp_path / "m", layout="mask")
+    out = export_v4_sidecar(DSparkV4Draft(replace(draft.config, layout="mask")), tmp_path / "m")
     assert json.loads((out / "dspark_config.json").read_text())["sample_from_anchor"] is False
     anchor = export_v4_sidecar(draft, tmp_path / "a")
     assert json.loads((anchor / "dspark_config.json").read_text())["sample_from_anchor"] is True
     # window + block a multiple of 64: the non-causal index list (window + N, padded to 64) misses one key
     edge = DSparkV4Draft(replace(draft.config, sliding_window=60, block_size=4))
     with pytest.raises(ValueError, match="layout 'mask' with sliding_window \\+ block_size = 64"):
-        export_v4_sidecar(edge, tmp_path / "edge", layout="mask")
+        export_v4_sidecar(DSparkV4Draft(replace(edge.config, layout="mask")), tmp_path / "edge")
     export_v4_sidecar(edge, tmp_path / "edge_anchor")  # the anchor layout has N queries: fits
     _edit_config(out, "dspark_config.json", sliding_window=60, dspark_block_size=4)
     assert any("sample_from_anchor=false with sliding_window + dspark_block_size = 64" in p for p in _serving(out))

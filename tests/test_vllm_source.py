@@ -50,7 +50,7 @@ def _config(**keys) -> SimpleNamespace:
 
 
 def test_block_causality_rule_is_vllms():
-    from dspark.export.verify import _block_causal
+    from dspark.export.dflash_rules import block_causal as _block_causal
 
     ns = vllm_functions("vllm/model_executor/models/qwen3_dflash.py", "_dflash_layer_causal",
                         "dflash_has_any_non_causal", "_SLIDING_ATTENTION")
@@ -64,7 +64,7 @@ def test_block_causality_rule_is_vllms():
 
 def test_mask_token_precedence_is_vllms():
     """Our verifier flags exactly the configs where vLLM would not take dspark_noise_token_id as the mask."""
-    from dspark.export.verify import _precedence_lines
+    from dspark.export.dflash_rules import precedence_lines as _precedence_lines
 
     ns = vllm_functions("vllm/v1/worker/gpu/spec_decode/utils.py", "get_parallel_drafting_token_id")
     for dflash, top in itertools.product([None, {}, {"mask_token_id": 9}, {"causal": False}], [None, 9]):
@@ -98,7 +98,7 @@ def test_hy_layers_naming_rule_is_vllms(tmp_path):
 
 
 def test_hy_mtp_indexer_rule_is_vllms():
-    from dspark.export.verify import _hy_mtp_layer_sparse
+    from dspark.export.hy_v4_mtp import hy_mtp_layer_sparse as _hy_mtp_layer_sparse
 
     ns = vllm_functions("vllm/models/hy_v4/nvidia/mtp.py", "_extend_layer_types")
     sparse_types = vllm_functions("vllm/models/hy_v4/nvidia/attention.py", "_SPARSE_LAYER_TYPES")["_SPARSE_LAYER_TYPES"]
@@ -147,6 +147,6 @@ def test_mask_layout_index_width_rule_is_vllms():
     for window, n in itertools.product((60, 63, 64, 128), (1, 4, 5, 7)):
         width = ns["get_dspark_swa_index_width"](window, n)
         keys_needed = window + n + 1  # 1+N layout: the block has N+1 queries
-        refused = any("layout 'mask'" in p for p in v4_serving_problems(replace(cfg, sliding_window=window,
-                                                                                  block_size=n), "mask"))
+        refused = any("layout 'mask'" in p for p in v4_serving_problems(replace(cfg, layout="mask", sliding_window=window,
+                                                                                  block_size=n)))
         assert refused == (keys_needed > width), (window, n)

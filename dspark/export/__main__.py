@@ -72,19 +72,22 @@ def _add_not_for_vllm(p: argparse.ArgumentParser) -> None:
                         "under dspark_not_for_vllm and the verifier reports them as notes")
 
 
-def _run_v4(target, draft, cfg, args, dtype, shard: int) -> None:
-    from dspark.export.dspark_v4 import export_v4_sidecar, merge_v4_into_target
-    from dspark.models.dspark_v4 import DSparkV4Draft
+def _require(draft, adapter_cls, run_dir: Path, what: str) -> None:
+    """The run's draft must be of the family the format's adapter serves."""
+    if getattr(type(draft), "family_kind", None) != adapter_cls.kind:
+        raise SystemExit(f"{run_dir}: the draft is {type(draft).__name__}, not a {what} draft")
 
-    if not isinstance(draft, DSparkV4Draft):
-        raise SystemExit(f"{args.run_dir}: the draft is {type(draft).__name__}, not a DeepSeek-V4 DSpark draft")
-    layout = str(cfg.draft.get("layout") or "anchor")
+
+def _run_v4(target, draft, cfg, args, dtype, shard: int) -> None:
+    from dspark.export.dspark_v4 import V4DSparkAdapter, export_v4_sidecar, merge_v4_into_target
+
+    _require(draft, V4DSparkAdapter, args.run_dir, "DeepSeek-V4 DSpark")
     try:
         if args.merge_into is not None:
-            merge_v4_into_target(draft, args.merge_into, args.out, dtype=dtype, quant=args.quant, layout=layout,
+            merge_v4_into_target(draft, args.merge_into, args.out, dtype=dtype, quant=args.quant,
                                  for_vllm=not args.not_for_vllm)
         else:
-            export_v4_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=shard, quant=args.quant, layout=layout,
+            export_v4_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=shard, quant=args.quant,
                               for_vllm=not args.not_for_vllm)
     except ValueError as err:
         raise SystemExit(str(err))
@@ -110,11 +113,9 @@ def _add_dense(p: argparse.ArgumentParser) -> None:
 
 
 def _run_dense(target, draft, cfg, args, dtype, shard: int) -> None:
-    from dspark.export.dense import export_dense
-    from dspark.models.dspark_dense import DSparkDenseDraft
+    from dspark.export.dense import DenseAdapter, export_dense
 
-    if not isinstance(draft, DSparkDenseDraft):
-        raise SystemExit(f"{args.run_dir}: the draft is {type(draft).__name__}, not a dense DSpark/DFlash draft")
+    _require(draft, DenseAdapter, args.run_dir, "dense DSpark/DFlash")
     if (args.draft_vocab_size is None) != (args.vocab_counts is None):
         raise SystemExit("--draft-vocab-size and --vocab-counts go together")
     if args.draft_vocab_size is not None and args.draft_vocab_size < draft.config.vocab_size:
@@ -137,8 +138,7 @@ def _run_dense(target, draft, cfg, args, dtype, shard: int) -> None:
         draft = reduce_dense_vocab(draft, d2t, t2d)
     try:
         export_dense(draft, args.out, dtype=dtype, num_target_layers=len(target.layers), max_shard_bytes=shard,
-                     layout=str(cfg.draft.get("layout") or "") or None, fmt=args.format, verifier=args.verifier,
-                     for_vllm=not args.not_for_vllm)
+                     fmt=args.format, verifier=args.verifier, for_vllm=not args.not_for_vllm)
     except ValueError as err:
         raise SystemExit(str(err))
 
@@ -154,14 +154,12 @@ def _add_mtp(p: argparse.ArgumentParser) -> None:
 
 
 def _run_mtp(target, draft, cfg, args, dtype, shard: int) -> None:
-    from dspark.export.mtp import export_mtp, merge_mtp_into_target
-    from dspark.models.dsv4_mtp import DSV4MTPDraft
-    from dspark.models.hy_v4_mtp import HYV4MTPDraft
+    from dspark.export.mtp import export_mtp, merge_mtp_into_target, mtp_adapter
 
-    if not isinstance(draft, (HYV4MTPDraft, DSV4MTPDraft)):
+    try:
+        mtp_adapter(draft)
+    except TypeError:
         raise SystemExit(f"{args.run_dir}: the draft is {type(draft).__name__}, not an MTP draft (hyv4_mtp / dsv4_mtp)")
-    if isinstance(draft, DSV4MTPDraft) and (args.layer_names != "mtp_layers" or args.split_experts):
-        raise SystemExit("--layer-names / --split-experts apply to HY V4 MTP drafts only (DeepSeek-V4 uses mtp.{i}.*)")
     try:
         if args.merge_into is not None:
             merge_mtp_into_target(draft, args.merge_into, args.out, dtype=dtype, layer_names=args.layer_names,

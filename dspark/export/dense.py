@@ -1,5 +1,6 @@
-"""Dense DSpark / DFlash draft <-> a vLLM draft-model folder (config.json + safetensors), in vLLM's own
-config format or the speculators format. Facts checked against the vLLM 0.33.0 wheel (docs/CONTRACTS.md):
+"""The dense DSpark / DFlash serving adapters: draft <-> a vLLM draft-model folder (config.json + safetensors), in
+vLLM's own config format (DenseAdapter) or the speculators format (SpeculatorsAdapter), with the tensor set and the
+rules vLLM 0.33.0 applies. Facts checked against the vLLM 0.33.0 wheel (docs/CONTRACTS.md):
 
 - registry: "Qwen3DSparkModel" -> qwen3_dspark.Qwen3DSparkForCausalLM, "DFlashDraftModel" ->
   qwen3_dflash.DFlashQwen3ForCausalLM. Both `load_weights` prepend "model." to every name except
@@ -33,7 +34,11 @@ from pathlib import Path
 
 import torch
 
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, NOT_FOR_VLLM, iter_tensors, load_into, sealed, write_tensors
+from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_tensors
+from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, ServingAdapter, dtype_name, read_json,
+                                   refuse_unservable, serving_adapter)
+from dspark.export.dflash_rules import (block_causal, draft_markov_problems, markov_expected, markov_lines,
+                                        precedence_lines, sorted_lines)
 from dspark.io import atomic_write_json
 from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
 
@@ -43,42 +48,36 @@ FORMATS = ("vllm", "speculators")
 _MAPPING = ("d2t", "t2d")
 
 
-def _layout(cfg: DSparkDenseConfig, layout: str | None) -> str:
-    layout = layout or ("anchor" if cfg.markov_rank > 0 else "mask")
-    if layout not in ("anchor", "mask"):
-        raise ValueError(f"layout must be 'anchor' or 'mask', got {layout!r}")
-    if cfg.markov_rank == 0 and layout != "mask":
+def _check_layout(cfg: DSparkDenseConfig) -> None:
+    if cfg.markov_rank == 0 and cfg.layout != "mask":
         raise ValueError("a DFlash draft (markov_rank 0) exports as DFlashDraftModel, which vLLM only runs with the "
                          "1+N 'mask' layout (sample_from_anchor=false); this draft uses layout 'anchor'")
-    return layout
+
+
+# config.json key -> draft config field: the Qwen3 layer sizes vLLM builds the draft layers from
+LAYER_KEYS = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_hidden_layers": "num_layers",
+              "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
+              "head_dim": "head_dim", "hidden_act": None, "rms_norm_eps": "rms_norm_eps", "rope_theta": None,
+              "rope_parameters": "rope_parameters", "max_position_embeddings": "max_position_embeddings",
+              "vocab_size": "vocab_size"}
 
 
 def _layer_config(cfg: DSparkDenseConfig, dtype: torch.dtype) -> dict:
-    return {
-        "model_type": "qwen3",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_parameters["rope_theta"],
-        "rope_parameters": dict(cfg.rope_parameters),  # the target's (llama3 / yarn / ... scaling included)
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
+    """The Qwen3 layer config (transformers names): the draft's sizes and the target's RoPE (llama3 / yarn / ...
+    scaling included); no layer_types (full attention, a non-causal block in vLLM)."""
+    fixed = {"hidden_act": "silu", "rope_theta": cfg.rope_parameters["rope_theta"]}
+    return {"model_type": "qwen3",
+            **{key: fixed[key] if field is None else getattr(cfg, field) for key, field in LAYER_KEYS.items()},
+            "rope_parameters": dict(cfg.rope_parameters), "tie_word_embeddings": False, "attention_bias": False,
+            "torch_dtype": dtype_name(dtype)}
 
 
 def dense_config_json(cfg: DSparkDenseConfig, dtype: torch.dtype = torch.bfloat16,
-                      num_target_layers: int | None = None, layout: str | None = None) -> dict:
-    """vLLM's own draft config (architectures Qwen3DSparkModel / DFlashDraftModel)."""
+                      num_target_layers: int | None = None) -> dict:
+    """vLLM's own draft config (architectures Qwen3DSparkModel / DFlashDraftModel); sample_from_anchor = the
+    draft's layout."""
     is_dspark = cfg.markov_rank > 0
-    layout = _layout(cfg, layout)
+    _check_layout(cfg)
     out = {
         "architectures": [DSPARK_ARCH if is_dspark else DFLASH_ARCH],
         **_layer_config(cfg, dtype),
@@ -93,18 +92,18 @@ def dense_config_json(cfg: DSparkDenseConfig, dtype: torch.dtype = torch.bfloat1
         "markov_head_type": cfg.markov_head_type if is_dspark else None,
         "enable_confidence_head": bool(is_dspark and cfg.confidence_head),
         "confidence_head_with_markov": bool(is_dspark and cfg.confidence_head),
-        "sample_from_anchor": layout == "anchor",
+        "sample_from_anchor": cfg.layout == "anchor",
     }
     if num_target_layers is not None:
         out["num_target_layers"] = int(num_target_layers)
     return out
 
 
-def speculators_config_json(cfg: DSparkDenseConfig, dtype: torch.dtype = torch.bfloat16, layout: str | None = None,
-                            verifier: str | None = None, verifier_architectures: list[str] | None = None) -> dict:
+def speculators_config_json(cfg: DSparkDenseConfig, dtype: torch.dtype = torch.bfloat16, verifier: str | None = None,
+                            verifier_architectures: list[str] | None = None) -> dict:
     """speculators-format config ("dspark" for DSpark drafts, "dflash" for DFlash drafts)."""
     is_dspark = cfg.markov_rank > 0
-    layout = _layout(cfg, layout)
+    _check_layout(cfg)
     algo = "dspark" if is_dspark else "dflash"
     out = {
         "speculators_model_type": algo,
@@ -121,8 +120,8 @@ def speculators_config_json(cfg: DSparkDenseConfig, dtype: torch.dtype = torch.b
         "block_size": cfg.block_size,
         "aux_hidden_state_layer_ids": [int(i) + 1 for i in cfg.target_layer_ids],
         "mask_token_id": cfg.mask_token_id,
-        "sample_from_anchor": layout == "anchor",
-        "torch_dtype": str(dtype).removeprefix("torch."),
+        "sample_from_anchor": cfg.layout == "anchor",
+        "torch_dtype": dtype_name(dtype),
     }
     if is_dspark:
         out.update({"markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type,
@@ -145,11 +144,7 @@ def dense_export_plan(draft: DSparkDenseDraft, dtype: torch.dtype = torch.bfloat
 def dense_serving_problems(cfg: DSparkDenseConfig) -> list[str]:
     """Why vLLM 0.33.0 would serve this dense draft differently from how it was trained (empty: as trained);
     each line names the draft config key."""
-    out = []
-    if cfg.markov_rank > 0 and cfg.markov_head_type != "vanilla":
-        out.append(f"markov_head_type {cfg.markov_head_type!r}: vLLM's DSparkMarkovHead has only markov_w1 / "
-                   "markov_w2 (vllm/model_executor/models/qwen3_dspark.py:48-93), no parameter for the "
-                   f"{'gate_proj' if cfg.markov_head_type == 'gated' else 'joint_proj'} tensors")
+    out = draft_markov_problems(cfg.markov_head_type) if cfg.markov_rank > 0 else []
     if cfg.sliding_window is not None:
         out.append(f"sliding_window {cfg.sliding_window}: vLLM's Qwen3 DFlash / DSpark draft layers attend to the "
                    "whole context (full attention unless layer_types says sliding_attention, which also makes the "
@@ -157,73 +152,87 @@ def dense_serving_problems(cfg: DSparkDenseConfig) -> list[str]:
     return out
 
 
-@sealed
-def export_dense(draft: DSparkDenseDraft, out_dir, dtype: torch.dtype = torch.bfloat16,
-                 num_target_layers: int | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                 layout: str | None = None, fmt: str = "vllm", verifier: str | None = None,
-                 for_vllm: bool = True) -> Path:
-    """Write config.json + safetensors. `layout` defaults to "anchor" (DSpark) / "mask" (DFlash);
-    `fmt` "vllm" (vLLM's own config) or "speculators"; `verifier` names the target (speculators only).
-    A draft vLLM 0.33.0 would serve differently (dense_serving_problems) is refused in the vLLM format unless
-    `for_vllm` is False; written anyway (speculators format or for_vllm=False), its config lists the reasons
-    under `dspark_not_for_vllm`."""
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
-    not_served = dense_serving_problems(draft.config)
-    if not_served and fmt == "vllm" and for_vllm:
-        raise ValueError("export_dense: vLLM 0.33.0 cannot serve this draft as trained:\n  " + "\n  ".join(not_served)
-                         + "\n(fmt='speculators' or for_vllm=False / CLI --format speculators or --not-for-vllm "
-                         "write it anyway)")
-    out_dir = Path(out_dir)
+def dense_tensors(draft: DSparkDenseDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """{checkpoint name: tensor}: the draft's own names (vLLM prepends "model."), + lm_head / d2t / t2d when the
+    vocabulary is reduced."""
     tensors = {k: p.detach().to("cpu", dtype).contiguous() for k, p in draft.named_parameters()}
     if getattr(draft, "reduced_vocab", False):
         lm_head = draft._shared("lm_head_weight")
         tensors["lm_head.weight"] = lm_head[draft.draft_to_target()].detach().to("cpu", dtype).contiguous()
         tensors["d2t"] = draft.d2t.detach().cpu().long().contiguous()
         tensors["t2d"] = draft.t2d.detach().cpu().bool().contiguous()
-    write_tensors(tensors, out_dir, max_shard_bytes)
+    return tensors
+
+
+@sealed
+def export_dense(draft: DSparkDenseDraft, out_dir, dtype: torch.dtype = torch.bfloat16,
+                 num_target_layers: int | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 fmt: str = "vllm", verifier: str | None = None, for_vllm: bool = True) -> Path:
+    """Write config.json + safetensors. `fmt` "vllm" (vLLM's own config) or "speculators"; `verifier` names the
+    target (speculators only); the layout is the draft's (DFlash: "mask").
+    A draft vLLM 0.33.0 would serve differently (dense_serving_problems) is refused in the vLLM format unless
+    `for_vllm` is False; written anyway (speculators format or for_vllm=False), its config lists the reasons
+    under `dspark_not_for_vllm`."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    not_served = refuse_unservable(dense_serving_problems(draft.config), "export_dense", fmt == "vllm" and for_vllm,
+                                   "fmt='speculators' or for_vllm=False / CLI --format speculators or --not-for-vllm "
+                                   "write it anyway")
+    out_dir = Path(out_dir)
+    write_tensors(dense_tensors(draft, dtype), out_dir, max_shard_bytes)
     if fmt == "vllm":
-        config = dense_config_json(draft.config, dtype, num_target_layers, layout)
+        config = dense_config_json(draft.config, dtype, num_target_layers)
     else:
-        config = speculators_config_json(draft.config, dtype, layout, verifier)
+        config = speculators_config_json(draft.config, dtype, verifier)
     if not_served:
         config[NOT_FOR_VLLM] = not_served
     atomic_write_json(out_dir / "config.json", config)
     return out_dir
 
 
-def read_dense_config(folder) -> dict:
-    """The folder's config.json in vLLM's own key names (a speculators config is translated the way
-    vLLM's update_dspark / update_dflash do, incl. target_layer_ids = aux id - 1)."""
-    c = json.loads((Path(folder) / "config.json").read_text())
-    algo = c.get("speculators_model_type")
-    if algo is None:
-        return c
+def translate_speculators(c: dict) -> dict:
+    """A speculators-format config in vLLM's own key names, as vLLM translates it (update_dspark / update_dflash,
+    vllm/transformers_utils/configs/speculators/algos.py): target layer = aux id - 1; update_dflash puts
+    sample_from_anchor and causal into dflash_config (algos.py:118-126), update_dspark sample_from_anchor at the top
+    level, default false (algos.py:187-189)."""
+    algo = c["speculators_model_type"]
     if algo not in ("dspark", "dflash"):
-        raise ValueError(f"{folder}/config.json: speculators_model_type {algo!r} is not 'dspark' or 'dflash'")
-    out = dict(c.get("transformer_layer_config") or {})
-    if "aux_hidden_state_layer_ids" not in c or "mask_token_id" not in c:
-        raise ValueError(f"{folder}/config.json: a speculators {algo} config needs aux_hidden_state_layer_ids and "
-                         "mask_token_id")
-    target_ids = [int(i) - 1 for i in c["aux_hidden_state_layer_ids"]]
+        raise ValueError(f"speculators_model_type {algo!r} is not 'dspark' or 'dflash'")
+    for key in ("transformer_layer_config", "aux_hidden_state_layer_ids", "mask_token_id"):
+        if key not in c:
+            raise ValueError(f"speculators config without {key}")
+    spec = c.get("speculators_config") or {}
+    methods = spec.get("proposal_methods") or [{}]
+    if "speculative_tokens" not in methods[0] or "name_or_path" not in (spec.get("verifier") or {}):
+        raise ValueError("speculators_config needs proposal_methods[0].speculative_tokens and verifier.name_or_path")
+    out = dict(c["transformer_layer_config"])
     sfa = bool(c.get("sample_from_anchor", False))
-    # as vLLM translates: update_dflash puts sample_from_anchor into dflash_config, update_dspark at the top
-    # level (vllm/transformers_utils/configs/speculators/algos.py:118-126, 187-189)
-    dflash = {"target_layer_ids": target_ids, "mask_token_id": c["mask_token_id"]}
+    dflash = {"target_layer_ids": [int(i) - 1 for i in c["aux_hidden_state_layer_ids"]], "mask_token_id": c["mask_token_id"]}
     if algo == "dflash":
-        dflash["sample_from_anchor"] = sfa
+        dflash.update(sample_from_anchor=sfa, causal=not c.get("sliding_window_non_causal", True))
     out.update({"architectures": [DSPARK_ARCH if algo == "dspark" else DFLASH_ARCH], "dflash_config": dflash,
                 "sample_from_anchor": sfa})
     for key in ("draft_vocab_size", "target_hidden_size", "markov_rank", "markov_head_type", "block_size",
-                "enable_confidence_head", "confidence_head_with_markov", "torch_dtype"):
+                "enable_confidence_head", "confidence_head_with_markov", "torch_dtype", NOT_FOR_VLLM):
         if c.get(key) is not None:
             out[key] = c[key]
     return out
 
 
-def dense_config_from_folder(folder) -> tuple[DSparkDenseConfig, str]:
-    """(draft config, layout) of an exported folder (either format), to build a draft to import into."""
-    c = read_dense_config(folder)
+def read_dense_config(folder) -> dict:
+    """The folder's config.json in vLLM's own key names (a speculators config translated as vLLM does)."""
+    c = json.loads((Path(folder) / "config.json").read_text())
+    if c.get("speculators_model_type") is None:
+        return c
+    try:
+        return translate_speculators(c)
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"{folder}/config.json: {err}") from err
+
+
+def dense_config_from_config(c: dict) -> DSparkDenseConfig:
+    """The draft config of a dense folder's config (vLLM key names), to build a draft to import into; the layout
+    is sample_from_anchor's (vLLM's default: anchor for DSpark)."""
     rope = c.get("rope_parameters") or {}
     vocab, vd = int(c["vocab_size"]), int(c.get("draft_vocab_size") or c["vocab_size"])
     rank = int(c.get("markov_rank") or 0)
@@ -238,11 +247,20 @@ def dense_config_from_folder(folder) -> tuple[DSparkDenseConfig, str]:
         target_layer_ids=list(c["dflash_config"]["target_layer_ids"]), markov_rank=rank,
         markov_head_type=c.get("markov_head_type") or "vanilla",
         confidence_head=bool(c.get("enable_confidence_head", False)) if rank else True,  # unused without Markov
-        draft_vocab_size=vd if vd < vocab else None)
+        draft_vocab_size=vd if vd < vocab else None,
+        layout="anchor" if c.get("sample_from_anchor", rank > 0) else "mask")
     if rank and cfg.confidence_head and not c.get("confidence_head_with_markov", False):
-        raise ValueError(f"{folder}/config.json: a confidence head without the Markov feature "
-                         "(confidence_head_with_markov false) has no counterpart in the dense draft")
-    return cfg.validate(), ("anchor" if c.get("sample_from_anchor", rank > 0) else "mask")
+        raise ValueError("config.json: a confidence head without the Markov feature (confidence_head_with_markov "
+                         "false) has no counterpart in the dense draft")
+    return cfg.validate()
+
+
+def dense_config_from_folder(folder) -> DSparkDenseConfig:
+    """The draft config of an exported folder (either format), to build a draft to import into."""
+    try:
+        return dense_config_from_config(read_dense_config(folder))
+    except ValueError as err:
+        raise ValueError(f"{folder}/{err}" if str(err).startswith("config.json") else str(err)) from err
 
 
 def import_dense(folder, draft: DSparkDenseDraft) -> DSparkDenseDraft:
@@ -272,3 +290,125 @@ def import_dense(folder, draft: DSparkDenseDraft) -> DSparkDenseDraft:
                                  "draft vocabulary ids (this draft scores with the target's head)")
     load_into(draft, tensors, f"import_dense({folder})")
     return draft
+
+
+# ---- what vLLM 0.33.0 loads from a folder (verify) --------------------------------------------------------
+def dense_expected(c: dict) -> Expected:
+    """The tensors vLLM's Qwen3DSparkModel / DFlashDraftModel loads (no "model." prefix: its loader prepends it,
+    qwen3_dspark.py:312-330), from the config alone: fc, hidden_norm, layers.{i}.*, norm; DSpark's markov_head and,
+    per enable_confidence_head (default off) / confidence_head_with_markov (width H + r, else H), the confidence head
+    with a bias (qwen3_dspark.py:219-231); a reduced vocabulary needs lm_head [Vd, H] and d2t (qwen3_dspark.py:
+    341-358)."""
+    dt = SAFETENSORS_DTYPES[c.get("torch_dtype", "bfloat16")]
+    H, I, nh, nkv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    hd = c.get("head_dim") or H // nh
+    n_ctx = len(c["dflash_config"]["target_layer_ids"])
+    exp: Expected = {"fc.weight": ((H, n_ctx * H), dt), "hidden_norm.weight": ((H,), dt), "norm.weight": ((H,), dt)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"layers.{i}."
+        exp.update({
+            p + "input_layernorm.weight": ((H,), dt),
+            p + "post_attention_layernorm.weight": ((H,), dt),
+            p + "self_attn.q_proj.weight": ((nh * hd, H), dt),
+            p + "self_attn.k_proj.weight": ((nkv * hd, H), dt),
+            p + "self_attn.v_proj.weight": ((nkv * hd, H), dt),
+            p + "self_attn.o_proj.weight": ((H, nh * hd), dt),
+            p + "self_attn.q_norm.weight": ((hd,), dt),
+            p + "self_attn.k_norm.weight": ((hd,), dt),
+            p + "mlp.gate_proj.weight": ((I, H), dt),
+            p + "mlp.up_proj.weight": ((I, H), dt),
+            p + "mlp.down_proj.weight": ((H, I), dt),
+        })
+    r = int(c.get("markov_rank") or 0)
+    V = c["vocab_size"]
+    Vd = c.get("draft_vocab_size") or V
+    if Vd < V:
+        exp["lm_head.weight"] = ((Vd, H), dt)
+        exp["d2t"] = ((Vd,), "I64")
+    if r > 0:
+        exp.update(markov_expected("markov_head.", c.get("markov_head_type") or "vanilla", V, Vd, r, H, dt))
+        if c.get("enable_confidence_head", False):
+            width = H + r if c.get("confidence_head_with_markov", False) else H
+            exp["confidence_head.proj.weight"] = ((1, width), dt)
+            exp["confidence_head.proj.bias"] = ((1,), dt)
+    return exp
+
+
+def dense_optional(c: dict) -> Expected:
+    """Tensors a dense folder may hold without being required: t2d (vLLM skips it), own embeddings."""
+    V, H = c["vocab_size"], c["hidden_size"]
+    dt = SAFETENSORS_DTYPES[c.get("torch_dtype", "bfloat16")]
+    out = {"embed_tokens.weight": ((V, H), dt)}
+    if (c.get("draft_vocab_size") or V) < V:
+        out["t2d"] = ((V,), "BOOL")
+    return out
+
+
+def dense_config_problems(c: dict) -> list[str]:
+    """vLLM 0.33.0's rules on a dense draft config (vLLM key names): only the vanilla Markov head, ascending taps,
+    no dflash_config.sample_from_anchor, a non-causal block."""
+    out = markov_lines(c.get("markov_head_type") if c.get("markov_rank") else None)
+    out += sorted_lines("dflash_config.target_layer_ids", (c.get("dflash_config") or {}).get("target_layer_ids"))
+    out += precedence_lines(c, dense=True)
+    if block_causal(c, int(c.get("num_hidden_layers") or 0)):
+        out.append("layer_types / dflash_config.causal / is_causal make vLLM run the draft block causally "
+                   "(qwen3_dflash.py:62-81); dspark's dense drafts are trained bidirectional")
+    return out
+
+
+@serving_adapter
+class DenseAdapter(ServingAdapter):
+    """vLLM's own draft-model format: config.json with architectures Qwen3DSparkModel / DFlashDraftModel."""
+
+    kind = "dspark_dense"
+    format = "vllm"
+
+    @classmethod
+    def read(cls, folder: Path) -> dict | None:
+        if (folder / "mtp_config.json").is_file() or (folder / "dspark_config.json").is_file():
+            return None
+        c = read_json(folder / "config.json")
+        if c is None or "speculators_model_type" in c or "dspark_block_size" in c:
+            return None
+        return c if (c.get("architectures") or [None])[0] in (DSPARK_ARCH, DFLASH_ARCH) else None
+
+    def label(self, config: dict) -> str:
+        return str(config["architectures"][0])
+
+    def to_serving(self, draft: DSparkDenseDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return dense_tensors(draft, dtype)
+
+    def config_json(self, draft: DSparkDenseDraft, dtype: torch.dtype, num_target_layers: int | None = None) -> dict:
+        return dense_config_json(draft.config, dtype, num_target_layers)
+
+    def draft_config(self, config: dict) -> DSparkDenseConfig:
+        return dense_config_from_config(config)
+
+    def expected(self, config: dict) -> tuple[Expected, Expected]:
+        return dense_expected(config), dense_optional(config)
+
+    def serving_problems(self, config: dict) -> list[str]:
+        return dense_config_problems(config)
+
+
+@serving_adapter
+class SpeculatorsAdapter(DenseAdapter):
+    """The speculators format (speculators_model_type dspark / dflash): what vLLM translates it into is judged by the
+    DenseAdapter's rules (`read` returns the translation)."""
+
+    format = "speculators"
+
+    @classmethod
+    def read(cls, folder: Path) -> dict | None:
+        if (folder / "mtp_config.json").is_file() or (folder / "dspark_config.json").is_file():
+            return None
+        c = read_json(folder / "config.json")
+        if c is None or "speculators_model_type" not in c:
+            return None
+        try:
+            return translate_speculators(c)
+        except (KeyError, ValueError) as err:
+            raise ValueError(f"config.json: {err}") from err
+
+    def config_json(self, draft: DSparkDenseDraft, dtype: torch.dtype, verifier: str | None = None) -> dict:
+        return speculators_config_json(draft.config, dtype, verifier)

@@ -1,4 +1,5 @@
-"""DeepSeek-V4 DSpark draft <-> serving `mtp.{i}.*` tensors (SPEC.md 4, vLLM `_remap_dspark_name`).
+"""The DeepSeek-V4 DSpark serving adapter: draft <-> `mtp.{i}.*` tensors (SPEC.md 4, vLLM `_remap_dspark_name`), the
+sidecar's dspark_config.json / a merged target's config.json, the tensor set vLLM 0.33.0 loads and its serving rules.
 
 The draft's parameter names already are the serving names below the stage prefix:
     layers.{i}.<rest>                                   -> mtp.{i}.<rest>      (decoder layer i)
@@ -25,9 +26,14 @@ from pathlib import Path
 import torch
 
 from dspark.export import quant as q
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, NOT_FOR_VLLM, iter_tensors, load_into, sealed, write_tensors
+from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_tensors
+from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, ServingAdapter, dtype_name, read_json,
+                                   refuse_unservable, serving_adapter)
+from dspark.export.dflash_rules import (block_causal, draft_markov_problems, markov_expected, markov_lines,
+                                        precedence_lines, sorted_lines)
+from dspark.export.v4_block import block_config_json, block_expected, export_dtype, hc_head_expected
 from dspark.io import atomic_write_json
-from dspark.models.dspark_v4 import FP32_PARAM_RE, DSparkV4Config, DSparkV4Draft
+from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
 
 CONFIG_NAME = "dspark_config.json"
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -47,11 +53,6 @@ def serving_name(name: str, num_layers: int) -> str:
     if name.startswith(_STAGE0):
         return f"mtp.0.{name}"
     return f"mtp.{num_layers - 1}.{name}"
-
-
-def export_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype a draft parameter is written in: float32 for the fp32 set, `dtype` otherwise."""
-    return torch.float32 if FP32_PARAM_RE.search(name) else dtype
 
 
 def _check_quant(quant: str | None) -> None:
@@ -124,60 +125,20 @@ def v4_tensors(draft: DSparkV4Draft, dtype: torch.dtype = torch.bfloat16,
             tensors[serving], tensors[stem + ".scale"] = qw, scale
             errors[serving] = q.error_stats(w, q.dequantize_fp4(qw, scale))
         else:
-            tensors[serving] = w.to(export_dtype(name, dtype)).contiguous()
+            tensors[serving] = w.to(export_dtype(name, dtype)).contiguous()  # the fp32 set stays float32
     return tensors, errors
 
 
-def v4_block_config_json(cfg) -> dict:
-    """The V4 block sizes and the MTP layer count under DeepseekV4Config key names (a DSpark V4 or a DeepSeek-V4
-    MTP draft config: both carry the V4 block fields)."""
-    return {
-        "n_mtp_layers": cfg.num_layers,
-        "num_nextn_predict_layers": cfg.num_layers,
-        "hidden_size": cfg.hidden_size,
-        "vocab_size": cfg.vocab_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "head_dim": cfg.head_dim,
-        "qk_rope_head_dim": cfg.rope_head_dim,
-        "q_lora_rank": cfg.q_lora_rank,
-        "o_groups": cfg.o_groups,
-        "o_lora_rank": cfg.o_lora_rank,
-        "n_routed_experts": cfg.n_routed_experts,
-        "num_experts_per_tok": cfg.num_experts_per_tok,
-        "n_shared_experts": cfg.n_shared_experts,
-        "moe_intermediate_size": cfg.moe_intermediate_size,
-        "routed_scaling_factor": cfg.routed_scaling_factor,
-        "swiglu_limit": cfg.swiglu_limit,
-        "scoring_func": cfg.scoring_func,
-        "topk_method": cfg.topk_method,
-        "norm_topk_prob": cfg.norm_topk_prob,
-        "hc_mult": cfg.hc_mult,
-        "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters,
-        "hc_eps": cfg.hc_eps,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "sliding_window": cfg.sliding_window,
-        "rope_theta": cfg.rope_theta,
-    }
-
-
-LAYOUTS = ("anchor", "mask")
-
-
-def v4_serving_problems(cfg: DSparkV4Config, layout: str = "anchor") -> list[str]:
+def v4_serving_problems(cfg: DSparkV4Config) -> list[str]:
     """Why vLLM 0.33.0 would serve this DeepSeek-V4 DSpark draft differently from how it was trained (empty: it
-    serves it as is). Each line names the draft config key."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    out = []
-    if cfg.markov_head_type != "vanilla":
-        out.append(f"markov_head_type {cfg.markov_head_type!r}: vLLM's DSparkMarkovHead has only markov_w1 / markov_w2 "
-                   "(vllm/model_executor/models/qwen3_dspark.py:48-93), its loader has no parameter for the "
-                   f"{'gate_proj' if cfg.markov_head_type == 'gated' else 'joint_proj'} tensors")
+    serves it as is). Each line names the draft config key; the exporters refuse on them (the verifier's rules on the
+    written config are V4DSparkAdapter.serving_problems)."""
+    out = draft_markov_problems(cfg.markov_head_type)
     if cfg.confidence_bias:
         out.append("confidence_bias: vLLM's DeepSeek-V4 DSpark confidence head is DSparkConfidenceHead(bias=False) "
                    "(vllm/models/deepseek_v4/nvidia/dspark.py:175-180, qwen3_dspark.py:164-181): no parameter for "
                    "confidence_head.proj.bias")
-    if layout == "mask" and (cfg.sliding_window + cfg.block_size) % 64 == 0:
+    if cfg.layout == "mask" and (cfg.sliding_window + cfg.block_size) % 64 == 0:
         # the 1+N layout puts N+1 queries in the block; vLLM sizes the non-causal index list for window + N, padded
         # to 64 (vllm/v1/attention/backends/mla/compressor_utils.py:22-28), so one key would be cut off
         out.append(f"layout 'mask' with sliding_window + block_size = {cfg.sliding_window + cfg.block_size}, a multiple "
@@ -186,54 +147,51 @@ def v4_serving_problems(cfg: DSparkV4Config, layout: str = "anchor") -> list[str
     return out
 
 
-def _check_servable(cfg: DSparkV4Config, layout: str, for_vllm: bool, where: str) -> list[str]:
+def _check_servable(cfg: DSparkV4Config, for_vllm: bool, where: str) -> list[str]:
     """Refuse (ValueError) what vLLM 0.33.0 would serve wrongly unless `for_vllm` is False; returns the reasons."""
-    problems = v4_serving_problems(cfg, layout)
-    if problems and for_vllm:
-        raise ValueError(f"{where}: vLLM 0.33.0 cannot serve this draft as trained:\n  " + "\n  ".join(problems)
-                         + "\n(export with for_vllm=False / CLI --not-for-vllm to write it for dspark's own import)")
-    return problems
+    return refuse_unservable(v4_serving_problems(cfg), where, for_vllm,
+                             "export with for_vllm=False / CLI --not-for-vllm to write it for dspark's own import")
 
 
-def v4_config_json(cfg: DSparkV4Config, dtype: torch.dtype = torch.bfloat16, quant: str | None = None,
-                   layout: str = "anchor") -> dict:
+# dspark_config.json key -> draft config field, for the DSpark keys vLLM reads from the target config
+DSPARK_KEYS = {"dspark_block_size": "block_size", "dspark_noise_token_id": "mask_token_id",
+               "dspark_target_layer_ids": "target_layer_ids", "dspark_markov_rank": "markov_rank",
+               "dspark_markov_head_type": "markov_head_type", "dspark_confidence_bias": "confidence_bias"}
+
+
+def v4_config_json(cfg: DSparkV4Config, dtype: torch.dtype = torch.bfloat16, quant: str | None = None) -> dict:
     """dspark_config.json: the target-config keys the serving loader reads + the draft sizes (HF key names).
 
-    sample_from_anchor: vLLM's DSpark speculator reads it from the top level, default true = the anchor layout
-    (vllm/v1/worker/gpu/spec_decode/dspark/speculator.py:49-55); never inside dflash_config, where the DFlash
-    constructor it runs first raises on true (.../dflash/speculator.py:80-88).
+    sample_from_anchor (the draft's layout): vLLM's DSpark speculator reads it from the top level, default true = the
+    anchor layout (vllm/v1/worker/gpu/spec_decode/dspark/speculator.py:49-55); never inside dflash_config, where the
+    DFlash constructor it runs first raises on true (.../dflash/speculator.py:80-88).
     """
     return {
-        "dspark_block_size": cfg.block_size,
-        "dspark_noise_token_id": cfg.mask_token_id,
-        "dspark_target_layer_ids": list(cfg.target_layer_ids),
-        "dspark_markov_rank": cfg.markov_rank,
-        "dspark_markov_head_type": cfg.markov_head_type,
-        "dspark_confidence_bias": cfg.confidence_bias,
-        **v4_block_config_json(cfg),
+        **{key: getattr(cfg, field) for key, field in DSPARK_KEYS.items()},
+        **block_config_json(cfg),
         "dspark_rope_theta": cfg.rope_theta,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "dspark_torch_dtype": str(dtype).removeprefix("torch."),
+        "torch_dtype": dtype_name(dtype),
+        "dspark_torch_dtype": dtype_name(dtype),
         "dspark_format": "deepseek_v4_mtp",
-        "sample_from_anchor": layout == "anchor",
+        "sample_from_anchor": cfg.layout == "anchor",
     } | ({"quantization_config": quantization_config_json(quant), "expert_dtype": quant} if quant else {})
 
 
 @sealed
 def export_v4_sidecar(draft: DSparkV4Draft, out_dir, dtype: torch.dtype = torch.bfloat16,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, quant: str | None = None,
-                      layout: str = "anchor", for_vllm: bool = True) -> Path:
+                      for_vllm: bool = True) -> Path:
     """Write the draft as a sidecar folder of `mtp.{i}.*` tensors + dspark_config.json; returns the folder.
 
-    `layout` is the block layout the draft was trained with (training config draft.layout). A draft vLLM 0.33.0
-    would serve differently (v4_serving_problems) is refused unless `for_vllm` is False; the config then lists
-    the reasons under `dspark_not_for_vllm`. With `quant`, also writes quant_report.json (see `quant_report`).
+    A draft vLLM 0.33.0 would serve differently (v4_serving_problems) is refused unless `for_vllm` is False; the config
+    then lists the reasons under `dspark_not_for_vllm`. With `quant`, also writes quant_report.json (see
+    `quant_report`).
     """
     out_dir = Path(out_dir)
-    not_served = _check_servable(draft.config, layout, for_vllm, "export_v4_sidecar")
+    not_served = _check_servable(draft.config, for_vllm, "export_v4_sidecar")
     tensors, errors = v4_tensors(draft, dtype, quant)
     write_tensors(tensors, out_dir, max_shard_bytes)
-    config = v4_config_json(draft.config, dtype, quant, layout)
+    config = v4_config_json(draft.config, dtype, quant)
     if not_served:
         config[NOT_FOR_VLLM] = not_served
     atomic_write_json(out_dir / CONFIG_NAME, config)
@@ -302,15 +260,8 @@ def import_v4_sidecar(folder, draft: DSparkV4Draft) -> DSparkV4Draft:
     `.scale`, e.g. a released DeepSeek-V4-Flash-DSpark) are dequantised; tensors are cast to the draft's
     parameter dtypes.
     """
-    n = draft.config.num_layers
-    back = {serving_name(k, n): k for k, _ in draft.named_parameters()}
     raw = dict(iter_tensors(Path(folder), prefix="mtp."))
-    tensors = {}
-    for name, t in q.dequantize_tensors(raw, _block_size(Path(folder))).items():
-        if name in back:
-            tensors[back[name]] = t
-        else:
-            tensors[name] = t  # reported as unexpected by load_into
+    tensors = V4DSparkAdapter().from_serving(q.dequantize_tensors(raw, _block_size(Path(folder))), draft)
     load_into(draft, tensors, f"import_v4_sidecar({folder})")
     return draft
 
@@ -334,13 +285,13 @@ MERGED_SHARD = "model-dspark-mtp.safetensors"
 
 @sealed
 def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch.dtype = torch.bfloat16,
-                         quant: str | None = None, layout: str = "anchor", for_vllm: bool = True) -> Path:
+                         quant: str | None = None, for_vllm: bool = True) -> Path:
     """A copy of a target checkpoint folder with the draft's `mtp.{i}.*` tensors added (SPEC.md 4).
 
     Files are hard-linked when possible (copied otherwise); the draft goes into its own shard
     `model-dspark-mtp.safetensors`; the index gains its names (a single-file target gets an index);
     config.json gains dspark_block_size, dspark_noise_token_id, dspark_target_layer_ids, dspark_markov_rank,
-    n_mtp_layers / num_nextn_predict_layers, sample_from_anchor (the draft's `layout`) and
+    n_mtp_layers / num_nextn_predict_layers, sample_from_anchor (the draft's layout) and
     dflash_config.causal = false. `mtp.*` tensors the target already holds (e.g. DeepSeek-V4's own MTP layer)
     would be loaded as draft weights by the serving loader, so they are removed from the copy (their shards are
     rewritten without them, the originals stay untouched).
@@ -366,18 +317,17 @@ def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch
     if int(config.get("hidden_size", draft.config.hidden_size)) != draft.config.hidden_size:
         raise ValueError(f"merge_v4_into_target: target hidden_size {config['hidden_size']} != draft "
                          f"{draft.config.hidden_size}")
-    not_served = _check_servable(draft.config, layout, for_vllm, "merge_v4_into_target")
+    not_served = _check_servable(draft.config, for_vllm, "merge_v4_into_target")
     _check_merge_quant(config, quant, target_dir)
-    check_target_config(config, draft.config, f"{target_dir}/config.json")
+    check_target_config(config, f"{target_dir}/config.json")
     _check_merge_arch(config, draft, target_dir)
     tensors, errors = v4_tensors(draft, dtype, quant)
     merge_shard_into_copy(target_dir, out_dir, tensors, shard=MERGED_SHARD,
                           is_draft_name=lambda k: k.startswith("mtp."))
     _write_report(out_dir, quant, errors)
-    sidecar = v4_config_json(draft.config, dtype, layout=layout)
-    keys = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
-            "dspark_markov_head_type", "dspark_confidence_bias", "n_mtp_layers", "num_nextn_predict_layers",
-            "dspark_torch_dtype", "dspark_rope_theta", "sample_from_anchor")
+    sidecar = v4_config_json(draft.config, dtype)
+    keys = (*DSPARK_KEYS, "n_mtp_layers", "num_nextn_predict_layers", "dspark_torch_dtype", "dspark_rope_theta",
+            "sample_from_anchor")
     config.update({k: sidecar[k] for k in keys})
     # the project's draft block is bidirectional: say so where vLLM resolves the block's causality
     # (vllm/model_executor/models/qwen3_dflash.py:62-81, used for DSV4 DSpark by dspark/utils.py:102)
@@ -389,32 +339,17 @@ def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch
     return out_dir
 
 
-# Target-config keys vLLM 0.33.0 reads BEFORE the dspark_* ones, with where it reads them:
-_PRECEDENCE = {
-    "mask_token_id": "mask token: dflash_config.mask_token_id, then mask_token_id, then dspark_noise_token_id "
-                     "(vllm/v1/worker/gpu/spec_decode/utils.py:92-109)",
-    "block_size": "default num_speculative_tokens: block_size, then dspark_block_size "
-                  "(vllm/config/speculative.py:1592-1599)",
-    "eagle_aux_hidden_state_layer_ids": "target taps: eagle_aux_hidden_state_layer_ids, then "
-                                        "dflash_config.target_layer_ids, then dspark_target_layer_ids "
-                                        "(vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py:113-135)",
-}
-
-
-def check_target_config(config: dict, cfg: DSparkV4Config, where: str) -> None:
+def check_target_config(config: dict, where: str) -> None:
     """Refuse (ValueError naming the key) a DeepSeek-V4 target config.json under which vLLM 0.33.0 would not serve
-    this draft as trained. Layer sizes, routing (topk_method / norm_topk_prob) and rope_theta are compared by
-    _check_merge_arch; this checks the keys vLLM reads before the dspark_* ones and the block's causality."""
-    bad = []
-    for key, why in _PRECEDENCE.items():
-        if config.get(key) is not None:
-            bad.append(f"{key}={config[key]!r}: vLLM reads it first for the {why}")
+    this draft as trained: the keys vLLM reads before the dspark_* ones (the verifier's rule, precedence_lines), any
+    dflash_config.sample_from_anchor, and a block made causal explicitly (is_causal / dflash_config.causal true; the
+    merge itself writes dflash_config.causal false for targets whose layer_types would make it causal). Layer sizes,
+    routing (topk_method / norm_topk_prob) and rope_theta are compared by _check_merge_arch."""
+    bad = precedence_lines(config, dense=False)
     dflash = config.get("dflash_config") or {}
-    for key in ("mask_token_id", "target_layer_ids", "sample_from_anchor"):
-        if key in dflash:
-            bad.append(f"dflash_config.{key}={dflash[key]!r}: vLLM reads it before the dspark_* keys"
-                       + (" and the DFlash constructor run first raises on true (dflash/speculator.py:80-88)"
-                          if key == "sample_from_anchor" else ""))
+    if "sample_from_anchor" in dflash and dflash["sample_from_anchor"] is not True:
+        bad.append(f"dflash_config.sample_from_anchor={dflash['sample_from_anchor']!r}: vLLM reads it before the "
+                   "top-level sample_from_anchor the merge writes (dflash/speculator.py:80-88)")
     if dflash.get("causal") is True or config.get("is_causal") is True:
         key = "is_causal" if config.get("is_causal") is True else "dflash_config.causal"
         bad.append(f"{key}=true: vLLM would run the draft block causally (qwen3_dflash.py:62-81); the draft is "
@@ -432,14 +367,12 @@ def v4_config_from_folder(folder) -> DSparkV4Config:
     the dspark_* keys (a merged export or a released DeepSeek-V4 DSpark checkpoint): build a DSparkV4Draft
     from it, then `import_v4_sidecar`. Layer sizes come from the config through transformers'
     DeepseekV4Config; the draft layer count is n_mtp_layers, else 3 (vLLM's default)."""
-    import json
-
     folder = Path(folder)
-    path = folder / CONFIG_NAME if (folder / CONFIG_NAME).is_file() else folder / "config.json"
-    c = json.loads(path.read_text())
-    if "dspark_block_size" not in c:
-        raise ValueError(f"{path}: no dspark_block_size (neither a DSpark sidecar nor a DSpark checkpoint config)")
-    return _config_from_target_json(c, num_layers=int(c.get("n_mtp_layers") or 3))
+    config = V4DSparkAdapter.read(folder)
+    if config is None:
+        raise ValueError(f"{folder}: no dspark_config.json and no config.json with dspark_block_size (neither a DSpark "
+                         "sidecar nor a DSpark checkpoint config)")
+    return V4DSparkAdapter().draft_config(config)
 
 
 def _config_from_target_json(c: dict, **draft_keys) -> DSparkV4Config:
@@ -448,12 +381,11 @@ def _config_from_target_json(c: dict, **draft_keys) -> DSparkV4Config:
     hf_keys = {k: v for k, v in c.items() if not k.startswith("dspark_") and k not in (
         "quantization_config", "expert_dtype", "torch_dtype", "n_mtp_layers", "num_nextn_predict_layers")}
     hf = DeepseekV4Config(**hf_keys)
-    for key, ck in (("block_size", "dspark_block_size"), ("mask_token_id", "dspark_noise_token_id"),
-                    ("target_layer_ids", "dspark_target_layer_ids"), ("markov_rank", "dspark_markov_rank"),
-                    ("markov_head_type", "dspark_markov_head_type"), ("confidence_bias", "dspark_confidence_bias"),
-                    ("rope_theta", "dspark_rope_theta")):
+    for ck, key in {**DSPARK_KEYS, "dspark_rope_theta": "rope_theta"}.items():
         if c.get(ck) is not None:
             draft_keys.setdefault(key, c[ck])
+    if "sample_from_anchor" in c:  # vLLM's default: the anchor layout
+        draft_keys.setdefault("layout", "anchor" if c["sample_from_anchor"] else "mask")
     return DSparkV4Config.from_target_config(hf, **draft_keys)
 
 
@@ -465,7 +397,7 @@ def _check_merge_arch(config: dict, draft: DSparkV4Draft, target_dir: Path) -> N
     own = {f.name for f in dataclasses.fields(cfg)} - set(_NOT_ARCH)
     # rope_theta / topk_method / norm_topk_prob are NOT passed: vLLM takes them from the target config
     keys = {k: getattr(cfg, k) for k in ("num_layers", "block_size", "mask_token_id", "target_layer_ids",
-                                         "markov_rank", "markov_head_type", "confidence_bias")}
+                                         "markov_rank", "markov_head_type", "confidence_bias", "layout")}
     try:
         # what vLLM reads: the target's own rope_theta, not a dspark_rope_theta left by an earlier merge
         served = _config_from_target_json({k: v for k, v in config.items() if k != "dspark_rope_theta"}, **keys)
@@ -498,3 +430,138 @@ def _check_merge_quant(config: dict, quant: str | None, target_dir: Path) -> Non
         raise ValueError(f"merge: {where} is quantised (quantization_config.quant_method "
                          f"{qc.get('quant_method')!r}, expert_dtype {expert!r}); vLLM builds the draft's linears "
                          f"the same way, so export with quant={expert!r} (CLI --quant {expert}), got {quant!r}")
+
+
+# ---- what vLLM 0.33.0 loads from a folder (verify) --------------------------------------------------------
+_V4_FP8_STEMS = ("main_proj", "attn.wq_a", "attn.wkv", "attn.wq_b", "attn.wo_a", "attn.wo_b",
+                 "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
+
+
+def _quantised_expected(exp: Expected, qc: dict, expert_dtype: str) -> None:
+    """Rewrite the expected set in place for a quantised checkpoint (weight dtype/shape + `.scale`): the linears vLLM
+    builds with the quant config are F8_E4M3 + `.scale` [ceil(N/b), ceil(K/b)] (F8_E8M0 when expert_dtype is "fp4",
+    else F32); routed experts under "fp4" are I8 [N, K/2] + F8_E8M0 `.scale` [N, K/32]."""
+    if expert_dtype not in ("fp8", "fp4"):
+        raise ValueError(f"config: expert_dtype {expert_dtype!r} is neither 'fp8' nor 'fp4'")
+    bn, bk = qc.get("weight_block_size") or (128, 128)
+    lin_scale = "F8_E8M0" if expert_dtype == "fp4" else "F32"
+    for name in list(exp):
+        parts = name.split(".", 2)  # mtp, i, rest
+        if len(parts) < 3 or not parts[2].endswith(".weight"):
+            continue
+        stem = parts[2].removesuffix(".weight")
+        is_expert = stem.startswith("ffn.experts.")
+        if stem not in _V4_FP8_STEMS and not is_expert:
+            continue
+        (n, k), _ = exp[name]
+        scale_name = name.removesuffix(".weight") + ".scale"
+        if is_expert and expert_dtype == "fp4":
+            exp[name] = ((n, k // 2), "I8")
+            exp[scale_name] = ((n, k // 32), "F8_E8M0")
+        else:
+            exp[name] = ((n, k), "F8_E4M3")
+            exp[scale_name] = ((-(-n // bn), -(-k // bk)), lin_scale)
+
+
+def v4_expected(c: dict) -> Expected:
+    """The `mtp.{i}.*` tensors vLLM loads for a DSpark config (sidecar or merged), from the config alone:
+    n_mtp_layers stages, default 3, any other `mtp.{i}` a KeyError (nvidia/dspark.py:106, 572-600); the combiner
+    under mtp.0, the head stack under the last stage; float32: hc_*, *norm.weight, attn_sink, gate.bias,
+    confidence_head.*, the rest torch_dtype (quantised sets: _quantised_expected)."""
+    wide = SAFETENSORS_DTYPES[c.get("dspark_torch_dtype") or c.get("torch_dtype") or "bfloat16"]
+    H, V, hc = c["hidden_size"], c["vocab_size"], c["hc_mult"]
+    r = c["dspark_markov_rank"]
+    n_layers = c.get("n_mtp_layers") or 3  # vLLM: getattr(config, "n_mtp_layers", None) or 3 (dspark.py:106)
+    n_ctx = len(c["dspark_target_layer_ids"])
+    exp: Expected = {}
+    for i in range(n_layers):
+        exp.update(block_expected(f"mtp.{i}.", c, wide))
+    exp["mtp.0.main_proj.weight"] = ((H, n_ctx * H), wide)
+    exp["mtp.0.main_norm.weight"] = ((H,), "F32")
+    last = f"mtp.{n_layers - 1}."
+    exp.update(hc_head_expected(last, H, hc))
+    exp.update(markov_expected(last + "markov_head.", c.get("dspark_markov_head_type", "vanilla"), V, V, r, H, wide))
+    if c.get("dspark_confidence_bias"):
+        exp[last + "confidence_head.proj.bias"] = ((1,), "F32")
+    qc = c.get("quantization_config")
+    if qc:
+        _quantised_expected(exp, qc, c.get("expert_dtype") or qc.get("expert_dtype") or "fp4")
+    return exp
+
+
+def v4_optional(c: dict) -> Expected:
+    """The V4 confidence head: built when enable_confidence_head (default true), dropped by the loader when the
+    checkpoint has none (nvidia/dspark.py:175-180, 567-568); Linear(H + r -> 1, no bias, float32)."""
+    if c.get("enable_confidence_head", True) is False:
+        return {}
+    last = f"mtp.{(c.get('n_mtp_layers') or 3) - 1}."
+    return {last + "confidence_head.proj.weight": ((1, c["hidden_size"] + c["dspark_markov_rank"]), "F32")}
+
+
+def v4_config_problems(c: dict) -> list[str]:
+    """vLLM 0.33.0's rules on a DeepSeek-V4 DSpark config (sidecar dspark_config.json or a merged target
+    config.json), naming the folder's keys."""
+    out = markov_lines(c.get("dspark_markov_head_type") if c.get("dspark_markov_rank") else None)
+    if c.get("dspark_confidence_bias"):
+        out.append("dspark_confidence_bias: vLLM 0.33.0's DeepSeek-V4 DSpark confidence head has no bias parameter "
+                   "(DSparkConfidenceHead(bias=False), nvidia/dspark.py:175-180)")
+    out += sorted_lines("dspark_target_layer_ids", c.get("dspark_target_layer_ids"))
+    out += precedence_lines(c, dense=False)
+    n_target = c.get("num_hidden_layers")
+    if isinstance(n_target, int) and block_causal(c, n_target):
+        out.append("the target's layer_types / dflash_config.causal / is_causal make vLLM run the draft block causally "
+                   "(qwen3_dflash.py:62-81 via dspark/utils.py:102); the draft is trained bidirectional: set "
+                   "dflash_config.causal=false")
+    theta, own = c.get("rope_theta"), c.get("dspark_rope_theta")
+    if theta is not None and own is not None and float(theta) != float(own):
+        out.append(f"dspark_rope_theta {own} != rope_theta {theta}: vLLM's draft layers use the target's rope_theta "
+                   "without scaling (models/deepseek_v4/common/rope.py:28-42)")
+    window, block = c.get("sliding_window"), c.get("dspark_block_size")
+    if c.get("sample_from_anchor") is False and isinstance(window, int) and isinstance(block, int) \
+            and (window + block) % 64 == 0:
+        out.append(f"sample_from_anchor=false with sliding_window + dspark_block_size = {window + block} (a multiple of "
+                   "64): vLLM's non-causal window index list holds window + num_speculative_tokens keys "
+                   "(v1/attention/backends/mla/compressor_utils.py:22-28), one fewer than the 1+N block needs")
+    return out
+
+
+@serving_adapter
+class V4DSparkAdapter(ServingAdapter):
+    """DeepSeek-V4 DSpark: a sidecar (dspark_config.json + `mtp.{i}.*`) or a target checkpoint whose config.json
+    carries the dspark_* keys (merge_v4_into_target, a released DeepSeek-V4-*-DSpark)."""
+
+    kind = "dspark_v4"
+    format = "deepseek_v4 dspark (mtp.*)"
+
+    @classmethod
+    def read(cls, folder: Path) -> dict | None:
+        if (folder / "mtp_config.json").is_file():
+            return None
+        sidecar = read_json(folder / CONFIG_NAME)
+        if sidecar is not None:
+            return sidecar
+        config = read_json(folder / "config.json")
+        return config if config is not None and "dspark_block_size" in config else None
+
+    def is_draft_tensor(self, config: dict, name: str) -> bool:
+        return name.startswith("mtp.")  # a merged target checkpoint also holds the target's own tensors
+
+    def to_serving(self, draft: DSparkV4Draft, dtype: torch.dtype, quant: str | None = None):
+        return v4_tensors(draft, dtype, quant)
+
+    def from_serving(self, tensors: dict[str, torch.Tensor], draft: DSparkV4Draft) -> dict[str, torch.Tensor]:
+        n = draft.config.num_layers
+        back = {serving_name(k, n): k for k, _ in draft.named_parameters()}
+        return {back.get(name, name): t for name, t in tensors.items()}  # unknown names: reported by load_into
+
+    def config_json(self, draft: DSparkV4Draft, dtype: torch.dtype, quant: str | None = None) -> dict:
+        return v4_config_json(draft.config, dtype, quant)
+
+    def draft_config(self, config: dict) -> DSparkV4Config:
+        return _config_from_target_json(config, num_layers=int(config.get("n_mtp_layers") or 3))
+
+    def expected(self, config: dict) -> tuple[Expected, Expected]:
+        return v4_expected(config), v4_optional(config)
+
+    def serving_problems(self, config: dict) -> list[str]:
+        return v4_config_problems(config)

@@ -1,199 +1,143 @@
-"""MTP drafts <-> serving sidecar folders (issue 5 item 3/4): HY V4 MTP and DeepSeek-V4 native MTP.
+"""MTP drafts <-> serving sidecar folders: what every MTP family's adapter shares (HY V4: hy_v4_mtp.py, DeepSeek-V4
+native: dsv4_mtp.py).
 
 A sidecar folder holds model.safetensors (or shards + index, dspark.export._io) with the serving names and
-`mtp_config.json`:
-
-    HY V4 (HYV4MTPDraft)      model.mtp_layers.{i}.X  (layer_names="layers": model.layers.{N+i}.X, N = target
-                              num_hidden_layers); routed experts fused [E, 2I, H] / [E, H, I] or, with
-                              split_experts, mlp.experts.{e}.{gate,up,down}_proj.weight
-    DeepSeek-V4 (DSV4MTPDraft) mtp.{i}.X               (official V4 names, SPEC.md 4)
-
-mtp_config.json carries the target-config keys the serving side builds the MTP layers from (HF key names,
-num_nextn_predict_layers, num_hidden_layers for HY V4), `dspark_format` ("hy_v4_mtp" / "deepseek_v4_mtp_native")
-for the verifier, and `draft_config` (the draft's own config, every field) for import. The embedding and
-LM head are the target's and are not written.
-
-Dtypes: compute weights in `dtype`; float32 kept for DeepSeek-V4's fp32 set (hc_*, norms, attn_sink, gate bias:
-dspark.models.dspark_v4.FP32_PARAM_RE) and, for HY V4, the router (`mlp.gate.weight`,
-`mlp.gate.e_score_correction_bias`) and `self_attn.learnable_sink_param`, the tensors the draft itself builds
-in float32. Import casts every tensor to the draft's own parameter dtype.
+`mtp_config.json`: the target-config keys the serving side builds the MTP layers from (HF key names), `dspark_format`
+(the adapter's format, what the verifier dispatches on) and `draft_config` (the draft's own config, every field) for
+import. The embedding and LM head are the target's and are not written. Import casts every tensor to the draft's own
+parameter dtype. `merge_mtp_into_target` writes the draft into a copy of a target checkpoint instead (`mtp_merged`).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
 from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, check_if_sealed, load_into, sealed, write_tensors
-from dspark.export.dspark_v4 import v4_block_config_json
+from dspark.export.adapter import SAFETENSORS_DTYPES, ServingAdapter, adapters, dtype_name, read_json
 from dspark.io import atomic_write_json
-from dspark.models import dsv4_mtp, hy_v4_names
-from dspark.models.dspark_v4 import FP32_PARAM_RE
-from dspark.models.dsv4_mtp import DSV4MTPConfig, DSV4MTPDraft
-from dspark.models.hy_v4_mtp import HYV4MTPConfig, HYV4MTPDraft
+from dspark.models import registry
 
 CONFIG_NAME = "mtp_config.json"
-HY_FORMAT = "hy_v4_mtp"
-DSV4_FORMAT = "deepseek_v4_mtp_native"
+MERGED_SHARD = "model-mtp-draft.safetensors"
 LAYER_NAMES = ("mtp_layers", "layers")
-_HY_FP32_RE = re.compile(r"\.(mlp\.gate\.weight|mlp\.gate\.e_score_correction_bias|self_attn\.learnable_sink_param)$")
-_HY_MTP_PREFIX = re.compile(r"^model\.mtp_layers\.(\d+)\.")
+_NOT_SERVED = ("num_steps", "initializer_range", "learnable_sink_init")  # training-only draft fields
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def need(c: dict, *keys: str) -> list:
+    """c[key] for each key; ValueError naming the missing ones."""
+    missing = [k for k in keys if k not in c]
+    if missing:
+        raise ValueError(f"{CONFIG_NAME}: missing keys {missing}")
+    return [c[k] for k in keys]
 
 
-def _check_draft(draft) -> None:
-    if not isinstance(draft, (HYV4MTPDraft, DSV4MTPDraft)):
-        raise TypeError(f"mtp export: {type(draft).__name__} is not an MTP draft (HYV4MTPDraft / DSV4MTPDraft)")
+def num_mtp_layers(c: dict, *keys: str) -> int:
+    """The config's MTP layer count (the first of `keys` present)."""
+    n = next((c[k] for k in keys if c.get(k)), None)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"{CONFIG_NAME}: num_nextn_predict_layers must be a positive int, got {n!r}")
+    return n
 
 
-def _export_dtype(serving: str, is_hy: bool, dtype: torch.dtype) -> torch.dtype:
-    keep = _HY_FP32_RE.search(serving) if is_hy else FP32_PARAM_RE.search(serving)
-    return torch.float32 if keep else dtype
+class MTPAdapter(ServingAdapter):
+    """An MTP family's sidecar / merged format. A family sets `kind`, `format` (mtp_config.json's dspark_format),
+    `target_model_type`, and implements the names (to_serving / from_serving), `family_json` (its target-config keys),
+    `served_config`, `expected`, `serving_problems` and `is_draft_tensor`."""
+
+    target_model_type: ClassVar[str]
+
+    @classmethod
+    def read(cls, folder: Path) -> dict | None:
+        """mtp_config.json of this format; a merged folder's target config.json keys win (vLLM reads them)."""
+        c = read_json(folder / CONFIG_NAME)
+        if c is None or c.get("dspark_format") != cls.format:
+            return None
+        if c.get("mtp_merged") is True and (folder / "config.json").is_file():
+            served = json.loads((folder / "config.json").read_text())
+            c = {**c, **{k: v for k, v in served.items() if k not in ("torch_dtype", "dtype")}}
+        if c.get("torch_dtype") not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{CONFIG_NAME}: torch_dtype {c.get('torch_dtype')!r} is not one of "
+                             f"{sorted(SAFETENSORS_DTYPES)}")
+        return c
+
+    def label(self, config: dict) -> str:
+        return self.format
+
+    def config_json(self, draft, dtype: torch.dtype, layer_names: str = "mtp_layers",
+                    split_experts: bool = False) -> dict:
+        """mtp_config.json: dspark_format, the family's target-config keys, torch_dtype, draft_config."""
+        return {"dspark_format": self.format, "model_type": self.target_model_type,
+                **self.family_json(draft.config, layer_names, split_experts),
+                "torch_dtype": dtype_name(dtype), "draft_config": dataclasses.asdict(draft.config)}
+
+    def family_json(self, cfg, layer_names: str, split_experts: bool) -> dict:
+        raise NotImplementedError
+
+    def draft_config(self, config: dict):
+        """The draft config recorded in mtp_config.json (`draft_config`)."""
+        if not isinstance(config.get("draft_config"), dict):
+            raise ValueError(f"{CONFIG_NAME}: draft_config missing (needed to rebuild the draft)")
+        return registry.family(self.kind).config.from_dict(config["draft_config"]).validate()
+
+    def served_config(self, target_config: dict, draft):
+        """The draft config vLLM would build from a target config.json (block sizes from the target)."""
+        raise NotImplementedError
+
+    def merged_target_config(self, target_config: dict, draft) -> dict:
+        """The target config.json of a merge: num_nextn_predict_layers = the draft's layer count."""
+        return {**target_config, "num_nextn_predict_layers": draft.config.num_layers}
+
+    def notes(self, config: dict) -> list[str]:
+        n = config.get("num_nextn_predict_layers")
+        if isinstance(n, int) and n >= 2:
+            return [f"num_nextn_predict_layers={n}: with num_speculative_tokens >= 2 vLLM runs its multi-module MTP "
+                    "speculator (config/speculative.py:2188-2194), a recursion dspark neither trains nor evaluates; "
+                    "eval.py's numbers hold for num_speculative_tokens 1"]
+        return []
+
+
+def mtp_adapter(draft) -> MTPAdapter:
+    """The MTP adapter of a draft's family."""
+    kind = getattr(type(draft), "family_kind", None)
+    for cls in adapters():
+        if issubclass(cls, MTPAdapter) and cls.kind == kind:
+            return cls()
+    raise TypeError(f"mtp export: {type(draft).__name__} is not an MTP draft (HYV4MTPDraft / DSV4MTPDraft)")
+
+
+def mtp_formats() -> tuple[str, ...]:
+    return tuple(cls.format for cls in adapters() if issubclass(cls, MTPAdapter))
 
 
 def mtp_tensors(draft, dtype: torch.dtype = torch.bfloat16, *, layer_names: str = "mtp_layers",
                 split_experts: bool = False) -> dict[str, torch.Tensor]:
     """{serving name: tensor (cpu, contiguous, export dtype)} of an MTP draft (parameters + the HY router bias buffer)."""
-    _check_draft(draft)
-    state = {k: v.detach().to("cpu") for k, v in draft.state_dict().items()}
-    if isinstance(draft, HYV4MTPDraft):
-        if layer_names not in LAYER_NAMES:
-            raise ValueError(f"layer_names must be one of {LAYER_NAMES}, got {layer_names!r}")
-        serving = hy_v4_names.to_serving_names(state, split_experts=split_experts)
-        if layer_names == "layers":
-            n = draft.config.mtp_start_layer
-            if n < 1:
-                raise ValueError("layer_names='layers' needs HYV4MTPConfig.mtp_start_layer (the target's "
-                                 f"num_hidden_layers) >= 1, got {n}")
-            if draft.config.num_layers >= 2:
-                # vLLM maps model.layers.{N+i} only for i < max(num_nextn_predict_layers - 1, 1)
-                # (vllm/models/hy_v4/nvidia/mtp.py:57-72 of vLLM 0.33.0) while it builds num_nextn_predict_layers
-                # layers (mtp.py:414-417): no num_nextn_predict_layers loads every layer, the rest would serve
-                # their random init. model.mtp_layers.{i} names load for any i (mtp.py:792-799).
-                raise ValueError(f"layer_names='layers' with num_layers={draft.config.num_layers}: vLLM 0.33.0 loads "
-                                 "model.layers.{N+i} only for i < max(num_nextn_predict_layers - 1, 1), so layer 1 "
-                                 "and later would be served with their random init; use layer_names='mtp_layers' "
-                                 "(CLI --layer-names mtp_layers)")
-            serving = {_HY_MTP_PREFIX.sub(lambda m: f"model.layers.{n + int(m.group(1))}.", k): v
-                       for k, v in serving.items()}
-        is_hy = True
-    else:
-        if layer_names != "mtp_layers" or split_experts:
-            raise ValueError("layer_names / split_experts apply to HY V4 MTP drafts only (DeepSeek-V4 names are mtp.{i}.*)")
-        serving = dsv4_mtp.to_serving_names(state)
-        is_hy = False
-    return {k: v.to(_export_dtype(k, is_hy, dtype)).contiguous() for k, v in serving.items()}
-
-
-def hy_config_json(cfg: HYV4MTPConfig, dtype: torch.dtype, layer_names: str, split_experts: bool) -> dict:
-    """mtp_config.json of a HY V4 MTP sidecar: target-config keys (HF `hy_v4` names) + layout + draft_config."""
-    return {
-        "dspark_format": HY_FORMAT,
-        "model_type": "hy_v4",
-        "num_hidden_layers": cfg.mtp_start_layer,
-        "num_nextn_predict_layers": cfg.num_layers,
-        "hidden_size": cfg.hidden_size,
-        "vocab_size": cfg.vocab_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "q_lora_rank": cfg.q_lora_rank,
-        "kv_lora_rank": cfg.kv_lora_rank,
-        "qk_nope_head_dim": cfg.qk_nope_head_dim,
-        "qk_rope_head_dim": cfg.qk_rope_head_dim,
-        "v_head_dim": cfg.v_head_dim,
-        "gating_type": cfg.gating_type,
-        "learnable_sink": cfg.learnable_sink,
-        "index_topk": cfg.index_topk,
-        "index_head_dim": cfg.index_head_dim,
-        "index_n_heads": cfg.index_n_heads,
-        "intermediate_size": cfg.intermediate_size,
-        "n_routed_experts": cfg.n_routed_experts,
-        "num_experts_per_tok": cfg.num_experts_per_tok,
-        "n_shared_experts": cfg.n_shared_experts,
-        "moe_intermediate_size": cfg.moe_intermediate_size,
-        "routed_scaling_factor": cfg.routed_scaling_factor,
-        "norm_topk_prob": cfg.norm_topk_prob,
-        "swiglu_limit": cfg.swiglu_limit,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        # the MTP layer's entries of the target's layer_types / mlp_layer_types (what vLLM builds it from)
-        "mtp_layer_type": "sparse_attention" if cfg.use_indexer else "full_attention",
-        "mtp_mlp_layer_type": cfg.mlp_type,
-        "mtp_layer_names": layer_names,
-        "mtp_split_experts": split_experts,
-        "torch_dtype": _dtype_name(dtype),
-        "draft_config": dataclasses.asdict(cfg),
-    }
-
-
-def dsv4_config_json(cfg: DSV4MTPConfig, dtype: torch.dtype) -> dict:
-    """mtp_config.json of a DeepSeek-V4 MTP sidecar: DeepseekV4Config key names + MTP count + draft_config."""
-    return {
-        "dspark_format": DSV4_FORMAT,
-        "model_type": "deepseek_v4",
-        **v4_block_config_json(cfg),  # incl. rope_theta, topk_method, norm_topk_prob
-        "torch_dtype": _dtype_name(dtype),
-        "draft_config": dataclasses.asdict(cfg),
-    }
+    return mtp_adapter(draft).to_serving(draft, dtype, layer_names=layer_names, split_experts=split_experts)
 
 
 @sealed
 def export_mtp(draft, out_dir, dtype: torch.dtype = torch.bfloat16, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                layer_names: str = "mtp_layers", split_experts: bool = False) -> Path:
     """Write an MTP draft as a sidecar folder (serving-named safetensors + mtp_config.json); returns the folder."""
-    out_dir = Path(out_dir)
-    tensors = mtp_tensors(draft, dtype, layer_names=layer_names, split_experts=split_experts)
-    if isinstance(draft, HYV4MTPDraft):
-        cfg_json = hy_config_json(draft.config, dtype, layer_names, split_experts)
-    else:
-        cfg_json = dsv4_config_json(draft.config, dtype)
-    write_tensors(tensors, out_dir, max_shard_bytes, metadata={"dspark_format": cfg_json["dspark_format"]})
-    atomic_write_json(out_dir / CONFIG_NAME, cfg_json)
+    adapter, out_dir = mtp_adapter(draft), Path(out_dir)
+    tensors = adapter.to_serving(draft, dtype, layer_names=layer_names, split_experts=split_experts)
+    write_tensors(tensors, out_dir, max_shard_bytes, metadata={"dspark_format": adapter.format})
+    atomic_write_json(out_dir / CONFIG_NAME, adapter.config_json(draft, dtype, layer_names, split_experts))
     return out_dir
 
 
-MERGED_SHARD = "model-mtp-draft.safetensors"
-_NOT_SERVED = ("num_steps", "initializer_range", "learnable_sink_init")  # training-only draft fields
-
-
-def _is_mtp_name(name: str, is_hy: bool, start: int) -> bool:
-    """Whether a checkpoint tensor belongs to the MTP layers (HY V4: model.mtp_layers.* or model.layers.{>=N}.*)."""
-    if not is_hy:
-        return name.startswith("mtp.")
-    if name.startswith("model.mtp_layers."):
-        return True
-    m = re.match(r"^model\.layers\.(\d+)\.", name)
-    return m is not None and start > 0 and int(m.group(1)) >= start
-
-
-def _served_config(config: dict, draft):
-    """The draft config vLLM would build from a target config.json (block sizes from the target)."""
-    keys = {"num_layers": draft.config.num_layers, "num_steps": draft.config.num_steps}
-    if isinstance(draft, HYV4MTPDraft):
-        from transformers import HYV4Config
-
-        hf = HYV4Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
-        return HYV4MTPConfig.from_target_config(hf, config_json=config, **keys)
-    from transformers import DeepseekV4Config
-
-    hf = DeepseekV4Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
-    return DSV4MTPConfig.from_target_config(hf, **keys)
-
-
-def _check_merge(config: dict, draft, target_dir: Path) -> None:
-    want = "hy_v4" if isinstance(draft, HYV4MTPDraft) else "deepseek_v4"
-    if config.get("model_type") != want:
-        raise ValueError(f"merge: {target_dir}/config.json model_type {config.get('model_type')!r} is not {want!r} "
-                         f"({type(draft).__name__})")
+def _check_merge(adapter: MTPAdapter, config: dict, draft, target_dir: Path) -> None:
+    if config.get("model_type") != adapter.target_model_type:
+        raise ValueError(f"merge: {target_dir}/config.json model_type {config.get('model_type')!r} is not "
+                         f"{adapter.target_model_type!r} ({type(draft).__name__})")
     if config.get("quantization_config"):
         raise ValueError(f"merge: {target_dir}/config.json is quantised; MTP merges are unquantised only")
     try:
-        served = _served_config(config, draft)
+        served = adapter.served_config(config, draft)
     except (TypeError, ValueError) as err:
         raise ValueError(f"merge: {target_dir}/config.json does not describe the draft's target: {err}") from err
     own = draft.config
@@ -219,23 +163,17 @@ def merge_mtp_into_target(draft, target_dir, out_dir, dtype: torch.dtype = torch
     """
     from dspark.export._io import merge_shard_into_copy
 
-    _check_draft(draft)
+    adapter = mtp_adapter(draft)
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     if out_dir.resolve() == target_dir.resolve():
         raise ValueError("merge: out_dir must differ from target_dir (the target stays untouched)")
     config = json.loads((target_dir / "config.json").read_text())
-    _check_merge(config, draft, target_dir)
-    is_hy = isinstance(draft, HYV4MTPDraft)
-    start = draft.config.mtp_start_layer if is_hy else 0
-    tensors = mtp_tensors(draft, dtype, layer_names=layer_names, split_experts=split_experts)
+    _check_merge(adapter, config, draft, target_dir)
+    tensors = adapter.to_serving(draft, dtype, layer_names=layer_names, split_experts=split_experts)
+    side = adapter.config_json(draft, dtype, layer_names, split_experts)
     merge_shard_into_copy(target_dir, out_dir, tensors, shard=MERGED_SHARD, skip=(CONFIG_NAME,),
-                          is_draft_name=lambda k: _is_mtp_name(k, is_hy, start))
-    config["num_nextn_predict_layers"] = draft.config.num_layers
-    if not is_hy:
-        config["n_mtp_layers"] = draft.config.num_layers
-    atomic_write_json(out_dir / "config.json", config)
-    side = hy_config_json(draft.config, dtype, layer_names, split_experts) if is_hy else \
-        dsv4_config_json(draft.config, dtype)
+                          is_draft_name=lambda k: adapter.is_draft_tensor(side, k))
+    atomic_write_json(out_dir / "config.json", adapter.merged_target_config(config, draft))
     atomic_write_json(out_dir / CONFIG_NAME, side | {"mtp_merged": True})
     return out_dir
 
@@ -259,23 +197,22 @@ def _read_tensors(folder: Path, keep) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_mtp_config(folder) -> dict:
+def read_mtp_config(folder) -> tuple[MTPAdapter, dict]:
+    """(adapter, mtp_config.json) of an MTP sidecar / merged folder."""
     path = Path(folder) / CONFIG_NAME
     if not path.is_file():
         raise ValueError(f"{folder}: no {CONFIG_NAME} (not an MTP sidecar folder)")
     c = json.loads(path.read_text())
-    if c.get("dspark_format") not in (HY_FORMAT, DSV4_FORMAT):
-        raise ValueError(f"{path}: dspark_format {c.get('dspark_format')!r} is not {HY_FORMAT!r} or {DSV4_FORMAT!r}")
-    if not isinstance(c.get("draft_config"), dict):
-        raise ValueError(f"{path}: draft_config missing (needed to rebuild the draft)")
-    return c
+    for cls in adapters():
+        if issubclass(cls, MTPAdapter) and c.get("dspark_format") == cls.format:
+            return cls(), c
+    raise ValueError(f"{path}: dspark_format {c.get('dspark_format')!r} is not one of {mtp_formats()}")
 
 
-def mtp_config_from_folder(folder) -> HYV4MTPConfig | DSV4MTPConfig:
+def mtp_config_from_folder(folder):
     """The draft config recorded in the folder's mtp_config.json (`draft_config`)."""
-    c = read_mtp_config(folder)
-    cls = HYV4MTPConfig if c["dspark_format"] == HY_FORMAT else DSV4MTPConfig
-    return cls.from_dict(c["draft_config"]).validate()
+    adapter, c = read_mtp_config(folder)
+    return adapter.draft_config(c)
 
 
 def import_mtp(folder, draft=None):
@@ -286,22 +223,19 @@ def import_mtp(folder, draft=None):
     """
     folder = Path(folder)
     check_if_sealed(folder)
-    c = read_mtp_config(folder)
-    is_hy = c["dspark_format"] == HY_FORMAT
+    adapter, c = read_mtp_config(folder)
     if draft is None:
-        cfg = mtp_config_from_folder(folder)
-        draft = HYV4MTPDraft(cfg) if is_hy else DSV4MTPDraft(cfg)
-    if is_hy != isinstance(draft, HYV4MTPDraft) or not isinstance(draft, (HYV4MTPDraft, DSV4MTPDraft)):
+        draft = registry.family(adapter.kind).draft(adapter.draft_config(c))
+    if getattr(type(draft), "family_kind", None) != adapter.kind:
         raise ValueError(f"import_mtp({folder}): a {c['dspark_format']} folder cannot load into {type(draft).__name__}")
     merged = c.get("mtp_merged") is True  # a target checkpoint + the draft: read the MTP tensors only
-    start = draft.config.mtp_start_layer if is_hy else 0
-    raw = _read_tensors(folder, (lambda n: _is_mtp_name(n, is_hy, start)) if merged else (lambda n: True))
-    mtp = {n: t for n, t in raw.items() if _is_mtp_name(n, is_hy, start)}
-    state = draft.from_serving_names(mtp) if is_hy else dsv4_mtp.from_serving_names(mtp)
+    raw = _read_tensors(folder, (lambda n: adapter.is_draft_tensor(c, n)) if merged else (lambda n: True))
+    mtp = {n: t for n, t in raw.items() if adapter.is_draft_tensor(c, n)}
+    state = adapter.from_serving(mtp, draft)
     state.update({n: t for n, t in raw.items() if n not in mtp})  # not MTP names: reported as unexpected
     load_into(draft, state, f"import_mtp({folder})", buffers=True)
     return draft
 
 
-__all__ = ["CONFIG_NAME", "HY_FORMAT", "DSV4_FORMAT", "mtp_tensors", "export_mtp", "import_mtp", "read_mtp_config",
-           "mtp_config_from_folder", "hy_config_json", "dsv4_config_json", "merge_mtp_into_target"]
+__all__ = ["CONFIG_NAME", "MERGED_SHARD", "MTPAdapter", "export_mtp", "import_mtp", "merge_mtp_into_target",
+           "mtp_adapter", "mtp_config_from_folder", "mtp_formats", "mtp_tensors", "read_mtp_config"]

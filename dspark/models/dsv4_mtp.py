@@ -13,12 +13,12 @@ Row p combines the hidden of position p with the token at p + 1 and predicts the
 
 The block is dspark.models.dspark_v4.DSparkV4Layer (serving names `attn.*`, `ffn.*`, `attn_norm`,
 `ffn_norm`, `hc_attn_*`, `hc_ffn_*`) run with no context KV and a causal sliding-window mask.
-Export: `layers.{i}.block.X` <-> `mtp.{i}.X`, `layers.{i}.Y` <-> `mtp.{i}.Y` for the layer-level tensors.
+Serving names (dspark.export.dsv4_mtp): `layers.{i}.block.X` <-> `mtp.{i}.X`, `layers.{i}.Y` <-> `mtp.{i}.Y` for the
+layer-level tensors.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
@@ -244,38 +244,4 @@ class DSV4MTPDraft(ChainDraft, SharedTargetWeights, nn.Module):
         return F.linear(h.to(w.dtype), w)
 
 
-# ---- serving checkpoint names -------------------------------------------------------------------
-_LAYER_LEVEL = ("enorm.", "hnorm.", "e_proj.", "h_proj.", "norm.", "hc_head_fn", "hc_head_base", "hc_head_scale")
-_TRAIN_NAME = re.compile(r"^layers\.(\d+)\.(block\.)?(.+)$")
-_SERVING_NAME = re.compile(r"^mtp\.(\d+)\.(.+)$")
-
-
-def to_serving_names(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """DSV4MTPDraft state_dict -> official V4 checkpoint names (`mtp.{i}.e_proj.weight`, `mtp.{i}.attn.wq_a.weight`,
-    `mtp.{i}.hc_head_fn`, `mtp.{i}.norm.weight`, ...). Embedding / head are shared with the target: not written."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state_dict.items():
-        m = _TRAIN_NAME.match(name)
-        if m is None or (m.group(2) is None) != m.group(3).startswith(_LAYER_LEVEL):
-            raise ValueError(f"to_serving_names: unexpected DSV4 MTP parameter {name!r}")
-        out[f"mtp.{m.group(1)}.{m.group(3)}"] = tensor
-    return out
-
-
-def from_serving_names(serving: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Official V4 `mtp.{i}.*` tensors -> DSV4MTPDraft state_dict. Shared `mtp.{i}.emb.*` / `mtp.{i}.head.*`
-    copies, if a checkpoint carries them, are skipped (the draft uses the target's)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in serving.items():
-        m = _SERVING_NAME.match(name)
-        if m is None:
-            raise ValueError(f"from_serving_names: {name!r} is not an mtp.{{i}}.* tensor")
-        i, rest = m.groups()
-        if rest.startswith(("emb.", "head.")):
-            continue
-        out[f"layers.{i}.{rest}" if rest.startswith(_LAYER_LEVEL) else f"layers.{i}.block.{rest}"] = tensor
-    return out
-
-
-__all__ = ["DSV4MTPConfig", "DSV4MTPDraft", "DSV4MTPLayer", "causal_window_mask", "to_serving_names",
-           "from_serving_names", "BLOCK_FIELDS"]
+__all__ = ["DSV4MTPConfig", "DSV4MTPDraft", "DSV4MTPLayer", "causal_window_mask", "BLOCK_FIELDS"]

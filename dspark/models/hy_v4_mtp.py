@@ -540,17 +540,6 @@ class HYV4MTPDraft(ChainDraft, SharedTargetWeights, nn.Module):
         w = self._shared("lm_head_weight")
         return F.linear(hidden_out.to(w.dtype), w)
 
-    # -- serving names -----------------------------------------------------------------------------
-    def to_serving_names(self, state_dict: Mapping[str, torch.Tensor] | None = None, *,
-                         split_experts: bool = False) -> dict[str, torch.Tensor]:
-        """state_dict (default: this draft's) -> `model.mtp_layers.{i}.*` checkpoint tensors."""
-        return hy_v4_names.to_serving_names(self.state_dict() if state_dict is None else state_dict,
-                                            split_experts=split_experts)
-
-    def from_serving_names(self, serving: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Checkpoint tensors (`model.mtp_layers.{i}.*` or `model.layers.{N+i}.*`) -> this draft's state_dict keys."""
-        return hy_v4_names.from_serving_names(serving, mtp_start_layer=self.config.mtp_start_layer)
-
 
 __all__ = ["HYV4MTPConfig", "HYV4MTPDraft", "HyMTPLayer", "HyBlock", "HyMLA", "HyIndexer", "HyMoE", "HyRouter",
            "HyExperts", "HySwiGLU", "causal_mask",

@@ -1,0 +1,136 @@
+"""Serving adapters: one per draft family and serving format (as torchtitan's state_dict_adapter.py per model).
+
+An adapter owns everything vLLM 0.33.0 reads from a folder of that format, in one class that export, import and
+verify all use:
+  names     `to_serving(draft)` -> {checkpoint name: tensor} (dtypes as served), `from_serving(tensors, draft)` ->
+            the draft's state_dict (import)
+  config    `config_json(draft, dtype)` -> the config file it writes; `draft_config(config)` -> the draft config an
+            import rebuilds from a folder's config
+  shapes    `expected(config)` -> ({name: (shape, safetensors dtype)} required, {...} allowed), derived from the
+            folder's config alone (never from a draft or the name map above: the verifier's check of the exporter
+            stays independent)
+  rules     `serving_problems(config)` -> why vLLM would serve the folder differently from how the draft was trained
+            (each rule with its vLLM file:line; exporters refuse on them, the verifier reports them), and
+            `notes(config)`
+  folder    `read(folder)` -> the folder's config when it holds this format (the verifier dispatches on it), and
+            `is_draft_tensor(config, name)` (a target checkpoint with the draft merged in: the draft's tensors)
+
+Adapters register themselves by class (`@serving_adapter`); the modules of dspark/export are imported once to
+find them, so a new family's adapter is one new module here.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+Expected = dict[str, tuple[tuple[int, ...], str]]  # checkpoint name -> (shape, safetensors dtype)
+
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float8_e4m3fn": "F8_E4M3"}
+# config key of a folder written although vLLM 0.33.0 would not serve it as trained: the list of reasons
+NOT_FOR_VLLM = "dspark_not_for_vllm"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (config.json's torch_dtype)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+class ServingAdapter:
+    kind: ClassVar[str]  # the draft kind it serves (dspark.models.registry)
+    format: ClassVar[str]  # the format's name (Report.kind of a verified folder)
+
+    # ---- folder ----------------------------------------------------------------------------------
+    @classmethod
+    def read(cls, folder: Path) -> dict | None:
+        """The folder's config (what vLLM reads) when the folder holds this format, else None."""
+        raise NotImplementedError
+
+    def label(self, config: dict) -> str:
+        """What verify reports the folder as."""
+        return self.format
+
+    def is_draft_tensor(self, config: dict, name: str) -> bool:
+        """Whether a tensor of the folder is the draft's (every tensor, unless the draft is merged into a target)."""
+        return True
+
+    # ---- names / config (export, import) ------------------------------------------------------------
+    def to_serving(self, draft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def from_serving(self, tensors: dict[str, torch.Tensor], draft) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def config_json(self, draft, dtype: torch.dtype) -> dict:
+        raise NotImplementedError
+
+    def draft_config(self, config: dict):
+        raise NotImplementedError
+
+    # ---- shapes / rules (verify; exporters refuse on the rules) --------------------------------------
+    def expected(self, config: dict) -> tuple[Expected, Expected]:
+        raise NotImplementedError
+
+    def serving_problems(self, config: dict) -> list[str]:
+        return []
+
+    def notes(self, config: dict) -> list[str]:
+        return []
+
+
+_ADAPTERS: list[type[ServingAdapter]] = []
+_discovered = False
+
+
+def serving_adapter(cls: type[ServingAdapter]) -> type[ServingAdapter]:
+    """Class decorator registering an adapter."""
+    if cls not in _ADAPTERS:
+        _ADAPTERS.append(cls)
+    return cls
+
+
+def adapters() -> list[type[ServingAdapter]]:
+    """Every registered adapter class (the modules of dspark/export imported once)."""
+    global _discovered
+    if not _discovered:
+        import dspark.export as package
+
+        for info in pkgutil.iter_modules(package.__path__):
+            if not info.name.startswith("_"):
+                importlib.import_module(f"{package.__name__}.{info.name}")
+        _discovered = True
+    return list(_ADAPTERS)
+
+
+def adapter_for_folder(folder: Path) -> tuple[ServingAdapter, dict] | None:
+    """(adapter, config) of the format the folder holds, or None."""
+    for cls in adapters():
+        config = cls.read(Path(folder))
+        if config is not None:
+            return cls(), config
+    return None
+
+
+def adapter_formats() -> tuple[str, ...]:
+    return tuple(cls.format for cls in adapters())
+
+
+def refuse_unservable(problems: list[str], where: str, for_vllm: bool, how: str) -> list[str]:
+    """Exporters: ValueError listing why vLLM 0.33.0 would not serve the draft as trained, unless `for_vllm` is
+    False (`how` says how to write it anyway); returns the reasons (recorded under NOT_FOR_VLLM)."""
+    if problems and for_vllm:
+        raise ValueError(f"{where}: vLLM 0.33.0 cannot serve this draft as trained:\n  " + "\n  ".join(problems)
+                         + f"\n({how})")
+    return problems
+
+
+__all__ = ["Expected", "NOT_FOR_VLLM", "SAFETENSORS_DTYPES", "ServingAdapter", "adapter_for_folder", "adapter_formats",
+           "adapters", "dtype_name", "read_json", "refuse_unservable", "serving_adapter"]
