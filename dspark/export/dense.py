@@ -356,6 +356,14 @@ def dense_config_problems(c: dict) -> list[str]:
     return out
 
 
+def _draft_config_json(folder: Path) -> dict | None:
+    """A draft-model folder's config.json (None for MTP and DeepSeek-V4 DSpark folders, which have their own)."""
+    if (folder / "mtp_config.json").is_file() or (folder / "dspark_config.json").is_file():
+        return None
+    c = read_json(folder / "config.json")
+    return None if c is None or "dspark_block_size" in c else c
+
+
 @serving_adapter
 class DenseAdapter(ServingAdapter):
     """vLLM's own draft-model format: config.json with architectures Qwen3DSparkModel / DFlashDraftModel."""
@@ -365,10 +373,8 @@ class DenseAdapter(ServingAdapter):
 
     @classmethod
     def read(cls, folder: Path) -> dict | None:
-        if (folder / "mtp_config.json").is_file() or (folder / "dspark_config.json").is_file():
-            return None
-        c = read_json(folder / "config.json")
-        if c is None or "speculators_model_type" in c or "dspark_block_size" in c:
+        c = _draft_config_json(folder)
+        if c is None or "speculators_model_type" in c:
             return None
         return c if (c.get("architectures") or [None])[0] in (DSPARK_ARCH, DFLASH_ARCH) else None
 
@@ -400,9 +406,7 @@ class SpeculatorsAdapter(DenseAdapter):
 
     @classmethod
     def read(cls, folder: Path) -> dict | None:
-        if (folder / "mtp_config.json").is_file() or (folder / "dspark_config.json").is_file():
-            return None
-        c = read_json(folder / "config.json")
+        c = _draft_config_json(folder)
         if c is None or "speculators_model_type" not in c:
             return None
         try:

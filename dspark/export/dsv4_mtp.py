@@ -18,7 +18,7 @@ import torch
 
 from dspark.export.adapter import SAFETENSORS_DTYPES, Expected, serving_adapter
 from dspark.export.mtp import MTPAdapter, need, num_mtp_layers
-from dspark.export.v4_block import block_config_json, block_expected, export_dtype, hc_head_expected
+from dspark.export.v4_block import block_config_json, block_expected, hc_head_expected, keeps_float32
 from dspark.models.dsv4_mtp import DSV4MTPConfig, DSV4MTPDraft
 
 _LAYER_LEVEL = ("enorm.", "hnorm.", "e_proj.", "h_proj.", "norm.", "hc_head_fn", "hc_head_base", "hc_head_scale")
@@ -78,13 +78,13 @@ class DSV4MTPAdapter(MTPAdapter):
     format = "deepseek_v4_mtp_native"
     target_model_type = "deepseek_v4"
 
-    def to_serving(self, draft: DSV4MTPDraft, dtype: torch.dtype, layer_names: str = "mtp_layers",
-                   split_experts: bool = False) -> dict[str, torch.Tensor]:
-        """Serving names; float32 kept for V4's fp32 set (v4_block.export_dtype)."""
+    def serving_names(self, state, draft, layer_names, split_experts):
         if layer_names != "mtp_layers" or split_experts:
             raise ValueError("layer_names / split_experts apply to HY V4 MTP drafts only (DeepSeek-V4 names are mtp.{i}.*)")
-        serving = to_serving_names({k: v.detach().to("cpu") for k, v in draft.state_dict().items()})
-        return {k: v.to(export_dtype(k, dtype)).contiguous() for k, v in serving.items()}
+        return to_serving_names(state)
+
+    def keeps_float32(self, name: str) -> bool:
+        return keeps_float32(name)
 
     def from_serving(self, tensors: dict[str, torch.Tensor], draft: DSV4MTPDraft) -> dict[str, torch.Tensor]:
         return from_serving_names(tensors)

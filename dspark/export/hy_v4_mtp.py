@@ -230,13 +230,10 @@ class HYV4MTPAdapter(MTPAdapter):
     format = "hy_v4_mtp"
     target_model_type = "hy_v4"
 
-    def to_serving(self, draft: HYV4MTPDraft, dtype: torch.dtype, layer_names: str = "mtp_layers",
-                   split_experts: bool = False) -> dict[str, torch.Tensor]:
-        """`model.mtp_layers.{i}.*` (or `model.layers.{N+i}.*`), experts fused or split; the router and the sinks
-        stay float32."""
+    def serving_names(self, state, draft: HYV4MTPDraft, layer_names, split_experts):
+        """`model.mtp_layers.{i}.*` (or `model.layers.{N+i}.*`), experts fused or split."""
         if layer_names not in LAYER_NAMES:
             raise ValueError(f"layer_names must be one of {LAYER_NAMES}, got {layer_names!r}")
-        state = {k: v.detach().to("cpu") for k, v in draft.state_dict().items()}
         serving = to_serving_names(state, split_experts=split_experts)
         if layer_names == "layers":
             n = draft.config.mtp_start_layer
@@ -254,7 +251,11 @@ class HYV4MTPAdapter(MTPAdapter):
                                  "(CLI --layer-names mtp_layers)")
             serving = {_MTP_PREFIX.sub(lambda m: f"model.layers.{n + int(m.group(1))}.", k): v
                        for k, v in serving.items()}
-        return {k: v.to(torch.float32 if _FP32_RE.search(k) else dtype).contiguous() for k, v in serving.items()}
+        return serving
+
+    def keeps_float32(self, name: str) -> bool:
+        """The router and the sinks (the tensors the draft builds in float32)."""
+        return _FP32_RE.search(name) is not None
 
     def from_serving(self, tensors: dict[str, torch.Tensor], draft: HYV4MTPDraft) -> dict[str, torch.Tensor]:
         return from_serving_names(tensors, mtp_start_layer=draft.config.mtp_start_layer)

@@ -67,6 +67,22 @@ class MTPAdapter(ServingAdapter):
     def label(self, config: dict) -> str:
         return self.format
 
+    def to_serving(self, draft, dtype: torch.dtype, layer_names: str = "mtp_layers",
+                   split_experts: bool = False) -> dict[str, torch.Tensor]:
+        """{serving name: tensor (cpu, contiguous)}: parameters and persistent buffers under the family's names
+        (`layer_names` / `split_experts`: the naming options a family offers), in `dtype` except the family's
+        float32 set."""
+        state = {k: v.detach().to("cpu") for k, v in draft.state_dict().items()}
+        serving = self.serving_names(state, draft, layer_names, split_experts)
+        return {k: v.to(torch.float32 if self.keeps_float32(k) else dtype).contiguous() for k, v in serving.items()}
+
+    def serving_names(self, state: dict[str, torch.Tensor], draft, layer_names: str,
+                      split_experts: bool) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def keeps_float32(self, name: str) -> bool:
+        raise NotImplementedError
+
     def config_json(self, draft, dtype: torch.dtype, layer_names: str = "mtp_layers",
                     split_experts: bool = False) -> dict:
         """mtp_config.json: dspark_format, the family's target-config keys, torch_dtype, draft_config."""

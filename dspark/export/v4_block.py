@@ -22,10 +22,14 @@ def block_config_json(cfg) -> dict:
             **{key: getattr(cfg, field) for key, field in BLOCK_KEYS.items()}}
 
 
+def keeps_float32(name: str) -> bool:
+    """V4's float32 set (hc_*, norms, attn_sink, gate bias, confidence head), as the released checkpoints store it."""
+    return FP32_PARAM_RE.search(name) is not None
+
+
 def export_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype a V4 draft parameter is written in: float32 for the fp32 set (hc_*, norms, attn_sink, gate bias,
-    confidence head, as the released checkpoints store them), `dtype` otherwise."""
-    return torch.float32 if FP32_PARAM_RE.search(name) else dtype
+    """The dtype a V4 draft parameter is written in: float32 for the fp32 set, `dtype` otherwise."""
+    return torch.float32 if keeps_float32(name) else dtype
 
 
 def block_expected(p: str, c: dict, wide: str) -> Expected:
@@ -72,4 +76,4 @@ def hc_head_expected(p: str, H: int, hc: int) -> Expected:
             p + "hc_head_scale": ((1,), "F32")}
 
 
-__all__ = ["BLOCK_KEYS", "block_config_json", "block_expected", "export_dtype", "hc_head_expected"]
+__all__ = ["BLOCK_KEYS", "block_config_json", "block_expected", "export_dtype", "hc_head_expected", "keeps_float32"]
