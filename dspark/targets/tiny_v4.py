@@ -9,31 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
+from dspark.targets.assets import TinyTarget
 
-from dspark.targets.assets import asset_dir, check_assets, load_causal_lm
-
-BUILD_COMMAND = "python scripts/build_tiny_target.py"
 MASK_TOKEN = "<|mask|>"
 END_OF_TURN_TOKEN = "<|im_end|>"
-TINY_V4_DIR: Path = asset_dir("tiny_v4")
-
-
-def check_tiny_v4_assets(path: str | Path = TINY_V4_DIR) -> Path:
-    """Return ``path`` if it holds a complete tiny target, else raise FileNotFoundError with the rebuild command."""
-    return check_assets(path, "tiny DeepSeek-V4 target", BUILD_COMMAND, "~7 min")
-
-
-def load_tiny_v4(
-    path: str | Path = TINY_V4_DIR,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-):
-    """Load the tiny DeepSeek-V4 target and its tokenizer, offline, in eval mode with grads off.
-
-    Returns:
-        ``(model, tokenizer)``: a ``DeepseekV4ForCausalLM`` (``model.model.layers[i]`` outputs
-        ``[B, S, hc_mult, H]``) and a fast tokenizer with a ChatML ``chat_template``;
-        ``tokenizer.mask_token_id`` (== ``model.config.dspark_noise_token_id``) is the DSpark noise token.
-    """
-    return load_causal_lm(check_tiny_v4_assets(path), dtype, device)
+TINY_V4 = TinyTarget("tiny_v4", "tiny DeepSeek-V4 target", "python scripts/build_tiny_target.py", "~7 min")
+TINY_V4_DIR: Path = TINY_V4.dir
+check_tiny_v4_assets = TINY_V4.check
+# (model, tokenizer): a DeepseekV4ForCausalLM (model.model.layers[i] outputs [B, S, hc_mult, H]) and its tokenizer
+load_tiny_v4 = TINY_V4.load
