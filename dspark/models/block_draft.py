@@ -25,9 +25,30 @@ from __future__ import annotations
 
 import torch
 
+from dspark.models.common import field_error
+from dspark.models.heads import MARKOV_HEAD_KINDS
 from dspark.models.proposal import Proposal, sample_from_logits
 
 LAYOUTS = ("anchor", "mask")
+
+
+def check_block_fields(cfg) -> None:
+    """The fields every block draft's group has (FieldError naming the key): the taps (ascending without duplicates:
+    vLLM appends them while running the target's layers in order, vllm/model_executor/models/interfaces.py:1640-1650
+    and models/deepseek_v4/nvidia/model.py:993-1014 of vLLM 0.33.0, so the combiner's input blocks are ascending),
+    the mask token inside the vocabulary, the Markov head kind, the layout."""
+    ids = list(cfg.target_layer_ids)
+    if not ids or min(ids) < 0:
+        raise field_error(cfg, "target_layer_ids", f"must name at least one target layer, all >= 0, got {ids}")
+    if ids != sorted(set(ids)):
+        raise field_error(cfg, "target_layer_ids", f"must be ascending without duplicates (vLLM concatenates the "
+                                                   f"target layers' outputs in layer order), got {ids}")
+    if not 0 <= cfg.mask_token_id < cfg.vocab_size:
+        raise field_error(cfg, "mask_token_id", f"{cfg.mask_token_id} outside the vocabulary [0, {cfg.vocab_size})")
+    if cfg.markov_head_type not in MARKOV_HEAD_KINDS:
+        raise field_error(cfg, "markov_head_type", f"must be one of {MARKOV_HEAD_KINDS}, got {cfg.markov_head_type!r}")
+    if cfg.layout not in LAYOUTS:
+        raise field_error(cfg, "layout", f"must be one of {LAYOUTS}, got {cfg.layout!r}")
 
 
 def block_layout(layout: str, num_drafts: int) -> tuple[int, int]:

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.block_draft import LAYOUTS, BlockDraft
+from dspark.models.block_draft import BlockDraft, check_block_fields
 from dspark.models.common import FieldError, SharedTargetWeights, config_from_dict, field_error
-from dspark.models.heads import MARKOV_HEAD_KINDS, ConfidenceHead, build_markov_head
+from dspark.models.heads import ConfidenceHead, build_markov_head
 from dspark.models.registry import register
 from dspark.ops.attention import masked_attention
 from dspark.ops.norms import RMSNorm
@@ -86,21 +86,9 @@ class DSparkDenseConfig:
                                              f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise bad("head_dim", f"must be even for RoPE, got {self.head_dim}")
-        if not self.target_layer_ids:
-            raise bad("target_layer_ids", "must name at least one target layer")
-        if list(self.target_layer_ids) != sorted(set(self.target_layer_ids)):
-            # vLLM appends the taps while running the target's layers in order (_maybe_add_hidden_state,
-            # vllm/model_executor/models/interfaces.py:1640-1650 of vLLM 0.33.0): fc's input blocks are ascending
-            raise bad("target_layer_ids", f"must be ascending without duplicates (vLLM concatenates the target "
-                                          f"layers' outputs in layer order), got {list(self.target_layer_ids)}")
         if self.markov_rank < 0:
             raise bad("markov_rank", f"must be >= 0, got {self.markov_rank}")
-        if self.markov_head_type not in MARKOV_HEAD_KINDS:
-            raise bad("markov_head_type", f"must be one of {MARKOV_HEAD_KINDS}, got {self.markov_head_type!r}")
-        if self.layout not in LAYOUTS:
-            raise bad("layout", f"must be one of {LAYOUTS}, got {self.layout!r}")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise bad("mask_token_id", f"{self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
+        check_block_fields(self)
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise bad("draft_vocab_size", f"must be in [1, vocab_size={self.vocab_size}] or null, "
                                           f"got {self.draft_vocab_size}")

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.block_draft import LAYOUTS, BlockDraft
+from dspark.models.block_draft import BlockDraft, check_block_fields
 from dspark.models.common import FieldError, SharedTargetWeights, config_from_dict, field_error
-from dspark.models.heads import MARKOV_HEAD_KINDS, ConfidenceHead, build_markov_head
+from dspark.models.heads import ConfidenceHead, build_markov_head
 from dspark.models.registry import register
 from dspark.models.v4_names import init_draft_layers_from_target  # re-exported for callers of this module
 from dspark.ops.attention import masked_attention
@@ -143,21 +143,7 @@ class DSparkV4Config(V4BlockSizes):
                 raise bad(key, f"must be > 0, got {getattr(self, key)!r}")
         if self.scoring_func not in SCORING_FUNCS:
             raise bad("scoring_func", f"must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
-        if self.markov_head_type not in MARKOV_HEAD_KINDS:
-            raise bad("markov_head_type", f"must be one of {MARKOV_HEAD_KINDS}, got {self.markov_head_type!r}")
-        if self.layout not in LAYOUTS:
-            raise bad("layout", f"must be one of {LAYOUTS}, got {self.layout!r}")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise bad("mask_token_id", f"({self.mask_token_id}) outside [0, {self.vocab_size})")
-        if not self.target_layer_ids or min(self.target_layer_ids) < 0:
-            raise bad("target_layer_ids", f"must be non-empty, >= 0, got {self.target_layer_ids}")
-        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
-            raise bad("target_layer_ids", f"has duplicates: {self.target_layer_ids}")
-        if self.target_layer_ids != sorted(self.target_layer_ids):
-            # vLLM collects the taps while running the target's layers in order and concatenates them in that
-            # order (vllm/models/deepseek_v4/nvidia/model.py:993-1014): main_proj's input blocks are ascending.
-            raise bad("target_layer_ids", f"must be ascending (vLLM concatenates the target layers' outputs in "
-                                          f"layer order), got {self.target_layer_ids}")
+        check_block_fields(self)
         return self
 
     @classmethod
