@@ -54,14 +54,11 @@ def raw_config_json(hf_config: Any) -> dict | None:
 
 
 class SharedTargetWeights:
-    """Mixin for an nn.Module draft that reads the target's embedding [V, H] and LM head [V, H].
+    """Mixin for an nn.Module draft that reads the target's embedding [V, H] and LM head [V, H] (none until
+    share_target_weights); ``self.config`` has ``vocab_size`` and ``hidden_size``."""
 
-    The draft's ``__init__`` sets ``self._embed_weight = self._lm_head_weight = None``; ``self.config``
-    has ``vocab_size`` and ``hidden_size``.
-    """
-
-    _embed_weight: torch.Tensor | None
-    _lm_head_weight: torch.Tensor | None
+    _embed_weight: torch.Tensor | None = None
+    _lm_head_weight: torch.Tensor | None = None
 
     def share_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """Use the target's embedding [V, H] and lm_head [V, H]; stored detached, outside the module tree.

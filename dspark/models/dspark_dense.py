@@ -221,7 +221,6 @@ class DSparkDenseDraft(BlockDraft, SharedTargetWeights, nn.Module):
             if cfg.confidence_head:
                 self.confidence_head = ConfidenceHead(H + cfg.markov_rank, bias=True)
         self._init_weights()
-        self._embed_weight = self._lm_head_weight = None
 
     def _init_weights(self) -> None:
         for name, p in self.named_parameters():

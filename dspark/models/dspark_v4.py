@@ -453,9 +453,6 @@ class DSparkV4Draft(BlockDraft, SharedTargetWeights, nn.Module):
         self.hc_head_fn, self.hc_head_base, self.hc_head_scale = _hc_params(hc, h, hc, 1)
         self.markov_head = build_markov_head(cfg.vocab_size, cfg.vocab_size, cfg.markov_rank, h, cfg.markov_head_type)
         self.confidence_head = ConfidenceHead(h + cfg.markov_rank, bias=cfg.confidence_bias)
-        # Frozen target weights: plain attributes, never parameters/buffers (see share_target_weights).
-        self._embed_weight: torch.Tensor | None = None
-        self._lm_head_weight: torch.Tensor | None = None
         self.reset_parameters()
 
     # -- init / dtype ------------------------------------------------------------------------------

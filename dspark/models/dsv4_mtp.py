@@ -162,8 +162,6 @@ class DSV4MTPDraft(ChainDraft, SharedTargetWeights, nn.Module):
         config.validate()
         self.config = config
         self.layers = nn.ModuleList([DSV4MTPLayer(config) for _ in range(config.num_layers)])
-        self._embed_weight: torch.Tensor | None = None
-        self._lm_head_weight: torch.Tensor | None = None
 
     def reset_parameters(self) -> None:
         for layer in self.layers:

@@ -464,8 +464,6 @@ class HYV4MTPDraft(ChainDraft, SharedTargetWeights, nn.Module):
         config.validate()
         self.config = config
         self.mtp_layers = nn.ModuleList([HyMTPLayer(config) for _ in range(config.num_layers)])
-        self._embed_weight: torch.Tensor | None = None
-        self._lm_head_weight: torch.Tensor | None = None
 
     def reset_parameters(self) -> None:
         for layer in self.mtp_layers:
