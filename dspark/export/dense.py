@@ -267,7 +267,7 @@ def import_dense(folder, draft: DSparkDenseDraft) -> DSparkDenseDraft:
     """Load an exported dense folder (vLLM or speculators config) into `draft` (strict). A "model." prefix,
     if present, is dropped. A reduced-vocab folder installs d2t / t2d and checks that its lm_head rows are
     the shared target LM head at those ids (the draft scores with the target's head)."""
-    tensors = {k.removeprefix("model."): t for k, t in iter_tensors(Path(folder))}
+    tensors = DenseAdapter().from_serving(dict(iter_tensors(Path(folder))), draft)
     reduced = getattr(draft, "reduced_vocab", False)
     if reduced != ("d2t" in tensors):
         raise ValueError(f"import_dense({folder}): the folder {'has' if 'd2t' in tensors else 'has no'} d2t but the "
@@ -383,6 +383,11 @@ class DenseAdapter(ServingAdapter):
 
     def to_serving(self, draft: DSparkDenseDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         return dense_tensors(draft, dtype)
+
+    def from_serving(self, tensors: dict[str, torch.Tensor], draft: DSparkDenseDraft) -> dict[str, torch.Tensor]:
+        """The draft's own names (a "model." prefix, if a folder has one, dropped); lm_head / d2t / t2d of a reduced
+        vocabulary stay as they are (import_dense installs them)."""
+        return {k.removeprefix("model."): t for k, t in tensors.items()}
 
     def config_json(self, draft: DSparkDenseDraft, dtype: torch.dtype, num_target_layers: int | None = None) -> dict:
         return dense_config_json(draft.config, dtype, num_target_layers)

@@ -546,8 +546,8 @@ class V4DSparkAdapter(ServingAdapter):
     def is_draft_tensor(self, config: dict, name: str) -> bool:
         return name.startswith("mtp.")  # a merged target checkpoint also holds the target's own tensors
 
-    def to_serving(self, draft: DSparkV4Draft, dtype: torch.dtype, quant: str | None = None):
-        return v4_tensors(draft, dtype, quant)
+    def to_serving(self, draft: DSparkV4Draft, dtype: torch.dtype, quant: str | None = None) -> dict[str, torch.Tensor]:
+        return v4_tensors(draft, dtype, quant)[0]
 
     def from_serving(self, tensors: dict[str, torch.Tensor], draft: DSparkV4Draft) -> dict[str, torch.Tensor]:
         n = draft.config.num_layers

@@ -26,7 +26,6 @@ Conventions where transformers `hy_v4` and vLLM differ are config fields (defaul
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
