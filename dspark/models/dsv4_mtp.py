@@ -154,7 +154,7 @@ class DSV4MTPLayer(nn.Module):
 class DSV4MTPDraft(ChainDraft, SharedTargetWeights, nn.Module):
     """DeepSeek-V4 MTP draft; the MTP-draft interface is in docs/CONTRACTS.md ("MTP drafts")."""
 
-    # FrozenTarget must capture the last layer's raw output (factory.build_draft sets it).
+    # FrozenTarget must capture the last layer's raw output (dspark.models.registry.build_draft sets it).
     needs_pre_head = True
 
     def __init__(self, config: DSV4MTPConfig):
