@@ -1,0 +1,196 @@
+"""Serving check: `python -m dspark.serve_check run_dir=RUN target=smollm2 [export=DIR] [eval.py keys ...]`.
+
+Decodes eval.py's benchmarks (same prompts, same chat-template token ids, T, gamma, max_new_tokens, eos ids)
+with the project's engine and with vLLM serving the exported draft, and writes one side-by-side report
+(dspark.serving.parity): `<out>/serve_check.T<T>.g<gamma>.json` + the table on stdout. `out` defaults to
+<run_dir>/serve_check. Without `export=` the run's draft is exported first, in float32, with
+`python -m dspark.export dense` into <out>/export. vLLM runs in its own venv (`bash scripts/setup_vllm.sh`,
+or `vllm_python=` / $DSPARK_VLLM_PYTHON). Exit status 0 with the report; `strict=true` exits 1 when a
+benchmark misses parity (outputs at T=0, AL within `al_tolerance`).
+
+What vLLM serves on which machine: README "vLLM in the loop".
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train.py
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+log = logging.getLogger("dspark.serve_check")
+_METHODS = {"DFlashDraftModel": "dflash", "Qwen3DSparkModel": "dspark"}
+
+
+def speculative_method(export_dir: Path) -> str:
+    """vLLM's speculative method for an exported folder, from its config.json."""
+    path = Path(export_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: `export` must be a folder written by `python -m dspark.export "
+                                "dense` (or set `method`)")
+    c = json.loads(path.read_text())
+    algo = c.get("speculators_model_type")
+    if algo in ("dflash", "dspark"):
+        return algo
+    for arch in c.get("architectures") or []:
+        if arch in _METHODS:
+            return _METHODS[arch]
+    raise ValueError(f"{path}: architectures {c.get('architectures')} is not one vLLM serves as a draft model "
+                     f"here ({sorted(_METHODS)}); set `method` explicitly")
+
+
+def export_run(cfg: DictConfig, run_dir: Path, out: Path) -> Path:
+    """The run's draft exported in float32 through the export CLI, as a user would."""
+    from dspark.export.__main__ import main as export_main
+
+    args = ["dense", "--run-dir", str(run_dir), "--target", str(cfg.target.kind), "--out", str(out),
+            "--dtype", "float32"]
+    if cfg.target.get("path"):
+        args += ["--target-path", str(cfg.target.path)]
+    code = export_main(args)
+    if code:
+        raise RuntimeError(f"python -m dspark.export {' '.join(args)} exited {code}")
+    return out
+
+
+def project_decode(cfg: DictConfig, target, draft, draft_group, benchmark: str):
+    """eval.py's decoding of one benchmark -> (parity.Request list in vLLM order, eval.py's report)."""
+    import torch
+
+    from dspark.evaluation import run_eval as ev
+    from dspark.evaluation.speculative import plain_generate, speculative_generate_batch
+    from dspark.serving.parity import Request, request_order
+
+    dcfg = draft.config
+    g = int(cfg.num_drafts) if cfg.num_drafts is not None else int(dcfg.block_size)
+    layout = str(draft_group.get("layout", "chain"))
+    temperature, eos, max_new = float(cfg.temperature), ev.eos_ids(cfg, target), int(cfg.max_new_tokens)
+    prompts_seen: list[list[int]] = []
+
+    def spec_decode(prompts, gens):
+        prompts_seen.extend(p.tolist() for p in prompts)
+        return speculative_generate_batch(target, draft, prompts, max_new_tokens=max_new, num_drafts=g,
+                                          mask_token_id=dcfg.mask_token_id, layout=layout,
+                                          window=getattr(dcfg, "sliding_window", None), temperature=temperature,
+                                          eos_token_id=eos, generators=gens)
+
+    def plain_decode(prompts, gens):
+        return plain_generate(target, prompts, max_new, temperature, eos, gens)
+
+    convs = ev.read_benchmark(ev.resolve_path(cfg.data_dir) / f"{benchmark}.jsonl", int(cfg.num_prompts))
+    run = dict(batch_size=int(cfg.batch_size), all_turns=str(cfg.turns) == "all", seed=int(cfg.seed))
+    spec = ev.decode_conversations(target.tokenizer, convs, spec_decode, **run)
+    plain = ev.decode_conversations(target.tokenizer, convs, plain_decode, **run) if cfg.compare_target else None
+    steps = [s for d in spec.batches for s in d.steps]
+    order = request_order(convs, run["all_turns"])
+    assert len(order) == len(steps) == len(prompts_seen)
+    requests = [Request(c, t, p, spec.outputs[c][t].tolist(), None if plain is None else plain.outputs[c][t].tolist(),
+                        [s.num_accepted for s in st], [s.num_drafts for s in st])
+                for (c, t), p, st in zip(order, prompts_seen, steps)]
+    report = ev.benchmark_report(spec, plain, temperature)
+    del torch
+    return requests, report, g, eos
+
+
+def run_serve_check(cfg: DictConfig) -> dict:
+    """Both engines on every benchmark; writes and returns the report (module docstring)."""
+    from dspark import factory
+    from dspark.evaluation import run_eval as ev
+    from dspark.io import atomic_write_json
+    from dspark.serving.engine import VLLMWorker, vllm_python
+    from dspark.serving.audit import describe, judge
+    from dspark.serving.parity import VLLMRun, compare, format_table
+
+    ev._validate(cfg)
+    vllm_python(cfg.get("vllm_python"))  # fail before any decoding when vLLM is missing
+    target, draft, draft_group, weights, run_dir = ev.build(cfg)
+    factory.require(hasattr(draft.config, "mask_token_id") and not hasattr(draft, "propose"), "run_dir",
+                    "serve_check drives dense DSpark / DFlash drafts (vLLM draft-model folders); MTP and "
+                    "DeepSeek-V4 DSpark heads need vllm 0.33 on a GPU: scripts/gpu_check.sh, section vLLM")
+    out_dir = ev.resolve_path(cfg.out) if cfg.out else run_dir / "serve_check"
+    export_dir = ev.resolve_path(cfg.export) if cfg.get("export") else export_run(cfg, run_dir, out_dir / "export")
+    method = cfg.get("method") or speculative_method(export_dir)
+    temperature = float(cfg.temperature)
+
+    decoded = {}
+    for name in cfg.benchmarks:
+        t0 = time.perf_counter()
+        requests, report, g, eos = project_decode(cfg, target, draft, draft_group, name)
+        decoded[name] = (requests, report, time.perf_counter() - t0)
+        log.info("%s: eval.py AL %s (%d requests)", name, report["mean_acceptance_length"], len(requests))
+    longest = max(len(r.prompt_ids) for reqs, _, _ in decoded.values() for r in reqs)
+    max_len = int(cfg.get("max_model_len") or (longest + int(cfg.max_new_tokens) + g + 16))
+    tpath = factory.target_folder(cfg)
+    del target, draft
+
+    runs: dict[str, dict[str, VLLMRun]] = {name: {} for name in decoded}
+    engine = {}
+    with VLLMWorker(cfg.get("vllm_python"), log_path=out_dir / "vllm_worker.log") as w:
+        # vLLM's own draft class and load_weights on the export, tensor by tensor, before serving it
+        load = judge(w.load_check(target=tpath, draft=str(export_dir), method=method, num_speculative_tokens=g,
+                                  max_model_len=max_len), export_dir)
+        log.info("vLLM load audit: %s", describe(load))
+        configs = [("spec", dict(draft=str(export_dir), method=method, num_speculative_tokens=g))]
+        if cfg.get("vllm_plain", True) and temperature == 0:
+            configs.append(("plain", {}))
+        for label, extra in configs:
+            info = w.init(target=tpath, dtype="float32", max_model_len=max_len, seed=int(cfg.seed),
+                          kv_cache_gib=int(cfg.get("kv_cache_gib", 1)), **extra)
+            engine[label] = {"init_s": info["init_s"], "engine_kwargs": info["engine_kwargs"]}
+            if info.get("load_audit"):  # the same audit, on the model the engine serves
+                engine[label]["load_audit"] = [judge(a, export_dir) for a in info["load_audit"]]
+            for name, (requests, _, _) in decoded.items():
+                res = w.generate([r.prompt_ids for r in requests], max_tokens=int(cfg.max_new_tokens),
+                                 temperature=temperature, seed=int(cfg.seed), stop_token_ids=eos)
+                runs[name][label] = VLLMRun(res["outputs"], res["spec_counters"], res["generate_s"])
+        versions = w.versions
+
+    reports = {}
+    tol = float(cfg.get("al_tolerance", 0.02))
+    for name, (requests, eval_report, eval_s) in decoded.items():
+        r = runs[name]
+        vreqs = r["spec"].requests(r.get("plain"))
+        rep = compare(requests, vreqs, r["spec"].counters, temperature, tol)
+        rep.update(benchmark=name, gamma=g, max_new_tokens=int(cfg.max_new_tokens), method=method,
+                   export=str(export_dir), draft_weights=str(weights), eval_report=eval_report,
+                   seconds={"eval_py_spec_and_plain": eval_s, "vllm_spec": r["spec"].seconds,
+                            "vllm_plain": r["plain"].seconds if "plain" in r else None})
+        reports[name] = rep
+    tag = f"T{temperature:g}.g{g}"
+    served_audits = [a for e in engine.values() for a in e.get("load_audit", [])]
+    summary = {"engines": {"eval": ev.ENGINE, "vllm": versions}, "method": method, "export": str(export_dir),
+               "target": tpath, "engine": engine, "benchmarks": reports, "load_audit": load,
+               "load_ok": load["ok"] and all(a["ok"] for a in served_audits),
+               "parity": all(r["parity"] for r in reports.values()) and load["ok"]
+               and all(a["ok"] for a in served_audits),
+               "note": ("a dense DSpark draft exported as DFlash (markov_rank 0 backbone) is a DFlash check, not a "
+                        "DSpark one" if method == "dflash" and getattr(draft_group, "markov_rank", 0) else None)}
+    atomic_write_json(out_dir / f"serve_check.{tag}.json", summary)
+    print(format_table(reports))
+    for name, rep in reports.items():
+        for line in rep["explanation"]:
+            print(f"  {name}: {line}")
+    print(f"vLLM load: {describe(load)}")
+    print(f"T={temperature:g} gamma={g} method={method} vllm={versions.get('vllm') if versions else None}; "
+          f"parity={'yes' if summary['parity'] else 'NO'}; report {out_dir / f'serve_check.{tag}.json'}")
+    return summary
+
+
+@hydra.main(config_path="../configs", config_name="serve_check", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from dspark.errors import one_line_errors
+
+    with one_line_errors("serve_check"):
+        summary = run_serve_check(cfg)
+    if cfg.get("strict") and not summary["parity"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

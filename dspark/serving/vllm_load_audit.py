@@ -1,0 +1,199 @@
+"""Load audit, run INSIDE the vLLM interpreter (imports vllm, torch and the standard library only).
+
+Did vLLM's own loader put every exported tensor somewhere, and fill every parameter of its draft model?
+vLLM cannot always say: e.g. DFlash's `load_weights` returns nothing, so vLLM's "weights not initialized"
+check never runs for it, and a missing `hidden_norm.weight` silently keeps its initial value. The audit
+poisons every floating parameter with NaN, lets the model's own `load_weights` (vLLM's name remapping,
+fusing, sharding) run, and reads back:
+
+- unloaded: parameters still all NaN; partial: parameters only partly written (e.g. a fused qkv with a
+  missing k); both are restored to their previous values afterwards, so the engine then runs exactly as
+  vLLM would have run it (the audit only reports).
+- skipped (standalone check only): tensors of the export that write nothing when loaded alone.
+
+`audit_during_init(arch)` wraps the draft class's `load_weights` while `vllm.LLM` builds the engine in
+this process; `standalone_check(job)` builds vLLM's draft model class itself (no engine, no KV cache: works
+for classes this machine cannot serve, as far as they construct without CUDA) and audits it tensor by tensor.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+# Filled by the wrapper installed by audit_during_init: one record per load_weights call.
+RECORDS: list[dict] = []
+
+
+def _poison(model) -> dict:
+    import torch
+
+    originals = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and p.numel():
+                originals[name] = p.data.clone()
+                p.data.fill_(float("nan"))
+    return originals
+
+
+def _read_back(model, originals: dict, restore: bool = True) -> tuple[list[str], dict[str, float]]:
+    """-> (unloaded parameter names, {partly loaded name: written fraction}); restores unwritten values."""
+    import torch
+
+    unloaded, partial = [], {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name not in originals:
+                continue
+            nan = torch.isnan(p.data)
+            if bool(nan.all()):
+                unloaded.append(name)
+            elif bool(nan.any()):
+                partial[name] = 1.0 - float(nan.float().mean())
+            if restore and bool(nan.any()):
+                p.data[nan] = originals[name].to(p.device)[nan]
+    return unloaded, partial
+
+
+def _any_written(model) -> bool:
+    import torch
+
+    return any(not bool(torch.isnan(p.data).all()) for _, p in model.named_parameters()
+               if p.is_floating_point() and p.numel())
+
+
+def _params(model) -> dict[str, list[int]]:
+    return {n: list(p.shape) for n, p in model.named_parameters()}
+
+
+def audit_during_init(arch: str) -> None:
+    """Wrap the registered class of `arch` so that its load_weights is audited (records in RECORDS)."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    cls = ModelRegistry._try_load_model_cls(arch)
+    if cls is None:
+        raise ValueError(f"vLLM has no model class registered for architecture {arch!r}")
+    if getattr(cls.load_weights, "_dspark_audited", False):
+        return
+    original = cls.load_weights
+
+    def load_weights(self, weights):
+        names: list[str] = []
+
+        def tap(it):
+            for name, tensor in it:
+                names.append(name)
+                yield name, tensor
+
+        originals = _poison(self)
+        result = original(self, tap(weights))
+        unloaded, partial = _read_back(self, originals)
+        RECORDS.append({"class": type(self).__name__, "arch": arch, "tensors": names, "unloaded": unloaded,
+                        "partial": partial, "parameters": _params(self),
+                        "returned_loaded_set": None if result is None else sorted(result)})
+        return result
+
+    load_weights._dspark_audited = True
+    cls.load_weights = load_weights
+
+
+# ---- standalone construction ---------------------------------------------------------------------------
+def _tensors(folder: Path) -> list[tuple[str, str]]:
+    """(name, file) of every tensor in the folder's safetensors files, in file order."""
+    from safetensors import safe_open
+
+    out = []
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            out += [(k, str(f)) for k in fh.keys()]
+    return out
+
+
+def _load(names: list[tuple[str, str]]):
+    from safetensors import safe_open
+
+    handles: dict[str, object] = {}
+    for name, f in names:
+        if f not in handles:
+            handles[f] = safe_open(f, framework="pt")
+        yield name, handles[f].get_tensor(name)
+
+
+@contextlib.contextmanager
+def _single_process_dist():
+    from vllm.distributed.parallel_state import (
+        cleanup_dist_env_and_memory,
+        init_distributed_environment,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
+
+    if model_parallel_is_initialized():
+        yield
+        return
+    fd, path = tempfile.mkstemp(prefix="dspark-dist-")
+    os.close(fd)
+    os.unlink(path)
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{path}",
+                                 backend="gloo")
+    initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        cleanup_dist_env_and_memory()
+
+
+def _engine_config(job: dict):
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = {"method": job["method"], "num_speculative_tokens": int(job["num_speculative_tokens"])}
+    if job.get("draft"):
+        spec["model"] = job["draft"]
+    args = EngineArgs(model=job["target"], dtype=job.get("dtype", "float32"), enforce_eager=True,
+                      max_model_len=int(job.get("max_model_len", 2048)), speculative_config=spec,
+                      distributed_executor_backend="uni", **(job.get("engine_kwargs") or {}))
+    return args.create_engine_config()
+
+
+def standalone_check(job: dict) -> dict:
+    """Build vLLM's draft model for (target, draft, method) without an engine and audit its load_weights,
+    first with every tensor, then one tensor at a time (a tensor that writes nothing alone is skipped)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    vllm_config = _engine_config(job)
+    draft_cfg = vllm_config.speculative_config.draft_model_config
+    folder = Path(job.get("weights") or draft_cfg.model)
+    names = _tensors(folder)
+    if not names:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    if job.get("tensor_filter"):  # e.g. only the mtp.* tensors of a merged target checkpoint
+        names = [(n, f) for n, f in names if any(n.startswith(p) for p in job["tensor_filter"])]
+    with set_current_vllm_config(vllm_config), _single_process_dist(), \
+            set_default_torch_dtype(getattr(torch, job.get("dtype", "float32"))), torch.device("cpu"):
+        model = initialize_model(vllm_config, model_config=draft_cfg, prefix=job.get("prefix", ""))
+        originals = _poison(model)
+        result = model.load_weights(_load(names))
+        unloaded, partial = _read_back(model, originals, restore=False)
+        skipped = []
+        if job.get("per_tensor", True):
+            for item in names:
+                _poison(model)
+                model.load_weights(_load([item]))
+                if not _any_written(model):
+                    skipped.append(item[0])
+    return {"class": type(model).__name__, "architectures": list(draft_cfg.hf_config.architectures or []),
+            "draft_model": str(draft_cfg.model), "tensors": [n for n, _ in names], "unloaded": unloaded,
+            "partial": partial, "skipped": skipped, "parameters": _params(model),
+            "returned_loaded_set": None if result is None else sorted(result)}
+
+
+if __name__ == "__main__":  # python vllm_load_audit.py JOB.json -> the audit as JSON on stdout
+    import sys
+
+    print(json.dumps(standalone_check(json.loads(Path(sys.argv[1]).read_text()))))
