@@ -111,6 +111,8 @@ class VLLMWorker:
             raise self._died()
         reply = json.loads(line)
         if not reply.pop("ok", False):
+            if str(reply.get("error", "")).startswith("ModuleNotFoundError: No module named 'vllm"):
+                raise VLLMUnavailable(f"{self.python} cannot import vllm: {INSTALL_HINT}")
             raise VLLMWorkerError(f"vLLM {op}: {reply.get('error')}", reply.get("traceback", ""))
         return reply
 
