@@ -29,11 +29,12 @@ _METHODS = {"DFlashDraftModel": "dflash", "Qwen3DSparkModel": "dspark"}
 
 
 def speculative_method(export_dir: Path) -> str:
-    """vLLM's speculative method for an exported folder, from its config.json."""
+    """vLLM's speculative method for an exported folder: a dense draft folder's config.json names its
+    architecture; a target copy with merged draft tensors is `mtp` (mtp_config.json) or `dspark` (dspark_* keys)."""
     path = Path(export_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: `export` must be a folder written by `python -m dspark.export "
-                                "dense` (or set `method`)")
+        raise FileNotFoundError(f"{path} not found: `export` must be a folder written by `python -m dspark.export` "
+                                "(or set `method`)")
     c = json.loads(path.read_text())
     algo = c.get("speculators_model_type")
     if algo in ("dflash", "dspark"):
@@ -41,18 +42,33 @@ def speculative_method(export_dir: Path) -> str:
     for arch in c.get("architectures") or []:
         if arch in _METHODS:
             return _METHODS[arch]
-    raise ValueError(f"{path}: architectures {c.get('architectures')} is not one vLLM serves as a draft model "
-                     f"here ({sorted(_METHODS)}); set `method` explicitly")
+    if (Path(export_dir) / "mtp_config.json").is_file():
+        return "mtp"
+    if "dspark_block_size" in c:
+        return "dspark"
+    raise ValueError(f"{path}: architectures {c.get('architectures')} is not a draft vLLM serves ({sorted(_METHODS)}, "
+                     "or a target copy with merged MTP / DSpark tensors); set `method` explicitly")
 
 
-def export_run(cfg: DictConfig, run_dir: Path, out: Path) -> Path:
-    """The run's draft exported in float32 through the export CLI, as a user would."""
+def is_merged(export_dir: Path) -> bool:
+    """True for a target checkpoint copy with the draft merged in (vLLM reads the draft from the target)."""
+    c = json.loads((Path(export_dir) / "config.json").read_text())
+    return not any(a in _METHODS for a in c.get("architectures") or []) and "speculators_model_type" not in c
+
+
+def export_run(cfg: DictConfig, run_dir: Path, kind: str, target_dir: str, out: Path) -> Path:
+    """The run's draft exported in float32 through the export CLI, as a user would: dense drafts as a draft
+    folder; DeepSeek-V4 DSpark and MTP drafts merged into a copy of the target (how vLLM loads them)."""
     from dspark.export.__main__ import main as export_main
 
-    args = ["dense", "--run-dir", str(run_dir), "--target", str(cfg.target.kind), "--out", str(out),
-            "--dtype", "float32"]
+    fmt = {"dspark_dense": "dense", "dspark_v4": "v4", "dsv4_mtp": "mtp", "hyv4_mtp": "mtp"}.get(kind)
+    if fmt is None:
+        raise ValueError(f"draft kind {kind!r}: no vLLM export format")
+    args = [fmt, "--run-dir", str(run_dir), "--target", str(cfg.target.kind), "--out", str(out), "--dtype", "float32"]
     if cfg.target.get("path"):
         args += ["--target-path", str(cfg.target.path)]
+    if fmt != "dense":
+        args += ["--merge-into", str(target_dir)]
     code = export_main(args)
     if code:
         raise RuntimeError(f"python -m dspark.export {' '.join(args)} exited {code}")
@@ -68,7 +84,8 @@ def project_decode(cfg: DictConfig, target, draft, draft_group, benchmark: str):
     from dspark.serving.parity import Request, request_order
 
     dcfg = draft.config
-    g = int(cfg.num_drafts) if cfg.num_drafts is not None else int(dcfg.block_size)
+    default_g = getattr(dcfg, "block_size", None) or getattr(dcfg, "num_steps", None)  # MTP: num_steps
+    g = int(cfg.num_drafts) if cfg.num_drafts is not None else int(default_g)
     layout = str(draft_group.get("layout", "chain"))
     temperature, eos, max_new = float(cfg.temperature), ev.eos_ids(cfg, target), int(cfg.max_new_tokens)
     prompts_seen: list[list[int]] = []
@@ -76,7 +93,7 @@ def project_decode(cfg: DictConfig, target, draft, draft_group, benchmark: str):
     def spec_decode(prompts, gens):
         prompts_seen.extend(p.tolist() for p in prompts)
         return speculative_generate_batch(target, draft, prompts, max_new_tokens=max_new, num_drafts=g,
-                                          mask_token_id=dcfg.mask_token_id, layout=layout,
+                                          mask_token_id=getattr(dcfg, "mask_token_id", None), layout=layout,
                                           window=getattr(dcfg, "sliding_window", None), temperature=temperature,
                                           eos_token_id=eos, generators=gens)
 
@@ -109,14 +126,18 @@ def run_serve_check(cfg: DictConfig) -> dict:
 
     ev._validate(cfg)
     vllm_python(cfg.get("vllm_python"))  # fail before any decoding when vLLM is missing
-    target, draft, draft_group, weights, run_dir = ev.build(cfg)
-    factory.require(hasattr(draft.config, "mask_token_id") and not hasattr(draft, "propose"), "run_dir",
-                    "serve_check drives dense DSpark / DFlash drafts (vLLM draft-model folders); MTP and "
-                    "DeepSeek-V4 DSpark heads need vllm 0.33 on a GPU: scripts/gpu_check.sh, section vLLM")
-    out_dir = ev.resolve_path(cfg.out) if cfg.out else run_dir / "serve_check"
-    export_dir = ev.resolve_path(cfg.export) if cfg.get("export") else export_run(cfg, run_dir, out_dir / "export")
-    method = cfg.get("method") or speculative_method(export_dir)
     temperature = float(cfg.temperature)
+    if temperature == 0 and str(cfg.target.dtype) != "float32":
+        log.warning("target.dtype=%s: exact greedy parity needs float32 on both sides (vLLM runs float32)",
+                    cfg.target.dtype)
+    target, draft, draft_group, weights, run_dir = ev.build(cfg)
+    tpath = factory.target_folder(cfg)
+    out_dir = ev.resolve_path(cfg.out) if cfg.out else run_dir / "serve_check"
+    export_dir = (ev.resolve_path(cfg.export) if cfg.get("export")
+                  else export_run(cfg, run_dir, str(draft_group.kind), tpath, out_dir / "export"))
+    method = cfg.get("method") or speculative_method(export_dir)
+    # a merged export is a target copy: vLLM serves it as the target and reads the draft from it
+    vllm_target, vllm_draft = (str(export_dir), None) if is_merged(export_dir) else (tpath, str(export_dir))
 
     decoded = {}
     for name in cfg.benchmarks:
@@ -126,21 +147,20 @@ def run_serve_check(cfg: DictConfig) -> dict:
         log.info("%s: eval.py AL %s (%d requests)", name, report["mean_acceptance_length"], len(requests))
     longest = max(len(r.prompt_ids) for reqs, _, _ in decoded.values() for r in reqs)
     max_len = int(cfg.get("max_model_len") or (longest + int(cfg.max_new_tokens) + g + 16))
-    tpath = factory.target_folder(cfg)
     del target, draft
 
     runs: dict[str, dict[str, VLLMRun]] = {name: {} for name in decoded}
     engine = {}
     with VLLMWorker(cfg.get("vllm_python"), log_path=out_dir / "vllm_worker.log") as w:
         # vLLM's own draft class and load_weights on the export, tensor by tensor, before serving it
-        load = judge(w.load_check(target=tpath, draft=str(export_dir), method=method, num_speculative_tokens=g,
-                                  max_model_len=max_len), export_dir)
+        load = judge(w.load_check(target=vllm_target, draft=vllm_draft, method=method, num_speculative_tokens=g,
+                                  max_model_len=max_len, per_tensor=vllm_draft is not None), export_dir)
         log.info("vLLM load audit: %s", describe(load))
-        configs = [("spec", dict(draft=str(export_dir), method=method, num_speculative_tokens=g))]
+        configs = [("spec", dict(draft=vllm_draft, method=method, num_speculative_tokens=g))]
         if cfg.get("vllm_plain", True) and temperature == 0:
             configs.append(("plain", {}))
         for label, extra in configs:
-            info = w.init(target=tpath, dtype="float32", max_model_len=max_len, seed=int(cfg.seed),
+            info = w.init(target=vllm_target if label == "spec" else tpath, dtype="float32", max_model_len=max_len, seed=int(cfg.seed),
                           kv_cache_gib=int(cfg.get("kv_cache_gib", 1)), **extra)
             engine[label] = {"init_s": info["init_s"], "engine_kwargs": info["engine_kwargs"]}
             if info.get("load_audit"):  # the same audit, on the model the engine serves
@@ -165,7 +185,7 @@ def run_serve_check(cfg: DictConfig) -> dict:
     tag = f"T{temperature:g}.g{g}"
     served_audits = [a for e in engine.values() for a in e.get("load_audit", [])]
     summary = {"engines": {"eval": ev.ENGINE, "vllm": versions}, "method": method, "export": str(export_dir),
-               "target": tpath, "engine": engine, "benchmarks": reports, "load_audit": load,
+               "target": tpath, "vllm_target": vllm_target, "vllm_draft": vllm_draft, "engine": engine, "benchmarks": reports, "load_audit": load,
                "load_ok": load["ok"] and all(a["ok"] for a in served_audits),
                "parity": all(r["parity"] for r in reports.values()) and load["ok"]
                and all(a["ok"] for a in served_audits),

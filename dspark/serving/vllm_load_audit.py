@@ -13,7 +13,8 @@ fusing, sharding) run, and reads back:
 
 `audit_during_init(arch)` wraps the draft class's `load_weights` while `vllm.LLM` builds the engine in
 this process; `standalone_check(job)` builds vLLM's draft model class itself (no engine, no KV cache: works
-for classes this machine cannot serve, as far as they construct without CUDA) and audits it tensor by tensor.
+for classes this machine cannot serve, as far as they construct without CUDA; `model_class` picks another
+platform's class, e.g. the CUDA one where the CPU entry only raises) and audits it tensor by tensor.
 """
 from __future__ import annotations
 
@@ -146,6 +147,28 @@ def _single_process_dist():
         cleanup_dist_env_and_memory()
 
 
+@contextlib.contextmanager
+def _no_runner_check(skip: bool):
+    """The audit builds no engine, so the model runner's feature check (e.g. V1 refusing `dspark`) is moot."""
+    from vllm.config import VllmConfig
+
+    original = VllmConfig._validate_v1_model_runner
+    if skip:
+        VllmConfig._validate_v1_model_runner = lambda self: None
+    try:
+        yield
+    finally:
+        VllmConfig._validate_v1_model_runner = original
+
+
+def _import_class(spec: str):
+    """'package.module:Class' -> the class."""
+    import importlib
+
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _engine_config(job: dict):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -155,7 +178,8 @@ def _engine_config(job: dict):
     args = EngineArgs(model=job["target"], dtype=job.get("dtype", "float32"), enforce_eager=True,
                       max_model_len=int(job.get("max_model_len", 2048)), speculative_config=spec,
                       distributed_executor_backend="uni", **(job.get("engine_kwargs") or {}))
-    return args.create_engine_config()
+    with _no_runner_check(job.get("skip_runner_check", True)):
+        return args.create_engine_config()
 
 
 def standalone_check(job: dict) -> dict:
@@ -176,7 +200,8 @@ def standalone_check(job: dict) -> dict:
         names = [(n, f) for n, f in names if any(n.startswith(p) for p in job["tensor_filter"])]
     with set_current_vllm_config(vllm_config), _single_process_dist(), \
             set_default_torch_dtype(getattr(torch, job.get("dtype", "float32"))), torch.device("cpu"):
-        model = initialize_model(vllm_config, model_config=draft_cfg, prefix=job.get("prefix", ""))
+        cls = _import_class(job["model_class"]) if job.get("model_class") else None  # e.g. the CUDA class
+        model = initialize_model(vllm_config, model_config=draft_cfg, model_class=cls, prefix=job.get("prefix", ""))
         originals = _poison(model)
         result = model.load_weights(_load(names))
         unloaded, partial = _read_back(model, originals, restore=False)
