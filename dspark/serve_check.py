@@ -77,8 +77,6 @@ def export_run(cfg: DictConfig, run_dir: Path, kind: str, target_dir: str, out: 
 
 def project_decode(cfg: DictConfig, target, draft, draft_group, benchmark: str):
     """eval.py's decoding of one benchmark -> (parity.Request list in vLLM order, eval.py's report)."""
-    import torch
-
     from dspark.evaluation import run_eval as ev
     from dspark.evaluation.speculative import plain_generate, speculative_generate_batch
     from dspark.serving.parity import Request, request_order
@@ -111,7 +109,6 @@ def project_decode(cfg: DictConfig, target, draft, draft_group, benchmark: str):
                         [s.num_accepted for s in st], [s.num_drafts for s in st])
                 for (c, t), p, st in zip(order, prompts_seen, steps)]
     report = ev.benchmark_report(spec, plain, temperature)
-    del torch
     return requests, report, g, eos
 
 
@@ -120,9 +117,8 @@ def run_serve_check(cfg: DictConfig) -> dict:
     from dspark import factory
     from dspark.evaluation import run_eval as ev
     from dspark.io import atomic_write_json
-    from dspark.serving.engine import VLLMWorker, vllm_python
-    from dspark.serving.audit import describe, judge
-    from dspark.serving.parity import VLLMRun, compare, format_table
+    from dspark.serving.engine import vllm_python
+    from dspark.serving.parity import compare
 
     ev._validate(cfg)
     vllm_python(cfg.get("vllm_python"))  # fail before any decoding when vLLM is missing
@@ -149,57 +145,99 @@ def run_serve_check(cfg: DictConfig) -> dict:
     max_len = int(cfg.get("max_model_len") or (longest + int(cfg.max_new_tokens) + g + 16))
     del target, draft
 
-    runs: dict[str, dict[str, VLLMRun]] = {name: {} for name in decoded}
-    engine = {}
-    with VLLMWorker(cfg.get("vllm_python"), log_path=out_dir / "vllm_worker.log") as w:
-        # vLLM's own draft class and load_weights on the export, tensor by tensor, before serving it
-        load = judge(w.load_check(target=vllm_target, draft=vllm_draft, method=method, num_speculative_tokens=g,
-                                  max_model_len=max_len, per_tensor=vllm_draft is not None), export_dir)
-        log.info("vLLM load audit: %s", describe(load))
-        configs = [("spec", dict(draft=vllm_draft, method=method, num_speculative_tokens=g))]
-        if cfg.get("vllm_plain", True) and temperature == 0:
-            configs.append(("plain", {}))
-        for label, extra in configs:
-            info = w.init(target=vllm_target if label == "spec" else tpath, dtype="float32", max_model_len=max_len, seed=int(cfg.seed),
-                          kv_cache_gib=int(cfg.get("kv_cache_gib", 1)), **extra)
-            engine[label] = {"init_s": info["init_s"], "engine_kwargs": info["engine_kwargs"]}
-            if info.get("load_audit"):  # the same audit, on the model the engine serves
-                engine[label]["load_audit"] = [judge(a, export_dir) for a in info["load_audit"]]
-            for name, (requests, _, _) in decoded.items():
-                res = w.generate([r.prompt_ids for r in requests], max_tokens=int(cfg.max_new_tokens),
-                                 temperature=temperature, seed=int(cfg.seed), stop_token_ids=eos)
-                runs[name][label] = VLLMRun(res["outputs"], res["spec_counters"], res["generate_s"])
-        versions = w.versions
-
+    vllm = serve_with_vllm(cfg, decoded, vllm_target=vllm_target, vllm_draft=vllm_draft, plain_target=tpath,
+                           method=method, gamma=g, eos=eos, max_len=max_len, export_dir=export_dir, out_dir=out_dir)
     reports = {}
     tol = float(cfg.get("al_tolerance", 0.02))
     for name, (requests, eval_report, eval_s) in decoded.items():
-        r = runs[name]
-        vreqs = r["spec"].requests(r.get("plain"))
-        rep = compare(requests, vreqs, r["spec"].counters, temperature, tol)
+        r = vllm["runs"][name]
+        if "spec" not in r:  # vLLM refused to serve it: the eval side alone, the refusal in the summary
+            reports[name] = {"benchmark": name, "eval": eval_report, "vllm": None, "parity": False}
+            continue
+        rep = compare(requests, r["spec"].requests(r.get("plain")), r["spec"].counters, temperature, tol)
         rep.update(benchmark=name, gamma=g, max_new_tokens=int(cfg.max_new_tokens), method=method,
                    export=str(export_dir), draft_weights=str(weights), eval_report=eval_report,
                    seconds={"eval_py_spec_and_plain": eval_s, "vllm_spec": r["spec"].seconds,
                             "vllm_plain": r["plain"].seconds if "plain" in r else None})
         reports[name] = rep
-    tag = f"T{temperature:g}.g{g}"
+    load, engine = vllm["load"], vllm["engine"]
     served_audits = [a for e in engine.values() for a in e.get("load_audit", [])]
-    summary = {"engines": {"eval": ev.ENGINE, "vllm": versions}, "method": method, "export": str(export_dir),
-               "target": tpath, "vllm_target": vllm_target, "vllm_draft": vllm_draft, "engine": engine, "benchmarks": reports, "load_audit": load,
-               "load_ok": load["ok"] and all(a["ok"] for a in served_audits),
-               "parity": all(r["parity"] for r in reports.values()) and load["ok"]
-               and all(a["ok"] for a in served_audits),
-               "note": ("a dense DSpark draft exported as DFlash (markov_rank 0 backbone) is a DFlash check, not a "
-                        "DSpark one" if method == "dflash" and getattr(draft_group, "markov_rank", 0) else None)}
+    load_ok = bool(load.get("ok")) and all(a["ok"] for a in served_audits)
+    summary = {"engines": {"eval": ev.ENGINE, "vllm": vllm["versions"]}, "method": method, "export": str(export_dir),
+               "target": tpath, "vllm_target": vllm_target, "vllm_draft": vllm_draft, "engine": engine,
+               "benchmarks": reports, "load_audit": load, "load_ok": load_ok, "serve_error": vllm["serve_error"],
+               "parity": load_ok and vllm["serve_error"] is None and all(r["parity"] for r in reports.values()),
+               "note": NOTES.get(str(draft_group.kind))}
+    tag = f"T{temperature:g}.g{g}"
     atomic_write_json(out_dir / f"serve_check.{tag}.json", summary)
-    print(format_table(reports))
-    for name, rep in reports.items():
-        for line in rep["explanation"]:
-            print(f"  {name}: {line}")
-    print(f"vLLM load: {describe(load)}")
-    print(f"T={temperature:g} gamma={g} method={method} vllm={versions.get('vllm') if versions else None}; "
-          f"parity={'yes' if summary['parity'] else 'NO'}; report {out_dir / f'serve_check.{tag}.json'}")
+    print_summary(summary, out_dir / f"serve_check.{tag}.json", temperature, g)
     return summary
+
+
+# what a passing check does and does not establish, per draft kind
+NOTES = {"dspark_dense": "dense DSpark served as vLLM's Qwen3DSparkModel (method dspark); a DSpark backbone served as "
+                         "DFlash would be a DFlash check, not a DSpark one"}
+
+
+def serve_with_vllm(cfg, decoded: dict, *, vllm_target: str, vllm_draft: str | None, plain_target: str, method: str,
+                    gamma: int, eos: list[int], max_len: int, export_dir: Path, out_dir: Path) -> dict:
+    """Load audit, then the draft served (and, at T=0, the plain target) on every benchmark's prompt ids.
+    A refusal by vLLM (load or serve) is recorded, not raised: it is the result of the check."""
+    from dspark.serving.audit import describe, judge
+    from dspark.serving.engine import VLLMWorker, VLLMWorkerError
+    from dspark.serving.parity import VLLMRun
+
+    temperature = float(cfg.temperature)
+    out = {"runs": {name: {} for name in decoded}, "engine": {}, "serve_error": None, "versions": None}
+    with VLLMWorker(cfg.get("vllm_python"), log_path=out_dir / "vllm_worker.log") as w:
+        try:  # vLLM's own draft class and load_weights on the export, before serving it
+            out["load"] = judge(w.load_check(target=vllm_target, draft=vllm_draft, method=method,
+                                             num_speculative_tokens=gamma, max_model_len=max_len,
+                                             per_tensor=vllm_draft is not None), export_dir)
+        except VLLMWorkerError as exc:
+            out["load"] = {"ok": False, "error": str(exc), "class": None}
+        log.info("vLLM load audit: %s", out["load"].get("error") or describe(out["load"]))
+        configs = [("spec", vllm_target, dict(draft=vllm_draft, method=method, num_speculative_tokens=gamma))]
+        if cfg.get("vllm_plain", True) and temperature == 0:
+            configs.append(("plain", plain_target, {}))
+        for label, target, extra in configs:
+            try:
+                info = w.init(target=target, dtype="float32", max_model_len=max_len, seed=int(cfg.seed),
+                              kv_cache_gib=int(cfg.get("kv_cache_gib", 1)), **extra)
+            except VLLMWorkerError as exc:
+                out["serve_error"] = str(exc)
+                log.error("vLLM refused to serve it: %s", exc)
+                break
+            out["engine"][label] = {"init_s": info["init_s"], "engine_kwargs": info["engine_kwargs"]}
+            if info.get("load_audit"):  # the same audit, on the model the engine serves
+                out["engine"][label]["load_audit"] = [judge(a, export_dir) for a in info["load_audit"]]
+            for name, (requests, _, _) in decoded.items():
+                res = w.generate([r.prompt_ids for r in requests], max_tokens=int(cfg.max_new_tokens),
+                                 temperature=temperature, seed=int(cfg.seed), stop_token_ids=eos)
+                out["runs"][name][label] = VLLMRun(res["outputs"], res["spec_counters"], res["generate_s"])
+        out["versions"] = w.versions
+    return out
+
+
+def print_summary(summary: dict, path: Path, temperature: float, gamma: int) -> None:
+    from dspark.serving.audit import describe
+    from dspark.serving.parity import format_table
+
+    served = {n: r for n, r in summary["benchmarks"].items() if r.get("vllm") is not None}
+    if served:
+        print(format_table(served))
+        for name, rep in served.items():
+            for line in rep["explanation"]:
+                print(f"  {name}: {line}")
+    load = summary["load_audit"]
+    print(f"vLLM load: {load.get('error') or describe(load)}")
+    if summary["serve_error"]:
+        print(f"vLLM did not serve it: {summary['serve_error']}")
+    if summary["note"]:
+        print(f"note: {summary['note']}")
+    versions = summary["engines"]["vllm"] or {}
+    print(f"T={temperature:g} gamma={gamma} method={summary['method']} vllm={versions.get('vllm')}; "
+          f"parity={'yes' if summary['parity'] else 'NO'}; report {path}")
 
 
 @hydra.main(config_path="../configs", config_name="serve_check", version_base="1.3")

@@ -143,17 +143,20 @@ class VLLMWorker:
                    model_class: str | None = None, engine_kwargs: dict | None = None) -> dict:
         """vLLM's draft class built without an engine; its load_weights audited (dspark/serving/vllm_load_audit.py).
         Must come before `init` in a worker."""
-        return self.call("load_check", target=str(target), draft=None if draft is None else str(draft),
-                         method=method, num_speculative_tokens=int(num_speculative_tokens), dtype=dtype,
-                         max_model_len=max_model_len, per_tensor=per_tensor, weights=weights,
-                         tensor_filter=tensor_filter, model_class=model_class,
-                         engine_kwargs=engine_kwargs or {})["audit"]
+        reply = self.call("load_check", target=str(target), draft=None if draft is None else str(draft),
+                          method=method, num_speculative_tokens=int(num_speculative_tokens), dtype=dtype,
+                          max_model_len=max_model_len, per_tensor=per_tensor, weights=weights,
+                          tensor_filter=tensor_filter, model_class=model_class, engine_kwargs=engine_kwargs or {})
+        self.versions = reply.get("versions")
+        return reply["audit"]
 
     def generate(self, prompts: list[list[int]], *, max_tokens, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, stop_token_ids: list[int] | None = None) -> dict:
-        """prompts: token ids per request -> {"outputs": [...], "spec_counters": ..., "generate_s": ...}."""
+                 seed: int = 0, seeds: list[int] | None = None, stop_token_ids: list[int] | None = None) -> dict:
+        """prompts: token ids per request -> {"outputs": [...], "spec_counters": ..., "generate_s": ...}.
+        Request i samples with seeds[i], or seed + i."""
         return self.call("generate", prompts=[[int(t) for t in p] for p in prompts], max_tokens=max_tokens,
                          temperature=float(temperature), top_p=float(top_p), seed=int(seed),
+                         seeds=None if seeds is None else [int(x) for x in seeds],
                          stop_token_ids=[int(t) for t in (stop_token_ids or [])])
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ Requests (one JSON object per line) and replies (one per request, `{"ok": true, 
      "kv_cache_gib": float, "per_request_metrics": "none"|"summary"|"detailed", "engine_kwargs": {...}}
         -> {"versions": {...}, "init_s": float}
     {"op": "generate", "prompts": [[token id, ...], ...], "max_tokens": int | [int, ...], "temperature": float,
-     "top_p": float, "seed": int, "stop_token_ids": [int, ...]}
+     "top_p": float, "seed": int, "seeds": [int, ...] | null, "stop_token_ids": [int, ...]}
         -> {"outputs": [{"token_ids": [...], "finish_reason": str, "spec": {...} | null}, ...],
             "spec_counters": {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos"} | null,
             "generate_s": float}
@@ -26,7 +26,7 @@ An engine built in this process (the default for one device) has its draft's loa
 `spec_counters` are the differences of vLLM's own `vllm:spec_decode_*` counters (`LLM.get_metrics()`) over
 that one generate call; `spec` is vLLM's per-request record (`per_request_spec_decode_metrics`): the
 acceptance histogram and, at "detailed", the accepted / drafted count of every verify step in order.
-Request i samples with seed `seed + i`.
+Request i samples with seeds[i] when given, else with seed `seed + i`.
 """
 from __future__ import annotations
 
@@ -175,8 +175,9 @@ class Worker:
         if len(max_tokens) != len(prompts):
             raise ValueError(f"generate: {len(max_tokens)} max_tokens for {len(prompts)} prompts")
         seed = int(job.get("seed", 0))
+        seeds = job.get("seeds") or [seed + i for i in range(len(prompts))]
         params = [SamplingParams(max_tokens=int(n), temperature=float(job.get("temperature", 0.0)),
-                                 top_p=float(job.get("top_p", 1.0)), seed=seed + i,
+                                 top_p=float(job.get("top_p", 1.0)), seed=int(seeds[i]),
                                  stop_token_ids=list(job.get("stop_token_ids") or []), detokenize=False)
                   for i, n in enumerate(max_tokens)]
         before = spec_counters(self.llm.get_metrics())
