@@ -23,7 +23,7 @@ class VLLMGenerator:
     def __init__(self, target: str | Path, sampling: SamplingParams | None = None, *, python: str | None = None,
                  tensor_parallel_size: int = 1, max_model_len: int = 4096, dtype: str = "float32",
                  kv_cache_gib: int = 2, chat_template_kwargs: dict | None = None, log_path=None,
-                 engine_kwargs: dict | None = None):
+                 threads: int | None = None, engine_kwargs: dict | None = None):
         from transformers import AutoTokenizer, GenerationConfig
 
         from dspark.serving.engine import VLLMWorker
@@ -47,7 +47,7 @@ class VLLMGenerator:
         self.stop_ids = sorted(ids)
         self.max_model_len = int(max_model_len)
         self.name = f"vllm:{Path(self.target).name}"
-        self.worker = VLLMWorker(python, log_path=log_path)
+        self.worker = VLLMWorker(python, log_path=log_path, threads=threads)
         info = self.worker.init(target=self.target, dtype=dtype, max_model_len=self.max_model_len,
                                 kv_cache_gib=kv_cache_gib, tensor_parallel_size=tensor_parallel_size,
                                 engine_kwargs=engine_kwargs)
