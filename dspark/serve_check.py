@@ -155,7 +155,11 @@ def run_serve_check(cfg: DictConfig) -> dict:
             reports[name] = {"benchmark": name, "eval": eval_report, "vllm": None, "parity": False}
             continue
         rep = compare(requests, r["spec"].requests(r.get("plain")), r["spec"].counters, temperature, tol)
+        if "spec_greedy_drafts" in r:  # what vLLM serves by default at T > 0
+            rep["vllm_greedy_drafts"] = compare(requests, r["spec_greedy_drafts"].requests(),
+                                                r["spec_greedy_drafts"].counters, temperature, tol)["vllm"]
         rep.update(benchmark=name, gamma=g, max_new_tokens=int(cfg.max_new_tokens), method=method,
+                   draft_sample_method=str(cfg.get("draft_sample_method", "probabilistic")) if temperature > 0 else None,
                    export=str(export_dir), draft_weights=str(weights), eval_report=eval_report,
                    seconds={"eval_py_spec_and_plain": eval_s, "vllm_spec": r["spec"].seconds,
                             "vllm_plain": r["plain"].seconds if "plain" in r else None})
@@ -167,16 +171,19 @@ def run_serve_check(cfg: DictConfig) -> dict:
                "target": tpath, "vllm_target": vllm_target, "vllm_draft": vllm_draft, "engine": engine,
                "benchmarks": reports, "load_audit": load, "load_ok": load_ok, "serve_error": vllm["serve_error"],
                "parity": load_ok and vllm["serve_error"] is None and all(r["parity"] for r in reports.values()),
-               "note": NOTES.get(str(draft_group.kind))}
+               "note": note_for(draft_group)}
     tag = f"T{temperature:g}.g{g}"
     atomic_write_json(out_dir / f"serve_check.{tag}.json", summary)
     print_summary(summary, out_dir / f"serve_check.{tag}.json", temperature, g)
     return summary
 
 
-# what a passing check does and does not establish, per draft kind
-NOTES = {"dspark_dense": "dense DSpark served as vLLM's Qwen3DSparkModel (method dspark); a DSpark backbone served as "
-                         "DFlash would be a DFlash check, not a DSpark one"}
+def note_for(draft_group) -> str | None:
+    """What a passing check does and does not establish for this draft kind."""
+    if str(draft_group.kind) == "dspark_dense" and int(draft_group.get("markov_rank") or 0) > 0:
+        return ("dense DSpark served as vLLM's Qwen3DSparkModel (method dspark); a DSpark backbone served as DFlash "
+                "would be a DFlash check, not a DSpark one")
+    return None
 
 
 def serve_with_vllm(cfg, decoded: dict, *, vllm_target: str, vllm_draft: str | None, plain_target: str, method: str,
@@ -197,9 +204,17 @@ def serve_with_vllm(cfg, decoded: dict, *, vllm_target: str, vllm_draft: str | N
         except VLLMWorkerError as exc:
             out["load"] = {"ok": False, "error": str(exc), "class": None}
         log.info("vLLM load audit: %s", out["load"].get("error") or describe(out["load"]))
-        configs = [("spec", vllm_target, dict(draft=vllm_draft, method=method, num_speculative_tokens=gamma))]
+        spec = dict(draft=vllm_draft, method=method, num_speculative_tokens=gamma)
+        sample = str(cfg.get("draft_sample_method", "probabilistic"))
+        # at T > 0 eval.py samples drafts from q and accepts with min(1, p/q): vLLM's "probabilistic" drafting;
+        # vLLM's default ("greedy": argmax drafts, q one-hot) is a different lossless scheme, served too
+        configs = [("spec", vllm_target, {**spec, "speculative_extra": {"draft_sample_method": sample}}
+                    if temperature > 0 else spec)]
         if cfg.get("vllm_plain", True) and temperature == 0:
             configs.append(("plain", plain_target, {}))
+        if temperature > 0 and sample != "greedy" and cfg.get("vllm_default_drafting", True):
+            configs.append(("spec_greedy_drafts", vllm_target,
+                            {**spec, "speculative_extra": {"draft_sample_method": "greedy"}}))
         for label, target, extra in configs:
             try:
                 info = w.init(target=target, dtype="float32", max_model_len=max_len, seed=int(cfg.seed),
@@ -229,6 +244,11 @@ def print_summary(summary: dict, path: Path, temperature: float, gamma: int) -> 
         for name, rep in served.items():
             for line in rep["explanation"]:
                 print(f"  {name}: {line}")
+            greedy = rep.get("vllm_greedy_drafts")
+            if greedy:
+                print(f"  {name}: vLLM's default drafting (draft_sample_method=greedy: argmax drafts, accepted with "
+                      f"probability p(y)) serves AL {greedy['mean_acceptance_length']:.3f}; the table compares "
+                      f"draft_sample_method={rep['draft_sample_method']} (eval.py's scheme)")
     load = summary["load_audit"]
     print(f"vLLM load: {load.get('error') or describe(load)}")
     if summary["serve_error"]:

@@ -56,16 +56,18 @@ def train(kind: str, out: Path, steps: int, tiny: dict) -> tuple[Path, list[str]
     return run, [f"target={target}", "target.dtype=float32"]
 
 
-def check(kind: str, run: Path, target_overrides: list[str], out: Path, bench: Path, vllm_python: str | None) -> dict:
+def check(kind: str, run: Path, target_overrides: list[str], out: Path, bench: Path, vllm_python: str | None,
+          temperature: float = 0.0) -> dict:
     from dspark.serve_check import run_serve_check
 
     overrides = target_overrides + [f"run_dir={run}", f"data_dir={bench}", "benchmarks=[chat,math]", "num_prompts=3",
-                                    "max_new_tokens=40", f"out={out / f'check_{kind}'}"]
+                                    "max_new_tokens=40", f"out={out / f'check_{kind}'}", f"temperature={temperature}"]
     if vllm_python:
         overrides.append(f"vllm_python={vllm_python}")
     s = run_serve_check(_compose("serve_check", overrides))
     bench_rows = {n: {"eval_al": r["eval"]["mean_acceptance_length"],
                       "vllm_al": (r["vllm"] or {}).get("mean_acceptance_length"), "steps_equal": r.get("steps_equal"),
+                      "vllm_greedy_drafts_al": (r.get("vllm_greedy_drafts") or {}).get("mean_acceptance_length"),
                       "outputs": r.get("outputs"), "parity": r["parity"]} for n, r in s["benchmarks"].items()}
     return {"method": s["method"], "load_ok": s["load_ok"], "load": s["load_audit"], "parity": s["parity"],
             "serve_error": s["serve_error"], "benchmarks": bench_rows, "vllm": s["engines"]["vllm"]}
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--vllm-python", default=None)
+    ap.add_argument("--t1-kinds", nargs="*", default=["dflash"], help="kinds also checked at T=1")
     args = ap.parse_args(argv)
     from dspark.serving.tiny_dense import build_tiny_llama, regenerate_answers, write_benchmarks
 
@@ -91,12 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         tiny["data"] = regenerate_answers(tiny["target"], out / "tiny_llama_regen.jsonl")
     lines = []
     with open(out / "results.jsonl", "a") as fh:
-        for kind in args.kinds:
+        jobs = [(k, 0.0) for k in args.kinds] + [(k, 1.0) for k in args.kinds if k in args.t1_kinds]
+        for kind, temperature in jobs:
             t0 = time.time()
-            row = {"kind": kind}
+            row = {"kind": kind, "temperature": temperature}
             try:
                 run, tov = train(kind, out, args.steps, tiny)
-                row.update(check(kind, run, tov, out, bench, args.vllm_python))
+                row.update(check(kind, run, tov, out, bench, args.vllm_python, temperature))
             except BaseException as exc:  # noqa: BLE001 (a refusal by vLLM is a result here)
                 if isinstance(exc, KeyboardInterrupt):
                     raise
@@ -105,13 +109,16 @@ def main(argv: list[str] | None = None) -> int:
             row["seconds"] = round(time.time() - t0, 1)
             fh.write(json.dumps(row) + "\n")
             fh.flush()
+            kind = f"{kind}@T{temperature:g}"
             if "error" in row:
                 lines.append(f"{kind:<10} ERROR {row['error'][:300]}")
             elif row["serve_error"]:
                 load = row["load"].get("error") or ("load audit ok" if row["load_ok"] else "load audit FAILED")
                 lines.append(f"{kind:<10} method={row['method']} {load[:200]}; not served: {row['serve_error'][:300]}")
             else:
-                als = ", ".join(f"{n} {b['eval_al']:.3f}/{b['vllm_al'] or float('nan'):.3f} steps {b['steps_equal']}"
+                als = ", ".join(f"{n} {b['eval_al']:.3f}/{b['vllm_al'] or float('nan'):.3f}"
+                                + (f" steps {b['steps_equal']}" if b["steps_equal"] else
+                                   f" (vLLM greedy drafts {b['vllm_greedy_drafts_al'] or float('nan'):.3f})")
                                 for n, b in row["benchmarks"].items())
                 lines.append(f"{kind:<10} method={row['method']} load_ok={row['load_ok']} parity={row['parity']} "
                              f"AL eval/vLLM: {als}")

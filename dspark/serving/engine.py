@@ -127,13 +127,15 @@ class VLLMWorker:
     def init(self, *, target: str, draft: str | None = None, method: str | None = None,
              num_speculative_tokens: int | None = None, dtype: str = "float32", max_model_len: int = 2048,
              seed: int = 0, kv_cache_gib: int | None = 1, per_request_metrics: str = "detailed",
-             tensor_parallel_size: int = 1, enforce_eager: bool = True, engine_kwargs: dict | None = None) -> dict:
-        """Start (or replace) the engine: target folder, optional draft folder + speculative method."""
+             tensor_parallel_size: int = 1, enforce_eager: bool = True, speculative_extra: dict | None = None,
+             engine_kwargs: dict | None = None) -> dict:
+        """Start (or replace) the engine: target folder, optional draft folder + speculative method
+        (`speculative_extra`: more speculative_config keys, e.g. draft_sample_method)."""
         reply = self.call("init", target=str(target), draft=None if draft is None else str(draft), method=method,
                           num_speculative_tokens=num_speculative_tokens, dtype=dtype, max_model_len=max_model_len,
                           seed=seed, kv_cache_gib=kv_cache_gib, per_request_metrics=per_request_metrics,
                           tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
-                          engine_kwargs=engine_kwargs or {})
+                          speculative_extra=speculative_extra or {}, engine_kwargs=engine_kwargs or {})
         self.versions = reply.get("versions")
         return reply
 

@@ -9,7 +9,8 @@ Requests (one JSON object per line) and replies (one per request, `{"ok": true, 
 
     {"op": "init", "target": DIR, "draft": DIR|null, "method": "dflash"|"dspark"|"mtp"|..., "num_speculative_tokens": k,
      "dtype": "float32", "max_model_len": int, "seed": int, "enforce_eager": bool, "tensor_parallel_size": int,
-     "kv_cache_gib": float, "per_request_metrics": "none"|"summary"|"detailed", "engine_kwargs": {...}}
+     "kv_cache_gib": int, "per_request_metrics": "none"|"summary"|"detailed", "speculative_extra": {...},
+     "engine_kwargs": {...}}
         -> {"versions": {...}, "init_s": float}
     {"op": "generate", "prompts": [[token id, ...], ...], "max_tokens": int | [int, ...], "temperature": float,
      "top_p": float, "seed": int, "seeds": [int, ...] | null, "stop_token_ids": [int, ...]}
@@ -148,6 +149,7 @@ class Worker:
             spec = {"method": job["method"], "num_speculative_tokens": int(job["num_speculative_tokens"])}
             if job.get("draft"):
                 spec["model"] = job["draft"]
+            spec.update(job.get("speculative_extra") or {})  # e.g. {"draft_sample_method": "probabilistic"}
             kwargs["speculative_config"] = spec
             level = job.get("per_request_metrics", "detailed")
             if level != "none":
