@@ -148,16 +148,16 @@ def run_serve_check(cfg: DictConfig) -> dict:
     vllm = serve_with_vllm(cfg, decoded, vllm_target=vllm_target, vllm_draft=vllm_draft, plain_target=tpath,
                            method=method, gamma=g, eos=eos, max_len=max_len, export_dir=export_dir, out_dir=out_dir)
     reports = {}
-    tol = float(cfg.get("al_tolerance", 0.02))
+    tol, z_max = float(cfg.get("al_tolerance", 0.02)), float(cfg.get("al_z_max", 3.0))
     for name, (requests, eval_report, eval_s) in decoded.items():
         r = vllm["runs"][name]
         if "spec" not in r:  # vLLM refused to serve it: the eval side alone, the refusal in the summary
             reports[name] = {"benchmark": name, "eval": eval_report, "vllm": None, "parity": False}
             continue
-        rep = compare(requests, r["spec"].requests(r.get("plain")), r["spec"].counters, temperature, tol)
+        rep = compare(requests, r["spec"].requests(r.get("plain")), r["spec"].counters, temperature, tol, z_max)
         if "spec_greedy_drafts" in r:  # what vLLM serves by default at T > 0
             rep["vllm_greedy_drafts"] = compare(requests, r["spec_greedy_drafts"].requests(),
-                                                r["spec_greedy_drafts"].counters, temperature, tol)["vllm"]
+                                                r["spec_greedy_drafts"].counters, temperature, tol, z_max)["vllm"]
         rep.update(benchmark=name, gamma=g, max_new_tokens=int(cfg.max_new_tokens), method=method,
                    draft_sample_method=str(cfg.get("draft_sample_method", "probabilistic")) if temperature > 0 else None,
                    export=str(export_dir), draft_weights=str(weights), eval_report=eval_report,
@@ -218,7 +218,8 @@ def serve_with_vllm(cfg, decoded: dict, *, vllm_target: str, vllm_draft: str | N
         for label, target, extra in configs:
             try:
                 info = w.init(target=target, dtype="float32", max_model_len=max_len, seed=int(cfg.seed),
-                              kv_cache_gib=int(cfg.get("kv_cache_gib", 1)), **extra)
+                              kv_cache_gib=int(cfg.get("kv_cache_gib", 1)),
+                              fix_cpu_float_expand=bool(cfg.get("vllm_fix_cpu_float_expand", False)), **extra)
             except VLLMWorkerError as exc:
                 out["serve_error"] = str(exc)
                 log.error("vLLM refused to serve it: %s", exc)

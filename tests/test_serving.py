@@ -8,7 +8,7 @@ import pytest
 
 from dspark.serving.audit import describe, judge
 from dspark.serving.engine import VLLMUnavailable, VLLMWorker, vllm_python
-from dspark.serving.parity import Request, VLLMRequest, classify, compare, request_order
+from dspark.serving.parity import Request, VLLMRequest, al_z_score, classify, compare, request_order
 
 
 def _req(conv, turn, tokens, steps, plain=None):
@@ -55,12 +55,17 @@ def test_compare_reports_output_divergence_and_target_numerics():
         compare(reqs, [], None, 0.0)
 
 
-def test_compare_at_t1_only_compares_rates():
-    reqs = [_req(0, 0, [5, 6], [(1, 2)])]
-    vl = [VLLMRequest([7, 8], "length", [1], [2])]
-    rep = compare(reqs, vl, None, 1.0)
-    assert rep["parity"] and "outputs" not in rep and rep["explanation"][0].startswith("T > 0")
-    assert classify(reqs[0], vl[0])["status"] == "output"
+def test_compare_at_t1_compares_rates_in_standard_errors():
+    same = [_req(0, 0, [5, 6], [(1, 2), (0, 2), (2, 2), (1, 2)] * 5)]
+    close = [VLLMRequest([7, 8], "length", [2, 0, 1, 1] * 5, [2] * 20)]  # same mean, other order and tokens
+    rep = compare(same, close, None, 1.0)
+    assert rep["parity"] and rep["al_z"] == 0.0 and "outputs" not in rep and rep["explanation"][0].startswith("T > 0")
+    assert classify(same[0], close[0])["status"] == "output"
+    far = [VLLMRequest([7, 8], "length", [0] * 40, [2] * 40)]  # never accepts: many standard errors away
+    rep = compare(same, far, None, 1.0)
+    assert not rep["parity"] and rep["al_z"] > 3
+    assert al_z_score([1, 1], [1, 1]) == 0.0 and al_z_score([1], [0, 1]) is None
+    assert abs(al_z_score([0, 2, 0, 2], [1, 1, 1, 1]) - 0.0) < 1e-12
 
 
 def test_load_audit_verdicts(tmp_path):

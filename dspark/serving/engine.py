@@ -128,14 +128,16 @@ class VLLMWorker:
              num_speculative_tokens: int | None = None, dtype: str = "float32", max_model_len: int = 2048,
              seed: int = 0, kv_cache_gib: int | None = 1, per_request_metrics: str = "detailed",
              tensor_parallel_size: int = 1, enforce_eager: bool = True, speculative_extra: dict | None = None,
-             engine_kwargs: dict | None = None) -> dict:
+             fix_cpu_float_expand: bool = False, engine_kwargs: dict | None = None) -> dict:
         """Start (or replace) the engine: target folder, optional draft folder + speculative method
-        (`speculative_extra`: more speculative_config keys, e.g. draft_sample_method)."""
+        (`speculative_extra`: more speculative_config keys, e.g. draft_sample_method; `fix_cpu_float_expand`:
+        vllm_worker.fix_cpu_float_expand, the CPU build's broken temperature expansion at T > 0)."""
         reply = self.call("init", target=str(target), draft=None if draft is None else str(draft), method=method,
                           num_speculative_tokens=num_speculative_tokens, dtype=dtype, max_model_len=max_model_len,
                           seed=seed, kv_cache_gib=kv_cache_gib, per_request_metrics=per_request_metrics,
                           tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
-                          speculative_extra=speculative_extra or {}, engine_kwargs=engine_kwargs or {})
+                          speculative_extra=speculative_extra or {}, fix_cpu_float_expand=fix_cpu_float_expand,
+                          engine_kwargs=engine_kwargs or {})
         self.versions = reply.get("versions")
         return reply
 

