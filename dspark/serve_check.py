@@ -4,9 +4,11 @@ Decodes eval.py's benchmarks (same prompts, same chat-template token ids, T, gam
 with the project's engine and with vLLM serving the exported draft, and writes one side-by-side report
 (dspark.serving.parity): `<out>/serve_check.T<T>.g<gamma>.json` + the table on stdout. `out` defaults to
 <run_dir>/serve_check. Without `export=` the run's draft is exported first, in float32, with
-`python -m dspark.export dense` into <out>/export. vLLM runs in its own venv (`bash scripts/setup_vllm.sh`,
-or `vllm_python=` / $DSPARK_VLLM_PYTHON). Exit status 0 with the report; `strict=true` exits 1 when a
-benchmark misses parity (outputs at T=0, AL within `al_tolerance`).
+`python -m dspark.export dense|v4|mtp` into <out>/export. vLLM runs in its own venv (`bash scripts/setup_vllm.sh`,
+or `vllm_python=` / $DSPARK_VLLM_PYTHON). DeepSeek-V4 DSpark and MTP drafts are exported merged into a copy of
+the target (`--merge-into`), which vLLM then serves as the target. Exit status 0 with the report; `strict=true`
+exits 1 when a benchmark misses parity (T=0: outputs, every verify step, AL within `al_tolerance`; T>0: ALs within
+`al_z_max` standard errors, vLLM drafting with `draft_sample_method`, default probabilistic = eval.py's scheme).
 
 What vLLM serves on which machine: README "vLLM in the loop".
 """
@@ -22,7 +24,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train.py
 
 import hydra  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from dspark.errors import ConfigError  # noqa: E402
 
 log = logging.getLogger("dspark.serve_check")
 _METHODS = {"DFlashDraftModel": "dflash", "Qwen3DSparkModel": "dspark"}
@@ -33,8 +37,7 @@ def speculative_method(export_dir: Path) -> str:
     architecture; a target copy with merged draft tensors is `mtp` (mtp_config.json) or `dspark` (dspark_* keys)."""
     path = Path(export_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: `export` must be a folder written by `python -m dspark.export` "
-                                "(or set `method`)")
+        raise ConfigError(f"export: {path} not found: `export` must be a folder written by `python -m dspark.export`")
     c = json.loads(path.read_text())
     algo = c.get("speculators_model_type")
     if algo in ("dflash", "dspark"):
@@ -46,8 +49,8 @@ def speculative_method(export_dir: Path) -> str:
         return "mtp"
     if "dspark_block_size" in c:
         return "dspark"
-    raise ValueError(f"{path}: architectures {c.get('architectures')} is not a draft vLLM serves ({sorted(_METHODS)}, "
-                     "or a target copy with merged MTP / DSpark tensors); set `method` explicitly")
+    raise ConfigError(f"export: {path}: architectures {c.get('architectures')} is not a draft vLLM serves "
+                      f"({sorted(_METHODS)}, or a target copy with merged MTP / DSpark tensors); set `method` explicitly")
 
 
 def is_merged(export_dir: Path) -> bool:

@@ -94,3 +94,15 @@ def test_missing_vllm_is_a_clear_error(tmp_path, monkeypatch):
     with VLLMWorker(sys.executable, log_path=tmp_path / "w.log") as w:
         with pytest.raises(VLLMUnavailable, match="cannot import vllm: install it with `bash scripts/setup_vllm.sh`"):
             w.init(target=str(tmp_path), draft=None)
+
+
+def test_serve_check_cli_without_vllm_is_one_line(tmp_path):
+    import subprocess
+
+    from conftest import REPO
+
+    res = subprocess.run([sys.executable, "-m", "dspark.serve_check", f"run_dir={tmp_path}",
+                          f"vllm_python={tmp_path / 'no' / 'python'}"], capture_output=True, text=True, cwd=REPO,
+                         timeout=300)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().startswith("serve_check: error: vLLM interpreter") and "setup_vllm.sh" in res.stderr
