@@ -203,7 +203,8 @@ def serve_with_vllm(cfg, decoded: dict, *, vllm_target: str, vllm_draft: str | N
         try:  # vLLM's own draft class and load_weights on the export, before serving it
             out["load"] = judge(w.load_check(target=vllm_target, draft=vllm_draft, method=method,
                                              num_speculative_tokens=gamma, max_model_len=max_len,
-                                             per_tensor=vllm_draft is not None), export_dir)
+                                             per_tensor=vllm_draft is not None), export_dir,
+                                merged=vllm_draft is None)
         except VLLMWorkerError as exc:
             out["load"] = {"ok": False, "error": str(exc), "class": None}
         log.info("vLLM load audit: %s", out["load"].get("error") or describe(out["load"]))

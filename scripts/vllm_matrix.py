@@ -73,6 +73,29 @@ def check(kind: str, run: Path, target_overrides: list[str], out: Path, bench: P
             "serve_error": s["serve_error"], "benchmarks": bench_rows, "vllm": s["engines"]["vllm"]}
 
 
+# CPU-only vLLM: audit the DeepSeek-V4 exports with vLLM's CUDA classes built on CPU (dspark/serving/load_check.py)
+_CUDA_AUDIT = {
+    "dspark_v4": ("dspark", "vllm.models.deepseek_v4.nvidia.dspark:DSparkDeepseekV4ForCausalLM"),
+    "dsv4_mtp": ("mtp", "vllm.models.deepseek_v4.nvidia.mtp:DeepSeekV4MTP"),
+}
+# vLLM 0.32's DeepSeek-V4 reads DeepSeek's native config keys, the tiny target's config is transformers'
+_V4_VIEW = ["--drop-config-key", "mlp_layer_types", "--set-config", "num_hash_layers=0",
+            "--set-config", 'topk_method="noaux_tc"']
+
+
+def cuda_class_audit(kind: str, out: Path, vllm_python: str | None) -> dict:
+    from dspark.serving.load_check import main as load_check
+
+    method, cls = _CUDA_AUDIT[kind]
+    merged = out / f"check_{kind}" / "export"
+    path = out / f"audit_{kind}_cuda_class.json"
+    args = ["--target", str(merged), "--method", method, "-k", "4", "--model-class", cls, "--cuda-stubs",
+            "--only", "mtp.", "--json", str(path)] + _V4_VIEW + (["--vllm-python", vllm_python] if vllm_python else [])
+    code = load_check(args)
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    return {"exit": code, "verdict": saved.get("verdict"), "error": saved.get("error")}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("vllm_out"))
@@ -101,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 run, tov = train(kind, out, args.steps, tiny)
                 row.update(check(kind, run, tov, out, bench, args.vllm_python, temperature))
+                if kind in _CUDA_AUDIT and not row["load_ok"]:
+                    row["cuda_class_audit"] = cuda_class_audit(kind, out, args.vllm_python)
             except BaseException as exc:  # noqa: BLE001 (a refusal by vLLM is a result here)
                 if isinstance(exc, KeyboardInterrupt):
                     raise
@@ -114,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                 lines.append(f"{kind:<10} ERROR {row['error'][:300]}")
             elif row["serve_error"]:
                 load = row["load"].get("error") or ("load audit ok" if row["load_ok"] else "load audit FAILED")
+                if row.get("cuda_class_audit"):
+                    v = row["cuda_class_audit"]["verdict"]
+                    load += f"; CUDA class on CPU: {'ok' if v and v['ok'] else (v or row['cuda_class_audit'])}"
                 lines.append(f"{kind:<10} method={row['method']} {load[:200]}; not served: {row['serve_error'][:300]}")
             else:
                 als = ", ".join(f"{n} {b['eval_al']:.3f}/{b['vllm_al'] or float('nan'):.3f}"

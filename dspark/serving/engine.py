@@ -144,13 +144,15 @@ class VLLMWorker:
     def load_check(self, *, target: str, draft: str | None, method: str, num_speculative_tokens: int,
                    dtype: str = "float32", max_model_len: int = 2048, per_tensor: bool = True,
                    weights: str | None = None, tensor_filter: list[str] | None = None,
-                   model_class: str | None = None, engine_kwargs: dict | None = None) -> dict:
+                   model_class: str | None = None, cuda_stubs: bool = False,
+                   engine_kwargs: dict | None = None) -> dict:
         """vLLM's draft class built without an engine; its load_weights audited (dspark/serving/vllm_load_audit.py).
         Must come before `init` in a worker."""
         reply = self.call("load_check", target=str(target), draft=None if draft is None else str(draft),
                           method=method, num_speculative_tokens=int(num_speculative_tokens), dtype=dtype,
                           max_model_len=max_model_len, per_tensor=per_tensor, weights=weights,
-                          tensor_filter=tensor_filter, model_class=model_class, engine_kwargs=engine_kwargs or {})
+                          tensor_filter=tensor_filter, model_class=model_class, cuda_stubs=cuda_stubs,
+                          engine_kwargs=engine_kwargs or {})
         self.versions = reply.get("versions")
         return reply["audit"]
 

@@ -9,7 +9,8 @@ fusing, sharding) run, and reads back:
 - unloaded: parameters still all NaN; partial: parameters only partly written (e.g. a fused qkv with a
   missing k); both are restored to their previous values afterwards, so the engine then runs exactly as
   vLLM would have run it (the audit only reports).
-- skipped (standalone check only): tensors of the export that write nothing when loaded alone.
+- skipped (standalone check only): tensors of the export that write nothing when loaded alone into a freshly
+  built model (fresh: some loaders drop modules they received no tensor for, e.g. DSpark V4's confidence head).
 
 `audit_during_init(arch)` wraps the draft class's `load_weights` while `vllm.LLM` builds the engine in
 this process; `standalone_check(job)` builds vLLM's draft model class itself (no engine, no KV cache: works
@@ -182,6 +183,37 @@ def _engine_config(job: dict):
         return args.create_engine_config()
 
 
+@contextlib.contextmanager
+def _cuda_stubs(enabled: bool):
+    """Lets a CUDA model class construct on a CPU-only machine for the audit: torch.cuda.Stream / Event become
+    inert objects (nothing runs on them; the audit only builds the module tree and loads weights)."""
+    import torch
+
+    if not enabled:
+        yield
+        return
+
+    class _Inert:
+        def __init__(self, *a, **k):
+            pass
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    saved = (torch.cuda.Stream, torch.cuda.Event)
+    cap = current_platform.get_device_capability
+    torch.cuda.Stream, torch.cuda.Event = _Inert, _Inert
+    current_platform.get_device_capability = lambda *a, **k: DeviceCapability(9, 0)  # build the SM90 (H100) layout
+    try:
+        yield
+    finally:
+        torch.cuda.Stream, torch.cuda.Event = saved
+        current_platform.get_device_capability = cap
+
+
 def standalone_check(job: dict) -> dict:
     """Build vLLM's draft model for (target, draft, method) without an engine and audit its load_weights,
     first with every tensor, then one tensor at a time (a tensor that writes nothing alone is skipped)."""
@@ -198,23 +230,31 @@ def standalone_check(job: dict) -> dict:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
     if job.get("tensor_filter"):  # e.g. only the mtp.* tensors of a merged target checkpoint
         names = [(n, f) for n, f in names if any(n.startswith(p) for p in job["tensor_filter"])]
-    with set_current_vllm_config(vllm_config), _single_process_dist(), \
+    with set_current_vllm_config(vllm_config), _single_process_dist(), _cuda_stubs(bool(job.get("cuda_stubs"))), \
             set_default_torch_dtype(getattr(torch, job.get("dtype", "float32"))), torch.device("cpu"):
         cls = _import_class(job["model_class"]) if job.get("model_class") else None  # e.g. the CUDA class
-        model = initialize_model(vllm_config, model_config=draft_cfg, model_class=cls, prefix=job.get("prefix", ""))
+
+        def build():
+            vllm_config.compilation_config.static_forward_context.clear()  # layers register their names there
+            return initialize_model(vllm_config, model_config=draft_cfg, model_class=cls, prefix=job.get("prefix", ""))
+
+        model = build()
         originals = _poison(model)
         result = model.load_weights(_load(names))
         unloaded, partial = _read_back(model, originals, restore=False)
+        params = _params(model)
         skipped = []
-        if job.get("per_tensor", True):
+        if job.get("per_tensor", True):  # a fresh model per tensor: some loaders drop modules they got no tensor for
             for item in names:
-                _poison(model)
-                model.load_weights(_load([item]))
-                if not _any_written(model):
+                alone = build()
+                _poison(alone)
+                alone.load_weights(_load([item]))
+                if not _any_written(alone):
                     skipped.append(item[0])
+                del alone
     return {"class": type(model).__name__, "architectures": list(draft_cfg.hf_config.architectures or []),
             "draft_model": str(draft_cfg.model), "tensors": [n for n, _ in names], "unloaded": unloaded,
-            "partial": partial, "skipped": skipped, "parameters": _params(model),
+            "partial": partial, "skipped": skipped, "parameters": params,
             "returned_loaded_set": None if result is None else sorted(result)}
 
 
