@@ -12,8 +12,10 @@ from omegaconf import DictConfig  # noqa: E402
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from dspark.errors import one_line_errors
+    from dspark.training.callbacks import print_lightning_logs_once
     from dspark.training.run import run_training
 
+    print_lightning_logs_once()  # Hydra's job logging prints them (and writes the run's train.log)
     with one_line_errors("train.py"):
         run_training(cfg)
 

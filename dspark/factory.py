@@ -1,13 +1,14 @@
 """Builds the run's pieces from the Hydra config, validating every key before any heavy work starts."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dspark.errors import ConfigError
 from dspark.targets.hf_target import FrozenTarget, load_hf_target
@@ -49,7 +50,8 @@ def target_folder(cfg: DictConfig) -> str:
         from dspark.targets.gguf_convert import prepare_smollm2
 
         return str(prepare_smollm2())
-    raise ConfigError("target.path: set it to a local HF model folder")
+    raise ConfigError("target.path: set it to a local HF model folder or a Hub id in the Hugging Face cache "
+                      "(Qwen/Qwen3-8B)")
 
 
 def build_target(cfg: DictConfig) -> FrozenTarget:
@@ -97,6 +99,19 @@ def draft_fields(d: DictConfig) -> dict:
 MTP_FIELD_KEYS = ("num_layers", "num_steps")
 
 
+def record_resolved(d: DictConfig, dcfg, top_level: tuple[str, ...]) -> None:
+    """Writes the built draft config back into the draft group: the group's own keys resolved (mask_token_id from
+    the tokenizer) and every size taken from the target under `arch`. draft/draft_config.json and the checkpoint's
+    hyper_parameters then hold the complete config: the draft rebuilds without the target and without Hydra
+    (dspark.models.pretrained.load_draft), and rebuilding it against the target gives the same draft."""
+    full = dataclasses.asdict(dcfg)
+    with open_dict(d):
+        for key in top_level:
+            if key in full:
+                d[key] = full[key]
+        d.arch = {k: v for k, v in full.items() if k not in top_level and k != "kind"}
+
+
 def _mtp_classes(kind: str):
     import importlib
 
@@ -128,9 +143,11 @@ def mtp_draft_config(cfg: DictConfig, hf_config):
         require(model_type == "deepseek_v4", "draft.kind", f"dsv4_mtp needs a DeepSeek-V4 target, got {model_type!r}")
     if str(d.kind) == "hyv4_mtp":
         require(model_type == "hy_v4", "draft.kind", f"hyv4_mtp needs a HY V4 target, got {model_type!r}")
-    from_target = getattr(Config, "from_hf_config", None) or Config.from_target_config
     try:
-        dcfg = from_target(hf_config, **keys)
+        if str(d.kind) == "hyv4_mtp":  # vLLM's HYV4Config rules need the raw config.json (from_target_config)
+            dcfg = Config.from_target_config(hf_config, config_json=_raw_config_json(hf_config), **keys)
+        else:
+            dcfg = Config.from_hf_config(hf_config, **keys)
         dcfg.validate()
     except (TypeError, ValueError) as e:
         raise ConfigError(f"draft: {e}") from e
@@ -142,6 +159,7 @@ def build_mtp_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
     d = cfg.draft
     _, Draft = _mtp_classes(str(d.kind))
     dcfg = mtp_draft_config(cfg, target.model.config)
+    record_resolved(d, dcfg, MTP_FIELD_KEYS)
     draft = Draft(dcfg)
     if d.get("init_from_target", False):
         require(hasattr(draft, "init_from_target"), "draft.init_from_target", f"not implemented for {d.kind}")
@@ -191,6 +209,14 @@ def block_draft_config(cfg: DictConfig, hf_config, mask_token_id: int):
     return dcfg
 
 
+def _raw_config_json(hf_config) -> dict | None:
+    """The target folder's config.json as written (before transformers fills in defaults), or None."""
+    import json
+
+    path = Path(str(getattr(hf_config, "_name_or_path", "") or "")) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def build_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
     d = cfg.draft
     require(d.kind in DRAFT_KINDS, "draft.kind", f"{d.kind!r} is not one of {DRAFT_KINDS}")
@@ -201,6 +227,7 @@ def build_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
         from dspark.models.dspark_v4 import DSparkV4Draft as Draft
     else:
         from dspark.models.dspark_dense import DSparkDenseDraft as Draft
+    record_resolved(d, dcfg, DRAFT_FIELD_KEYS)
     draft = Draft(dcfg)
     if d.init_from_target:
         require(d.kind == "dspark_v4", "draft.init_from_target", "only implemented for dspark_v4 drafts")
@@ -213,6 +240,14 @@ def build_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
 
 
 # ---- data -----------------------------------------------------------------------------------------
+def training_steps(cfg: DictConfig) -> int:
+    """trainer.max_steps: the data module's length (x accumulate_grad_batches) and the LR schedule's."""
+    steps = cfg.trainer.get("max_steps")
+    require(isinstance(steps, int) and steps >= 1, "trainer.max_steps",
+            f"must be an int >= 1 (runs are bounded by steps: the data and the LR schedule follow it), got {steps!r}")
+    return steps
+
+
 def load_records(data: DictConfig):
     """A zero-argument callable yielding conversation records (only called on a cache miss).
 
@@ -255,15 +290,16 @@ def build_datamodule(cfg: DictConfig, tokenizer, dataset=None, target: FrozenTar
     for `target` first, and the batches then carry the cached features."""
     from dspark.training.data_module import ChatDataModule
 
-    tr = cfg.train
-    for key in ("batch_size", "num_anchors", "max_steps", "accumulate_grad_batches"):
+    tr, steps, accumulate = cfg.train, training_steps(cfg), int(cfg.trainer.accumulate_grad_batches)
+    for key in ("batch_size", "num_anchors"):
         require(int(tr[key]) >= 1, f"train.{key}", f"must be >= 1, got {tr[key]}")
+    require(accumulate >= 1, "trainer.accumulate_grad_batches", f"must be >= 1, got {accumulate}")
     dataset = dataset if dataset is not None else build_dataset(cfg, tokenizer)
     features = prepare_feature_cache(cfg, target, dataset)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return ChatDataModule(
         dataset, pad_id=int(pad), batch_size=int(tr.batch_size), num_anchors=int(tr.num_anchors),
-        total_batches=int(tr.max_steps) * int(tr.accumulate_grad_batches),
+        total_batches=steps * accumulate,
         val_examples=int(cfg.data.val_examples), val_batch_size=int(tr.val_batch_size),
         seed=int(cfg.seed), num_workers=int(cfg.data.num_workers), features=features,
     )
@@ -368,15 +404,19 @@ def build_module(cfg: DictConfig, draft, target: FrozenTarget):
     set_ops_backend(ops)
     optim = OptimConfig(lr=float(tr.lr), weight_decay=float(tr.weight_decay), betas=tuple(tr.betas),
                         warmup_ratio=float(tr.warmup_ratio), min_lr_ratio=float(tr.min_lr_ratio),
-                        max_steps=int(tr.max_steps))
+                        max_steps=training_steps(cfg))
     if is_mtp(cfg):
-        return build_mtp_module(cfg, draft, target, optim)
-    lw = LossWeights(**OmegaConf.to_container(tr.loss_weights))
-    return DraftLightningModule(
-        draft, target, num_drafts=int(cfg.draft.block_size), mask_token_id=draft.config.mask_token_id,
-        layout=str(cfg.draft.layout), window=draft.config.sliding_window, decay_gamma=tr.decay_gamma,
-        loss_weights=lw, optim=optim, fused_loss=bool(tr.get("fused_loss", True)),
-    )
+        module = build_mtp_module(cfg, draft, target, optim)
+    else:
+        lw = LossWeights(**OmegaConf.to_container(tr.loss_weights))
+        module = DraftLightningModule(
+            draft, target, num_drafts=int(cfg.draft.block_size), mask_token_id=draft.config.mask_token_id,
+            layout=str(cfg.draft.layout), window=draft.config.sliding_window, decay_gamma=tr.decay_gamma,
+            loss_weights=lw, optim=optim, fused_loss=bool(tr.get("fused_loss", True)),
+        )
+    # the resolved run config: in every checkpoint (hyper_parameters) and every logger (hparams.yaml, W&B config)
+    module.save_hyperparameters(OmegaConf.to_container(cfg, resolve=True))
+    return module
 
 
 def build_mtp_module(cfg: DictConfig, draft, target: FrozenTarget, optim):

@@ -9,10 +9,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from dspark.errors import ConfigError
 from dspark.factory import (DATA_SOURCES, DRAFT_KINDS, MTP_DRAFT_KINDS, block_draft_config, is_mtp,
-                            mtp_draft_config, require, target_folder)
+                            mtp_draft_config, require, target_folder, training_steps)
 
-_POSITIVE_INTS = ("batch_size", "val_batch_size", "num_anchors", "max_steps", "accumulate_grad_batches",
-                  "val_every_steps", "ckpt_every_steps")
+_POSITIVE_INTS = ("batch_size", "val_batch_size", "num_anchors")
 
 
 def _number(node: DictConfig, key: str, prefix: str) -> float:
@@ -50,6 +49,15 @@ def check_train(cfg: DictConfig) -> None:
             f"a loss-masked token a+1): use fewer than {max_length}")
 
 
+def check_trainer(cfg: DictConfig) -> None:
+    """The Trainer keys the run depends on (the rest Lightning checks when the Trainer is built)."""
+    training_steps(cfg)
+    acc = cfg.trainer.get("accumulate_grad_batches")
+    require(isinstance(acc, int) and acc >= 1, "trainer.accumulate_grad_batches", f"must be an int >= 1, got {acc!r}")
+    require(not cfg.trainer.get("use_distributed_sampler"), "trainer.use_distributed_sampler",
+            "must stay false: ChatDataModule shards, shuffles and resumes its own batches")
+
+
 def check_data(cfg: DictConfig) -> None:
     data = cfg.data
     require(data.source in DATA_SOURCES, "data.source", f"{data.source!r} is not one of {DATA_SOURCES}")
@@ -83,7 +91,13 @@ def _target_hf_config(cfg: DictConfig):
     if not Path(folder).is_dir():
         local = folder.startswith(("/", ".", "~")) or Path(folder).exists()
         require(not local, "target.path", f"{folder!r} is not a folder")
-        return None  # a Hub id: the loader resolves it
+        from dspark.targets.hf_target import resolve_target_source
+
+        try:  # a Hub id: refused now when HF_HUB_OFFLINE is set and the cache lacks it
+            resolve_target_source(folder)
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from e
+        return None  # the loader resolves it
     from transformers import AutoConfig
 
     try:
@@ -116,5 +130,6 @@ def check_draft(cfg: DictConfig) -> None:
 def check_training_config(cfg: DictConfig) -> None:
     """Raises ConfigError naming the first bad key; loads no model weights."""
     check_train(cfg)
+    check_trainer(cfg)
     check_data(cfg)
     check_draft(cfg)

@@ -8,7 +8,7 @@ with the project's engine and with vLLM serving the exported draft, and writes o
 or `vllm_python=` / $DSPARK_VLLM_PYTHON). DeepSeek-V4 DSpark and MTP drafts are exported merged into a copy of
 the target (`--merge-into`), which vLLM then serves as the target. Exit status 0 with the report; `strict=true`
 exits 1 when a benchmark misses parity (T=0: outputs, every verify step, AL within `al_tolerance`; T>0: ALs within
-`al_z_max` standard errors, vLLM drafting with `draft_sample_method`, default probabilistic = eval.py's scheme).
+`al_z_max` standard errors, both engines drafting with eval.py's `draft_sample_method`, default greedy = vLLM's).
 
 What vLLM serves on which machine: README "vLLM in the loop".
 """
@@ -89,6 +89,7 @@ def project_decode(cfg: DictConfig, target, draft, draft_group, benchmark: str):
     g = int(cfg.num_drafts) if cfg.num_drafts is not None else int(default_g)
     layout = str(draft_group.get("layout", "chain"))
     temperature, eos, max_new = float(cfg.temperature), ev.eos_ids(cfg, target), int(cfg.max_new_tokens)
+    sample = str(cfg.get("draft_sample_method", "greedy"))  # eval.yaml: vLLM's draft_sample_method
     prompts_seen: list[list[int]] = []
 
     def spec_decode(prompts, gens):
@@ -96,7 +97,7 @@ def project_decode(cfg: DictConfig, target, draft, draft_group, benchmark: str):
         return speculative_generate_batch(target, draft, prompts, max_new_tokens=max_new, num_drafts=g,
                                           mask_token_id=getattr(dcfg, "mask_token_id", None), layout=layout,
                                           window=getattr(dcfg, "sliding_window", None), temperature=temperature,
-                                          eos_token_id=eos, generators=gens)
+                                          eos_token_id=eos, generators=gens, draft_sample_method=sample)
 
     def plain_decode(prompts, gens):
         return plain_generate(target, prompts, max_new, temperature, eos, gens)
@@ -162,7 +163,7 @@ def run_serve_check(cfg: DictConfig) -> dict:
             rep["vllm_greedy_drafts"] = compare(requests, r["spec_greedy_drafts"].requests(),
                                                 r["spec_greedy_drafts"].counters, temperature, tol, z_max)["vllm"]
         rep.update(benchmark=name, gamma=g, max_new_tokens=int(cfg.max_new_tokens), method=method,
-                   draft_sample_method=str(cfg.get("draft_sample_method", "probabilistic")) if temperature > 0 else None,
+                   draft_sample_method=str(cfg.get("draft_sample_method", "greedy")) if temperature > 0 else None,
                    export=str(export_dir), draft_weights=str(weights), eval_report=eval_report,
                    seconds={"eval_py_spec_and_plain": eval_s, "vllm_spec": r["spec"].seconds,
                             "vllm_plain": r["plain"].seconds if "plain" in r else None})
@@ -209,9 +210,10 @@ def serve_with_vllm(cfg, decoded: dict, *, vllm_target: str, vllm_draft: str | N
             out["load"] = {"ok": False, "error": str(exc), "class": None}
         log.info("vLLM load audit: %s", out["load"].get("error") or describe(out["load"]))
         spec = dict(draft=vllm_draft, method=method, num_speculative_tokens=gamma)
-        sample = str(cfg.get("draft_sample_method", "probabilistic"))
-        # at T > 0 eval.py samples drafts from q and accepts with min(1, p/q): vLLM's "probabilistic" drafting;
-        # vLLM's default ("greedy": argmax drafts, q one-hot) is a different lossless scheme, served too
+        sample = str(cfg.get("draft_sample_method", "greedy"))
+        # at T > 0 both engines draft the same way (eval.yaml draft_sample_method = vLLM's: greedy = argmax drafts
+        # accepted with probability p(y), vLLM's default; probabilistic = drafts sampled from q, min(1, p/q));
+        # with probabilistic, vLLM's default is served as well and its AL reported beside
         configs = [("spec", vllm_target, {**spec, "speculative_extra": {"draft_sample_method": sample}}
                     if temperature > 0 else spec)]
         if cfg.get("vllm_plain", True) and temperature == 0:

@@ -143,6 +143,10 @@ def tiny_config(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) ->
         dtype="float32",
         # DSpark noise/mask token, as released DeepSeek-V4 DSpark targets name it.
         dspark_noise_token_id=tokenizer.mask_token_id,
+        # What released DeepSeek-V4 configs carry: vLLM builds the MoE gate's e_score_correction_bias (checkpoint
+        # `ffn.gate.bias`) only under this topk_method (vllm/models/deepseek_v4/nvidia/model.py:301-309, vLLM
+        # 0.33.0); transformers always adds the bias, so without it vLLM would route the target differently.
+        topk_method="noaux_tc",
     )
 
 

@@ -6,10 +6,21 @@
 #                       torch / tilelang) at the issue size, mHC pieces (torch / tilelang) vs copy bandwidth
 #   bench_*.log, train_gpu.log, metrics_gpu.json, summary.txt
 # Usage: bash scripts/gpu_check.sh      (tilelang: pip install -e '.[kernels]')
+#
+# GPU half for vLLM (issue 17): bash scripts/gpu_check.sh vllm   (needs: pip install vllm==0.33.0)
+#   vLLM 0.33.0 serves each tiny export (DeepSeek-V4 DSpark merged, DeepSeek-V4 MTP, HY V4 MTP, dense DSpark,
+#   DFlash): greedy outputs vs vLLM's plain greedy, AL from vLLM's spec-decode counters vs eval.py's AL on the
+#   same prompts -> $OUT/vllm/results.jsonl + summary.txt (scripts/vllm_serve_check.py). Never run on the
+#   development machines (no GPU there); expect tens of minutes (5 short GPU trainings, 10 vLLM engine starts).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ "${1:-}" = "vllm" ]; then
+  nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+  python scripts/vllm_serve_check.py --out "$OUT/vllm" "${@:2}"
+  exit $?
+fi
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 python -c "import tilelang; print('tilelang', tilelang.__version__)" > "$OUT/versions.txt" 2>&1
 python -c "import torch; print('torch', torch.__version__, torch.version.cuda)" >> "$OUT/versions.txt" 2>&1

@@ -28,7 +28,7 @@ KINDS = ("dflash", "dspark", "dspark_v4", "dsv4_mtp", "hyv4_mtp")
 # experiment + target group + eval target override per non-dense kind; short runs (CPU minutes)
 _RUNS = {"dspark_v4": ("dspark_v4", "tiny_v4"), "dsv4_mtp": ("dsv4_mtp", "tiny_v4"), "hyv4_mtp": ("hyv4_mtp", "tiny_hy_v4")}
 _SHORT = ["data.limit=400", "data.val_examples=16", "data.max_length=192", "train.batch_size=8",
-          "train.val_batch_size=8", "train.val_every_steps=1000", "train.ckpt_every_steps=1000",
+          "train.val_batch_size=8", "trainer.val_check_interval=1000", "callbacks.last_checkpoint.every_n_train_steps=1000",
           "trainer.enable_progress_bar=false", "validate_at_start=false"]
 
 
@@ -51,7 +51,7 @@ def train(kind: str, out: Path, steps: int, tiny: dict) -> tuple[Path, list[str]
         return run, ["target=hf", f"target.path={tiny['target']}", "target.dtype=float32"]
     experiment, target = _RUNS[kind]
     if not (run / "draft" / "dspark_manifest.json").is_file():
-        run_training(_compose("config", [f"experiment={experiment}", f"train.max_steps={steps}", f"run_dir={run}"]
+        run_training(_compose("config", [f"experiment={experiment}", f"trainer.max_steps={steps}", f"run_dir={run}"]
                               + _SHORT))
     return run, [f"target={target}", "target.dtype=float32"]
 

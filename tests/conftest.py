@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_RUN = [
     "data.limit=160", "data.val_examples=8", "data.max_length=128",
     "train.batch_size=4", "train.val_batch_size=8", "train.num_anchors=4",
-    "train.max_steps=6", "train.val_every_steps=3", "train.ckpt_every_steps=1",
+    "trainer.max_steps=6", "trainer.val_check_interval=3", "callbacks.last_checkpoint.every_n_train_steps=1",
     "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "validate_at_start=false",
     "draft.num_layers=1",
 ]
@@ -37,13 +37,14 @@ def compose(overrides: list[str]):
 
 
 def tiny_v4_config(**overrides):
-    """A 3-layer DeepSeek-V4 small enough for hand-sized tests (sliding attention + MoE, hc 2)."""
+    """A 3-layer DeepSeek-V4 small enough for hand-sized tests (sliding attention + MoE, hc 2, topk_method
+    "noaux_tc" as released V4 configs: vLLM builds the gate bias only then)."""
     from transformers import DeepseekV4Config
 
     keys = dict(vocab_size=50, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=3, num_attention_heads=2,
                 head_dim=8, partial_rotary_factor=0.5, q_lora_rank=8, o_groups=1, o_lora_rank=4, n_routed_experts=2,
                 num_experts_per_tok=1, hc_mult=2, sliding_window=4, layer_types=["sliding_attention"] * 3,
-                mlp_layer_types=["moe"] * 3)
+                mlp_layer_types=["moe"] * 3, topk_method="noaux_tc")
     keys.update(overrides)
     return DeepseekV4Config(**keys)
 

@@ -8,7 +8,7 @@ from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
 
 def small_cfg(**kw):
     base = dict(hidden_size=32, vocab_size=50, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=8, intermediate_size=48, rms_norm_eps=1e-6, rope_theta=10000.0, block_size=3,
+                head_dim=8, intermediate_size=48, rms_norm_eps=1e-6, block_size=3,
                 mask_token_id=49, target_layer_ids=[0, 1], markov_rank=6)
     base.update(kw)
     return DSparkDenseConfig(**base)

@@ -168,11 +168,12 @@ def test_target_captures_pre_head_stream_only_when_asked():
 
 @torch.no_grad()
 def test_chain_propose_equals_teacher_forced_rows():
-    """Proposal logits of step k == the training chain's step-k logits at row a-1 on [tokens, y_0..y_{K-2}]."""
+    """Proposal logits of step k == the training chain's step-k logits at row a-1 on [tokens, y_0..y_{K-2}]:
+    training and eval run the same (served) recursion."""
     from dspark.training.mtp_objectives import recursive_forward
 
     target = _target(seed=4)
-    _, draft, _, _ = _draft(seed=5, num_layers=2)
+    _, draft, _, _ = _draft(seed=5, num_layers=1)
     draft.share_target_weights(target.embed_weight, target.lm_head_weight)
     tokens = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(1))
     a, K = tokens.numel() - 1, 3

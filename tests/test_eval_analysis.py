@@ -99,11 +99,13 @@ def test_compare_rows_and_the_notebook_code_run_on_reports(tmp_path, monkeypatch
     import matplotlib
 
     matplotlib.use("Agg")
-    monkeypatch.setenv("DSPARK_EVAL_A", str(tmp_path / "a"))
-    monkeypatch.setenv("DSPARK_EVAL_B", str(tmp_path / "b"))
+    runs = tmp_path / "runs"  # the notebook's default: every run under $DSPARK_RUNS with eval reports
+    write(runs / "dspark_v4" / "20260101-000000" / "eval", 1.5, 0.0)
+    write(runs / "dflash" / "20260101-000001" / "eval", 1.25, 1.0)
+    monkeypatch.setenv("DSPARK_RUNS", str(runs))  # never the checkout's own runs/: the test must not depend on them
     nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "eval_reports.ipynb").read_text())
     scope: dict = {}
     for cell in nb["cells"]:
         if cell["cell_type"] == "code":
             exec("".join(cell["source"]), scope)
-    assert len(scope["rows"]) == 4 and os.environ["DSPARK_EVAL_A"].endswith("a")
+    assert len(scope["rows"]) == 4 and sorted({r["mean_acceptance_length"] for r in scope["rows"]}) == [1.25, 1.5]

@@ -199,8 +199,9 @@ def test_dense_round_trip_identical_logits(tmp_path, markov_rank, arch):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == [arch] and cfg["markov_rank"] == markov_rank
     sfa = markov_rank > 0  # DSpark: anchor = first prediction; DFlash: 1+N mask layout
-    assert cfg["dflash_config"] == {"target_layer_ids": [0, 1], "mask_token_id": 49, "block_size": 3,
-                                    "sample_from_anchor": sfa}
+    # sample_from_anchor only at the top level: vLLM's DSpark speculator reads it there, and the DFlash
+    # constructor it runs first raises when dflash_config.sample_from_anchor is true (dflash/speculator.py:80-88)
+    assert cfg["dflash_config"] == {"target_layer_ids": [0, 1], "mask_token_id": 49, "block_size": 3}
     assert cfg["sample_from_anchor"] == sfa
     assert cfg["enable_confidence_head"] == cfg["confidence_head_with_markov"] == (markov_rank > 0)
     assert cfg["hidden_size"] == 32 and cfg["num_hidden_layers"] == 2 and cfg["draft_vocab_size"] == 50
@@ -245,7 +246,7 @@ def test_flash_export_plan_on_meta():
 def test_flash_plan_matches_the_independent_verifier_rules():
     """The exporter's plan and the verifier's re-derivation from dspark_config.json agree at real size."""
     from dspark.export.dspark_v4 import v4_config_json
-    from dspark.export.verify import _v4_expected
+    from dspark.export.verify import _v4_expected, _v4_optional
 
     values = draft_fields(OmegaConf.load(REPO / "configs" / "draft" / "dspark_v4_flash.yaml"))
     cfg = DSparkV4Config.from_dict(values).validate()
@@ -253,7 +254,8 @@ def test_flash_plan_matches_the_independent_verifier_rules():
         draft = DSparkV4Draft(cfg)
     plan = v4_export_plan(draft)
     names = {torch.bfloat16: "BF16", torch.float32: "F32"}
-    expected = _v4_expected(json.loads(json.dumps(v4_config_json(cfg))))
+    c = json.loads(json.dumps(v4_config_json(cfg)))
+    expected = {**_v4_expected(c), **_v4_optional(c)}  # the confidence head is optional for vLLM
     assert {k: (s, names[d]) for k, (s, d) in plan.items()} == expected
 
 

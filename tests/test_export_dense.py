@@ -220,11 +220,11 @@ def test_cli_dense_reduced_speculators_export(tmp_path):
                             "draft": draft_cfg})
     target = factory.build_target(cfg)
     draft = factory.build_draft(cfg, target)
-    export_draft(draft, cfg, tmp_path / "run" / "draft")
+    export_draft(draft, cfg, tmp_path / "run" / "draft", target.fingerprint())  # records target.json as train.py
     rows = tmp_path / "rows.jsonl"
     rows.write_text("\n".join(json.dumps({"input_ids": [i, i + 1, 7], "loss_mask": [0, 1, 1]}) for i in range(30)))
     out = tmp_path / "out"
-    res = _cli("dense", "--run-dir", str(tmp_path / "run"), "--target", "hf", "--target-path", str(tmp_path / "target"),
+    res = _cli("dense", "--run-dir", str(tmp_path / "run"),  # the target comes from run/draft/target.json
                "--out", str(out), "--format", "speculators", "--draft-vocab-size", "16", "--vocab-counts", str(rows))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "draft vocabulary: 16 of 50 ids cover" in res.stdout and res.stdout.strip().splitlines()[-1].startswith("OK")
@@ -241,7 +241,7 @@ def test_cli_dense_reduced_speculators_export(tmp_path):
 
 
 @pytest.mark.parametrize("kind,tensor", [("gated", "gate_proj"), ("rnn", "joint_proj")])
-def test_non_vanilla_markov_heads_round_trip_but_are_flagged_for_vllm(tmp_path, kind, tensor):
+def test_non_vanilla_markov_heads_are_refused_for_vllm_and_round_trip_otherwise(tmp_path, kind, tensor):
     from dataclasses import replace
 
     def make(seed):
@@ -252,9 +252,38 @@ def test_non_vanilla_markov_heads_round_trip_but_are_flagged_for_vllm(tmp_path, 
         return d
 
     src = make(1)
-    out = export_dense(src, tmp_path / kind, dtype=torch.float32)
-    dst = import_dense(out, make(2))
-    prev, h = torch.tensor([[[3, 7, 9]]]), torch.randn(1, 1, 3, 32)
-    assert torch.equal(src.markov_head(prev, h)[0], dst.markov_head(prev, h)[0])
-    problems = verify_folder(out).problems
-    assert len(problems) == 1 and problems[0].startswith(f"serving: markov head type '{kind}'") and tensor in problems[0]
+    with pytest.raises(ValueError, match=f"markov_head_type '{kind}'.*{tensor}"):
+        export_dense(src, tmp_path / "refused", dtype=torch.float32)  # vLLM format: refused, naming the key
+    assert not (tmp_path / "refused").exists()
+    for fmt, kw in (("vllm", {"for_vllm": False}), ("speculators", {})):  # the documented ways to write it anyway
+        out = export_dense(src, tmp_path / f"{kind}-{fmt}", dtype=torch.float32, fmt=fmt, **kw)
+        dst = import_dense(out, make(2))
+        prev, h = torch.tensor([[[3, 7, 9]]]), torch.randn(1, 1, 3, 32)
+        assert torch.equal(src.markov_head(prev, h)[0], dst.markov_head(prev, h)[0])
+        report = verify_folder(out)
+        assert report.ok, report.problems  # marked dspark_not_for_vllm: the serving rule becomes a note ...
+        assert len(report.notes) == 1 and report.notes[0].startswith(f"serving: markov head type '{kind}'")
+        assert tensor in report.notes[0]
+        c = json.loads((out / "config.json").read_text())
+        del c["dspark_not_for_vllm"]  # ... and a problem without the marker
+        (out / "config.json").write_text(json.dumps(c))
+        reseal(out)  # hand-edited: only the layout checks should object
+        problems = verify_folder(out).problems
+        assert len(problems) == 1 and problems[0].startswith(f"serving: markov head type '{kind}'")
+
+
+def test_export_target_defaults_to_the_runs_target_json(tmp_path):
+    from dspark.export.__main__ import resolve_target
+    import argparse
+
+    run = tmp_path / "run"
+    (run / "draft").mkdir(parents=True)
+
+    def args(**kw):
+        return argparse.Namespace(**{"cmd": "dense", "run_dir": run, "target": None, "target_path": None, **kw})
+
+    assert resolve_target(args()) == ("smollm2", None)  # an older run without target.json: the format default
+    (run / "draft" / "target.json").write_text(json.dumps({"kind": "hf", "path": "/models/t", "fingerprint": "x"}))
+    assert resolve_target(args()) == ("hf", "/models/t")
+    assert resolve_target(args(target_path="/other")) == ("hf", "/other")
+    assert resolve_target(args(target="smollm2")) == ("smollm2", None)  # told otherwise

@@ -91,9 +91,10 @@ CASES = {
     "hy_fused": lambda: _hy_draft(1),
     "hy_dense_indexer_headwise": lambda: _hy_draft(2, mlp_type="dense", use_indexer=True, gating_type="headwise"),
     "hy_no_sink_no_shared": lambda: _hy_draft(3, learnable_sink=False, n_shared_experts=0),
+    "hy_one_layer": lambda: _hy_draft(3, num_layers=1),
     "dsv4": lambda: _dsv4_draft(4),
 }
-LAYOUTS = {"hy_fused": [{}, {"split_experts": True}, {"layer_names": "layers"}]}
+LAYOUTS = {"hy_fused": [{}, {"split_experts": True}], "hy_one_layer": [{"layer_names": "layers"}]}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -132,12 +133,15 @@ def test_round_trip_bfloat16_keeps_the_fp32_set_and_re_exports_bit_identically(t
 
 def test_hy_serving_names_and_config(tmp_path):
     src = _hy_draft(8, use_indexer=True)
-    out = export_mtp(src, tmp_path / "hy", dtype=torch.float32, layer_names="layers", split_experts=True)
+    one = export_mtp(_hy_draft(8, use_indexer=True, num_layers=1), tmp_path / "hy1", dtype=torch.float32,
+                     layer_names="layers")
+    assert "model.layers.3.eh_proj.weight" in set(load_file(str(one / "model.safetensors")))
+    out = export_mtp(src, tmp_path / "hy", dtype=torch.float32, split_experts=True)
     names = set(load_file(str(out / "model.safetensors")))
-    assert "model.layers.3.eh_proj.weight" in names and "model.layers.4.final_layernorm.weight" in names
-    assert "model.layers.4.mlp.experts.2.down_proj.weight" in names
-    assert "model.layers.3.self_attn.indexer.k_norm.bias" in names
-    assert not any(n.startswith("model.mtp_layers.") or "embed_tokens" in n or "shared_head" in n for n in names)
+    assert "model.mtp_layers.0.eh_proj.weight" in names and "model.mtp_layers.1.final_layernorm.weight" in names
+    assert "model.mtp_layers.1.mlp.experts.2.down_proj.weight" in names
+    assert "model.mtp_layers.0.self_attn.indexer.k_norm.bias" in names
+    assert not any(n.startswith("model.layers.") or "embed_tokens" in n or "shared_head" in n for n in names)
     c = json.loads((out / CONFIG_NAME).read_text())
     assert (c["num_nextn_predict_layers"], c["num_hidden_layers"], c["mtp_layer_type"]) == (2, 3, "sparse_attention")
     assert mtp_config_from_folder(out) == src.config
@@ -255,7 +259,10 @@ def test_cli_exports_verifies_and_reimports_a_tiny_mtp_run(tmp_path, experiment,
     extra = ["--split-experts"] if experiment == "hyv4_mtp" else []
     res = _cli("mtp", "--run-dir", str(run), "--out", str(out), "--dtype", "float32", *extra)  # target by kind
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.strip().splitlines()[-1].startswith(f"OK {out}: {fmt}")
+    lines = res.stdout.strip().splitlines()
+    assert lines[-2].startswith(f"OK {out}: {fmt}")
+    # 2 MTP layers: vLLM runs its multi-module speculator for >= 2 speculative tokens (config/speculative.py:2188)
+    assert lines[-1].startswith("  note: num_nextn_predict_layers=2")
     back = import_mtp(out)
     back.share_target_weights(target.embed_weight, target.lm_head_weight)
     assert torch.equal(_chain_logits(draft), _chain_logits(back))
@@ -265,7 +272,7 @@ def test_cli_exports_verifies_and_reimports_a_tiny_mtp_run(tmp_path, experiment,
         merged = tmp_path / "merged"
         res = _cli("mtp", "--run-dir", str(run), "--out", str(merged), "--merge-into", str(TINY_HY_V4_DIR))
         assert res.returncode == 0, res.stdout + res.stderr
-        assert res.stdout.strip().splitlines()[-1].startswith(f"OK {merged}: {fmt}")
+        assert res.stdout.strip().splitlines()[-2].startswith(f"OK {merged}: {fmt}")
         assert (merged / "model-mtp-draft.safetensors").is_file()
     if experiment == "dsv4_mtp":  # HY-only options are refused for a DeepSeek-V4 draft
         res = _cli("mtp", "--run-dir", str(run), "--out", str(tmp_path / "x"), "--layer-names", "layers")
@@ -285,7 +292,10 @@ def test_merge_into_a_target_checkpoint(tmp_path, experiment):
     target = factory.build_target(cfg)
     draft = factory.build_draft(cfg, target)
     _randomise(draft, seed=15)
-    kw = {"layer_names": "layers"} if experiment == "hyv4_mtp" else {}
+    kw = {}
+    if experiment == "hyv4_mtp":  # 2 layers named model.layers.{N+i}: vLLM would load only the first (mtp.py:57-72)
+        with pytest.raises(ValueError, match="layer_names='layers' with num_layers=2"):
+            merge_mtp_into_target(draft, target_dir, tmp_path / "layers", layer_names="layers")
     out = merge_mtp_into_target(draft, target_dir, tmp_path / "merged", dtype=torch.float32, **kw)
     assert main_verify(out) == 0
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
@@ -294,7 +304,8 @@ def test_merge_into_a_target_checkpoint(tmp_path, experiment):
     drafted = {n for n, f in index.items() if f == MERGED_SHARD}
     assert set(index) == own | drafted and not own & drafted
     n_layers = json.loads((target_dir / "config.json").read_text())["num_hidden_layers"]
-    probe = f"model.layers.{n_layers + 1}.eh_proj.weight" if experiment == "hyv4_mtp" else "mtp.1.e_proj.weight"
+    assert n_layers > 0
+    probe = "model.mtp_layers.1.eh_proj.weight" if experiment == "hyv4_mtp" else "mtp.1.e_proj.weight"
     assert probe in drafted
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 2
     back = import_mtp(out)

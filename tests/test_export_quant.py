@@ -16,7 +16,7 @@ from dspark.export import quant as q
 from dspark.export.dspark_v4 import (QUANT_REPORT, export_v4_sidecar, import_v4_sidecar, merge_v4_into_target,
                                      probe_logits, quant_report, v4_config_from_folder, v4_config_json,
                                      v4_export_plan)
-from dspark.export.verify import _v4_expected, verify_folder
+from dspark.export.verify import _v4_expected, _v4_optional, verify_folder
 from dspark.factory import draft_fields
 from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
 from test_export import _cli, _randomise
@@ -276,7 +276,8 @@ def test_flash_quantised_plan_on_meta_matches_the_verifier(mode):
     assert plan["mtp.2.markov_head.markov_w2.weight"] == ((129280, 256), torch.bfloat16)
     names = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3",
              torch.float8_e8m0fnu: "F8_E8M0", torch.int8: "I8"}
-    expected = _v4_expected(json.loads(json.dumps(v4_config_json(cfg, quant=mode))))
+    c = json.loads(json.dumps(v4_config_json(cfg, quant=mode)))
+    expected = {**_v4_expected(c), **_v4_optional(c)}  # the confidence head is optional for vLLM
     assert {k: (s, names[d]) for k, (s, d) in plan.items()} == expected
 
 

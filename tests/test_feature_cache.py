@@ -258,7 +258,7 @@ def test_cached_training_matches_online_losses(tmp_path):
 
     from dspark.training.run import run_training
 
-    common = TINY_RUN + ["train.max_steps=3", "train.val_every_steps=3"]
+    common = TINY_RUN + ["trainer.max_steps=3", "trainer.val_check_interval=3"]
     online, cached = tmp_path / "online", tmp_path / "cached"
     run_training(compose(common + [f"run_dir={online}"]))
     s = run_training(compose(common + [f"run_dir={cached}", "data.feature_cache=auto",
@@ -273,7 +273,7 @@ def test_cached_training_matches_online_losses(tmp_path):
 def test_explicit_cache_dir_of_another_dataset_is_refused(tmp_path):
     from dspark.training.run import run_training
 
-    common = TINY_RUN + ["train.max_steps=1", "train.val_every_steps=1", f"data.feature_cache={tmp_path / 'fc'}"]
+    common = TINY_RUN + ["trainer.max_steps=1", "trainer.val_check_interval=1", f"data.feature_cache={tmp_path / 'fc'}"]
     run_training(compose(common + [f"run_dir={tmp_path / 'a'}"]))
     assert (tmp_path / "fc" / META_NAME).is_file()
     with pytest.raises(ConfigError, match=r"data\.feature_cache: .*another dataset"):

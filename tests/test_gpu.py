@@ -28,8 +28,8 @@ def test_tiny_training_step_on_cuda_bf16(tmp_path):
     from conftest import TINY_RUN, compose
     from dspark.training.run import run_training
 
-    summary = run_training(compose(TINY_RUN + [f"run_dir={tmp_path}", "trainer=gpu", "train.max_steps=3",
-                                               "train.val_every_steps=3", "trainer.enable_progress_bar=false"]))
+    summary = run_training(compose(TINY_RUN + [f"run_dir={tmp_path}", "trainer=gpu", "trainer.max_steps=3",
+                                               "trainer.val_check_interval=3", "trainer.enable_progress_bar=false"]))
     assert summary["global_step"] == 3 and summary["final"]["val/tau_prob"] >= 1.0
 
 
@@ -134,6 +134,6 @@ def test_tiny_training_step_with_tilelang_ops(tmp_path):
     from dspark.training.run import run_training
 
     summary = run_training(compose(TINY_RUN + [f"run_dir={tmp_path}", "trainer=gpu", "ops_backend=tilelang",
-                                               "train.max_steps=3", "train.val_every_steps=3",
+                                               "trainer.max_steps=3", "trainer.val_check_interval=3",
                                                "trainer.enable_progress_bar=false"]))
     assert summary["global_step"] == 3 and summary["final"]["val/tau_prob"] >= 1.0

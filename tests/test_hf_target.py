@@ -52,3 +52,24 @@ def test_dense_target_layers_and_padding():
 def test_bad_layer_ids_fail_fast_naming_the_key(ids):
     with pytest.raises(ValueError, match="target_layer_ids"):
         FrozenTarget(tiny_v4(), ids)
+
+
+def test_the_kv_cache_reaches_the_model_under_the_name_its_forward_declares():
+    """transformers 5.24 renamed `past_key_values` to `cache`; an undeclared name would vanish into **kwargs and
+    every cached forward would silently start from an empty cache."""
+    from torch import nn
+
+    from dspark.targets.hf_target import _cache_kwarg
+
+    class New(nn.Module):
+        def forward(self, input_ids=None, cache=None, **kwargs): ...
+
+    class Old(nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs): ...
+
+    class Neither(nn.Module):
+        def forward(self, input_ids=None, **kwargs): ...
+
+    assert _cache_kwarg(New()) == "cache" and _cache_kwarg(Old()) == "past_key_values"
+    with pytest.raises(TypeError, match="neither `cache` nor `past_key_values`"):
+        _cache_kwarg(Neither())

@@ -35,26 +35,28 @@ def prompts(target) -> list[torch.Tensor]:
                                                  tokenize=True, return_dict=True)["input_ids"]) for m in msgs]
 
 
-@pytest.mark.parametrize("num_layers", [1, 2])
-def test_propose_equals_teacher_forced_steps(target, num_layers):
-    """Chain drafting (no KV cache, recomputed prefixes) == running the K steps teacher-forced over the whole
-    sequence [prompt, x0, y_0..y_{g-2}] with the target's features of that sequence, read at row a-1."""
-    draft = make_draft(target, "perturbed", num_layers)
+def test_propose_equals_the_training_chain_at_the_anchor_row(target):
+    """Chain drafting == the teacher-forced training chain (mtp_objectives.recursive_forward) over the sequence
+    [prompt, x0, y_0..y_{g-2}] with the target's features of that sequence, read at chain a-1: training and eval
+    run the same served recursion. Two MTP layers are refused (vLLM's multi-module speculator is not modelled)."""
+    from dspark.training.mtp_objectives import recursive_forward
+
+    draft = make_draft(target, "perturbed")
     tokens = prompts(target)[0][:20]  # [a+1], x0 = last
     a, g = tokens.numel() - 1, 4
     prop = draft.propose(target.features(tokens[None, :a]), tokens, num_drafts=g, temperature=0.0, generator=None)
-    full = torch.cat([tokens, prop.tokens[:-1]])  # [a + g]
-    hidden = target.features(full[None]).final[:, :-1]  # rows 0..a+g-2: target hidden h_p
+    full = torch.cat([tokens, prop.tokens[:-1]])[None]  # [1, a + g]
+    feats = target.features(full)
     with torch.no_grad():
-        for k in range(g):
-            rows = full.numel() - 1 - k
-            ids = full[k + 1 : k + 1 + rows][None]  # row p: token at p + k + 1
-            hidden = draft.step(ids, hidden[:, :rows], torch.arange(rows)[None] + k, k)
-            logits = draft.logits(hidden[0, a - 1]).float()
-            assert torch.allclose(logits, prop.logits[k], atol=1e-4), (k, (logits - prop.logits[k]).abs().max())
-            assert int(logits.argmax()) == int(prop.tokens[k])
+        steps = recursive_forward(draft, draft.context_hidden(feats), full, torch.ones_like(full), feats.final, g)
+    for k in range(g - 1):  # the last step's row a-1 has no label inside `full`
+        row = (steps[k].rows[:, 1] == a - 1).nonzero()[0, 0]
+        torch.testing.assert_close(steps[k].logits[row].float(), prop.logits[k], atol=1e-4, rtol=1e-5)
+        assert int(steps[k].logits[row].argmax()) == int(prop.tokens[k])
     assert prop.q_probs.shape == (g, target.vocab_size) and prop.conf is None
     assert torch.equal(prop.q_probs.argmax(-1), prop.tokens)  # one-hot at T=0
+    with pytest.raises(ValueError, match="num_layers=2 with 4 chained steps"):
+        make_draft(target, "perturbed", num_layers=2).propose(target.features(tokens[None, :a]), tokens, num_drafts=g)
 
 
 @pytest.mark.parametrize("kind", ["random", "target_init", "perturbed"])

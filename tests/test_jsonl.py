@@ -8,7 +8,7 @@ import pytest
 
 from dspark.data.jsonl import JsonlFormatError, JsonlStats, iter_jsonl_records, read_jsonl_records
 
-EVAL_DIR = Path("/work/shared/data/eval")
+EVAL_DIR = Path(__file__).resolve().parents[1] / "dspark" / "assets" / "eval"  # shipped with the repo
 
 
 def _write(path, lines):
@@ -72,12 +72,25 @@ def test_clean_file_logs_nothing(tmp_path, caplog):
     assert caplog.text == ""
 
 
-@pytest.mark.parametrize("name,min_turns", [("gsm8k", 1), ("humaneval", 1), ("mt-bench", 2)])
-def test_shared_eval_files(name, min_turns):
+@pytest.mark.parametrize("name,min_turns,lines", [("gsm8k", 1, 1319), ("humaneval", 1, 164), ("mt-bench", 2, 80)])
+def test_shipped_eval_files(name, min_turns, lines):
     path = EVAL_DIR / f"{name}.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} not present")
+    assert name in (EVAL_DIR / "README.md").read_text()  # source and license recorded beside the file
     recs = read_jsonl_records(path, strict=True)
-    assert recs
+    assert len(recs) == lines  # the whole set (README), not a silent subset
     assert all(m["role"] == "user" and m["content"] for r in recs for m in r["messages"])
     assert max(len(r["messages"]) for r in recs) >= min_turns
+
+
+def test_gitignore_covers_the_readme_outputs_and_not_the_sources():
+    import shutil
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    outputs = ["runs/dspark_v4/x/metrics.json", "export/v4/model.safetensors", "outputs/a", "multirun/a",
+               "data/regenerated/smollm2_sharegpt.jsonl", "lightning_logs/v", "notebooks/.ipynb_checkpoints/a"]
+    sources = ["dspark/export/dense.py", "dspark/assets/eval/gsm8k.jsonl", "dspark/data/jsonl.py", "configs/config.yaml"]
+    r = subprocess.run(["git", "check-ignore", "--no-index", *outputs, *sources], cwd=repo, capture_output=True, text=True)
+    assert sorted(r.stdout.split()) == sorted(outputs)

@@ -17,16 +17,43 @@ K = 3
 
 class RecordingDraft:
     """A fake MTP draft whose hidden records its history: channel 0 = context row id, channel 1 + k = the
-    token step k consumed, channel 1 + K + k = the position step k used. logits = the hidden itself."""
+    token step k consumed, channel 1 + K + k = the position step k used. logits = the hidden itself. Each row's
+    "kv" is (step, row, position), and every step's attention mask is kept, so the keys a query sees can be read."""
 
-    def step(self, input_ids, hidden, position_ids, layer_idx):
+    attention_window = None
+
+    def __init__(self):
+        self.config = type("Cfg", (), {"num_layers": 1})()
+        self.masks: list[torch.Tensor] = []
+
+    def step_rows(self, input_ids, hidden, position_ids, layer_idx, past, mask):
         out = hidden.clone()
         out[..., 1 + layer_idx] = input_ids.float()
         out[..., 1 + K + layer_idx] = position_ids.float()
-        return out
+        b, t = input_ids.shape
+        kv = torch.stack([torch.full((b, t), layer_idx), torch.arange(t).expand(b, t), position_ids], -1)  # [B,T,3]
+        self.masks.append((mask, kv if past is None else torch.cat([past, kv], 1)))
+        return out, kv
 
     def logits(self, hidden_out):
         return hidden_out
+
+
+def test_training_chain_attends_like_the_served_chain():
+    """Chain t's depth-k row sees exactly the step-0 rows 0..t and its own rows at depths 1..k (vLLM's
+    target_dependent_ar recursion: context rows built once, one appended row per step), not the depth-k rows
+    of other chains (the old full-prefix recursion)."""
+    b, s = 2, 7
+    ids = torch.arange(b * s).view(b, s)
+    draft = RecordingDraft()
+    recursive_forward(draft, torch.zeros(b, s, 1 + 2 * K), ids, torch.ones_like(ids), torch.zeros(b, s, 1), K)
+    assert len(draft.masks) == K
+    for k, (mask, keys) in enumerate(draft.masks):
+        for bi in range(b):
+            for t in range(s - k - 1):
+                seen = {(int(d), int(r), int(p)) for d, r, p in keys[bi][mask[bi, t]]}
+                want = {(0, j, j) for j in range(t + 1)} | {(m, t, t + m) for m in range(1, k + 1)}
+                assert seen == want, (k, bi, t)
 
 
 def test_step_alignment_matches_naive_loop():

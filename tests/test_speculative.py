@@ -155,6 +155,34 @@ def test_sampling_with_the_target_as_draft_accepts_everything(llama_target):
     assert draft.calls and all(n_tok == n_feat + 1 for n_feat, n_tok in draft.calls)
 
 
+def test_draft_sample_method_greedy_drafts_the_argmax_and_stays_lossless(llama_target):
+    """vLLM's draft_sample_method (config/speculative.py:634-640): "greedy" (its default) drafts the argmax and
+    verifies with a one-hot q; "probabilistic" samples at the request temperature. At T > 0 the target verifies
+    at T either way; rejection sampling with a one-hot q keeps the target's distribution (chi-square)."""
+    temps = []
+
+    class Recording(TargetAsDraft):
+        def propose(self, feats, tokens, *, num_drafts, temperature, generator):
+            temps.append(temperature)
+            return super().propose(feats, tokens, num_drafts=num_drafts, temperature=temperature, generator=generator)
+
+    for method, want in (("greedy", 0.0), ("probabilistic", 0.8)):
+        temps.clear()
+        out = spec.speculative_generate_batch(llama_target, Recording(llama_target), [torch.tensor([1, 2, 3])],
+                                              max_new_tokens=8, num_drafts=2, mask_token_id=MASK, temperature=0.8,
+                                              generators=[torch.Generator().manual_seed(0)],
+                                              draft_sample_method=method)
+        assert temps and set(temps) == {want} and len(out.tokens[0]) == 8
+    with pytest.raises(ValueError, match="draft_sample_method"):
+        spec.speculative_generate_batch(llama_target, Recording(llama_target), [torch.tensor([1])], max_new_tokens=2,
+                                        num_drafts=1, mask_token_id=MASK, draft_sample_method="topk")
+    g = torch.Generator().manual_seed(4)
+    p, q = _random_dist(g, 5), _random_dist(g, 5)
+    greedy_q = torch.nn.functional.one_hot(q.argmax(), 5).float()
+    assert chi2_pvalue(_first_token_counts(verify_rejection, p, greedy_q, 20000, seed=5), p) > 1e-3
+    assert chi2_pvalue(_first_token_counts(_always_accept, p, greedy_q, 20000, seed=5), p) < 1e-3  # has power
+
+
 def test_batched_cached_decoding_equals_one_request_at_a_time(llama_target):
     """Requests of different lengths batched together (left padding, per-row rollback of rejected drafts,
     finished rows dropped) decode exactly as each request alone through the uncached reference."""
@@ -593,6 +621,16 @@ def test_eval_sampling_and_input_errors(eval_setup, tmp_path):
                              "benchmarks=[math]", f"out={tmp_path / 'o'}"))["math"]
     assert rep["gamma"] == 2 and rep["num_draft_tokens"] == 2 * rep["num_drafts"]
     assert "greedy_outputs_equal_target" not in rep
+    # the vLLM settings these numbers correspond to; vLLM's default draft_sample_method is greedy
+    assert {k: rep["vllm_settings"][k] for k in ("method", "num_speculative_tokens", "draft_sample_method")} == \
+        {"method": "dspark", "num_speculative_tokens": 2, "draft_sample_method": "greedy"}
+    assert (tmp_path / "o" / "math.T1.g2.json").is_file()
+    prob = run_eval(_eval_cfg(root, f"run_dir={root / 'run'}", "temperature=1.0", "num_drafts=2",
+                              "draft_sample_method=probabilistic", "benchmarks=[math]", f"out={tmp_path / 'o'}"))
+    assert prob["math"]["vllm_settings"]["draft_sample_method"] == "probabilistic"
+    assert (tmp_path / "o" / "math.T1.g2.prob.json").is_file()
+    with pytest.raises(ConfigError, match="draft_sample_method"):
+        run_eval(_eval_cfg(root, f"run_dir={root / 'run'}", "draft_sample_method=topk"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"turns": ["ok"]}\n{"turns": ["ok"]\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2"):

@@ -11,6 +11,7 @@ import sys
 import lightning as L
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from conftest import REPO, TINY_RUN, compose
@@ -30,6 +31,14 @@ def train_losses(run_dir) -> dict[int, float]:
     return out
 
 
+def val_taus(run_dir) -> list[float]:
+    out = []
+    for version in sorted((run_dir / "logs").glob("version_*")):
+        with open(version / "metrics.csv") as fh:
+            out += [float(r["val/tau_prob"]) for r in csv.DictReader(fh) if r.get("val/tau_prob") and int(r["step"])]
+    return out
+
+
 def test_tiny_run_writes_checkpoint_metrics_and_draft(tmp_path):
     cfg = compose(TINY_RUN + [f"run_dir={tmp_path}", "validate_at_start=true"])
     summary = run_training(cfg)
@@ -46,10 +55,18 @@ def test_tiny_run_writes_checkpoint_metrics_and_draft(tmp_path):
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
     assert all(k.startswith("draft.") for k in ckpt["state_dict"])  # the frozen target is not saved
     assert ckpt["ChatDataModule"]["batches_consumed"] == 6
+    # the resolved config travels with every checkpoint and logger
+    assert ckpt["hyper_parameters"]["trainer"]["max_steps"] == 6 and ckpt["hyper_parameters"]["run_dir"] == str(tmp_path)
+    hparams = OmegaConf.load(next((tmp_path / "logs").glob("version_*/hparams.yaml")))
+    assert hparams.draft.kind == cfg.draft.kind and hparams.trainer.val_check_interval == 3
+    best = list((tmp_path / "checkpoints").glob("best-step*-tau*.ckpt"))  # top-1 by val/tau_prob (max)
+    assert len(best) == 1
+    tau = float(best[0].stem.split("-tau")[1])
+    assert tau == pytest.approx(max(r for r in val_taus(tmp_path)), abs=1e-4)
     # the run's draft exports to the serving mtp.* form, verifies independently, and re-imports exactly
     from dspark.export.__main__ import main as export_main
 
-    assert export_main(["v4", "--run-dir", str(tmp_path), "--target", "tiny_v4",
+    assert export_main(["v4", "--run-dir", str(tmp_path),  # the target: draft/target.json
                         "--out", str(tmp_path / "export"), "--dtype", "float32"]) == 0
     from dspark.export.verify import verify_folder
     from dspark.export.dspark_v4 import import_v4_sidecar
@@ -116,7 +133,7 @@ def test_malformed_jsonl_lines_are_counted_or_refused(tmp_path, caplog):
                                     {"role": "assistant", "content": "The sea is wide and deep and blue, " * 6}]})
     data.write_text("\n".join([good] * 40 + ["{not json", good] + [good] * 20) + "\n")
     base = TINY_RUN + [f"run_dir={tmp_path / 'run'}", "data.source=jsonl", f"data.path={data}",
-                       "train.max_steps=1"]
+                       "trainer.max_steps=1"]
     run_training(compose(base))
     assert "skipped 1 malformed line(s) (lines 41" in caplog.text  # counted and named, not silent
     with pytest.raises(ValueError, match=r"chat\.jsonl:41: malformed"):
@@ -129,8 +146,8 @@ def test_ddp_two_processes_match_one_process(tmp_path, experiment):
     """2-process DDP (gloo, CPU) on the same global batch gives the same weights as one process (DSpark: global
     sum of loss weights; MTP: global scored rows per step; the ranks' shards score different numbers of rows)."""
     common = [f"experiment={experiment}"] + TINY_RUN + [
-        "train.max_steps=3", "train.val_every_steps=3", "train.ckpt_every_steps=3", "train.num_anchors=4",
-        "data.num_workers=0"]
+        "trainer.max_steps=3", "trainer.val_check_interval=3", "callbacks.last_checkpoint.every_n_train_steps=3",
+        "train.num_anchors=4", "data.num_workers=0"]
     one, two, half = tmp_path / "one", tmp_path / "two", tmp_path / "half"
     run_training(compose(common + [f"run_dir={one}", "train.batch_size=4"]))
     run_training(compose(common + [f"run_dir={half}", "train.batch_size=2"]))  # rank 0's share alone
@@ -160,7 +177,7 @@ def test_trained_tiny_dspark_draft_decodes_exactly_like_the_target(tmp_path):
 
     from dspark.evaluation.run_eval import run_eval
 
-    run_training(compose(TINY_RUN + [f"run_dir={tmp_path}", "train.max_steps=12"]))
+    run_training(compose(TINY_RUN + [f"run_dir={tmp_path}", "trainer.max_steps=12"]))
     data = tmp_path / "bench"
     data.mkdir()
     (data / "chat.jsonl").write_text('{"turns": ["How do I make a good cup of tea?", "And coffee?"]}\n'

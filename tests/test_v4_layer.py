@@ -17,7 +17,7 @@ def _hf_config(num_layers=1):
         num_attention_heads=4, head_dim=HEAD_DIM, q_lora_rank=12, partial_rotary_factor=0.5,
         num_experts_per_tok=2, n_routed_experts=4, routed_scaling_factor=1.5, swiglu_limit=0.5,
         hc_mult=HC, hc_sinkhorn_iters=20, o_groups=2, o_lora_rank=8, sliding_window=WINDOW,
-        layer_types=["sliding_attention"] * num_layers, mlp_layer_types=["moe"] * num_layers,
+        layer_types=["sliding_attention"] * num_layers, mlp_layer_types=["moe"] * num_layers, topk_method="noaux_tc",
     )
     cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"

@@ -2,11 +2,52 @@
 
 A report folder is what eval.py writes (<out>/summary.T<T>.g<gamma>.json + per-benchmark files); a run
 dir is accepted too (its eval/ folder). Rows are (run label, T, gamma, benchmark) with the headline numbers.
+The notebooks find runs through repo_root / newest_run / eval_runs (paths against the checkout, not the kernel's
+working directory; $DSPARK_RUNS moves the runs folder).
 """
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+def repo_root(start: str | Path | None = None) -> Path:
+    """The checkout the notebooks belong to: the nearest folder at or above `start` (default: the working
+    directory, which for a notebook kernel is notebooks/) holding train.py and configs/; else the folder above
+    the dspark package."""
+    here = Path(start or Path.cwd()).resolve()
+    for d in (here, *here.parents):
+        if (d / "train.py").is_file() and (d / "configs").is_dir():
+            return d
+    return Path(__file__).resolve().parents[2]
+
+
+def runs_root() -> Path:
+    """Where `python train.py` writes runs: $DSPARK_RUNS, else <repo>/runs."""
+    env = os.environ.get("DSPARK_RUNS")
+    return Path(env).expanduser().resolve() if env else repo_root() / "runs"
+
+
+def newest_run(experiment: str = "dspark_v4", root: str | Path | None = None) -> Path:
+    """The most recently finished run (metrics.json written last) of `experiment` under the runs folder."""
+    parent = Path(root) if root is not None else runs_root()
+    done = sorted((parent / experiment).glob("*/metrics.json"), key=lambda f: f.stat().st_mtime)
+    if not done:
+        raise FileNotFoundError(f"no finished run under {parent / experiment} (each has metrics.json): run "
+                                f"`python train.py experiment={experiment}` from {repo_root()} first")
+    return done[-1].parent
+
+
+def eval_runs(root: str | Path | None = None) -> dict[str, Path]:
+    """'<experiment>/<run>' -> run dir, for every run under the runs folder with eval reports, oldest first."""
+    parent = Path(root) if root is not None else runs_root()
+    found = sorted(parent.glob("*/*/eval/summary.*.json"), key=lambda f: f.stat().st_mtime)
+    runs = {f"{f.parents[2].name}/{f.parents[1].name}": f.parents[1] for f in found}
+    if not runs:
+        raise FileNotFoundError(f"no eval reports under {parent}/<experiment>/<run>/eval: run "
+                                "`python eval.py run_dir=<run dir>` first")
+    return runs
+
 
 COLUMNS = ("run", "temperature", "gamma", "benchmark", "mean_acceptance_length", "draft_acceptance_rate",
            "speedup_vs_target", "overhead_share", "num_requests")

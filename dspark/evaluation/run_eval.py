@@ -1,6 +1,7 @@
 """`eval.py` body: trained draft + target -> real speculative decoding on benchmark prompts -> reports.
 
-For each benchmark (`<data_dir>/<name>.jsonl`, one {"turns": [...]} per line) the first `num_prompts`
+For each benchmark (`<data_dir>/<name>.jsonl`, one {"turns": [...]} per line; data_dir null = the sets shipped
+in dspark/assets/eval) the first `num_prompts`
 conversations are decoded turn by turn (`turns=all`; MT-Bench has two): turn t is the chat-template render
 of the user turns 1..t with the draft run's own answers to turns 1..t-1 in between (generation prompt
 added). Requests are batched (`batch_size`) through the KV-cached target session. Every conversation is
@@ -26,7 +27,7 @@ from dspark import factory
 from dspark.evaluation import analysis, plots
 from dspark.evaluation.metrics import AcceptanceCounter
 from dspark.evaluation.scheduler import SPSTable
-from dspark.evaluation.speculative import Decoded, Timing, acceptance_counter, plain_generate, \
+from dspark.evaluation.speculative import DRAFT_SAMPLE_METHODS, Decoded, Timing, acceptance_counter, plain_generate, \
     speculative_generate_batch
 from dspark.integrity import check_file
 from dspark.io import atomic_write_json
@@ -36,6 +37,7 @@ from dspark.training import draft_dir
 log = logging.getLogger("dspark.eval")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+SHIPPED_BENCHMARKS = Path(__file__).resolve().parents[1] / "assets" / "eval"  # data_dir: null (README there)
 ENGINE = "dspark-reference"
 require = factory.require
 
@@ -45,6 +47,25 @@ def resolve_path(path: str | Path) -> Path:
     """Absolute paths as given; relative ones against the repository root (not the shell's cwd)."""
     p = Path(str(path)).expanduser()
     return p if p.is_absolute() else (REPO_ROOT / p).resolve()
+
+
+def benchmark_dir(cfg: DictConfig) -> Path:
+    """data_dir, or the prompt sets shipped in dspark/assets/eval when it is null."""
+    return SHIPPED_BENCHMARKS if cfg.get("data_dir") in (None, "") else resolve_path(cfg.data_dir)
+
+
+def read_benchmarks(cfg: DictConfig) -> dict[str, list[list[str]]]:
+    """name -> the first num_prompts conversations of <data_dir>/<name>.jsonl, every file checked (read before
+    any model loads, so a wrong path or a malformed line fails in a second, not after the target loads)."""
+    data_dir = benchmark_dir(cfg)
+    out = {}
+    for name in cfg.benchmarks:
+        path = data_dir / f"{name}.jsonl"
+        require(path.is_file(), "benchmarks", f"{name}: {str(path)!r} does not exist (data_dir={cfg.get('data_dir')}; "
+                f"a folder of <name>.jsonl files, null = the shipped sets in {SHIPPED_BENCHMARKS})")
+        out[str(name)] = read_benchmark(path, int(cfg.num_prompts))
+        require(len(out[str(name)]) > 0, "benchmarks", f"{name}: no prompts in {path}")
+    return out
 
 
 def read_benchmark(path: Path, limit: int | None = None) -> list[list[str]]:
@@ -206,6 +227,26 @@ def _validate(cfg: DictConfig) -> None:
     require(int(cfg.batch_size) >= 1, "batch_size", f"must be >= 1, got {cfg.batch_size}")
     require(str(cfg.turns) in ("all", "first"), "turns", f"must be 'all' or 'first', got {cfg.turns!r}")
     require(str(cfg.device) == "cpu" or torch.cuda.is_available(), "device", f"{cfg.device!r} but CUDA is not available")
+    require(not cfg.sps_table or resolve_path(cfg.sps_table).is_file(), "sps_table",
+            f"{cfg.sps_table!r} is not a file")
+    require(str(cfg.get("draft_sample_method", "greedy")) in DRAFT_SAMPLE_METHODS, "draft_sample_method",
+            f"must be one of {DRAFT_SAMPLE_METHODS}, got {cfg.get('draft_sample_method')!r}")
+
+
+def vllm_settings(draft_group: DictConfig, draft, g: int, draft_sample_method: str) -> dict:
+    """The vLLM 0.33.0 speculative_config these numbers correspond to (same drafts, same acceptance rule)."""
+    kind = str(draft_group.kind)
+    if kind in ("dsv4_mtp", "hyv4_mtp"):
+        method = "mtp"  # target_dependent_ar MTP speculator (v1/worker/gpu/spec_decode/mtp/speculator.py)
+    else:
+        method = "dspark" if int(getattr(draft.config, "markov_rank", 0) or 0) > 0 else "dflash"
+    out = {"method": method, "num_speculative_tokens": g, "draft_sample_method": draft_sample_method}
+    if method == "mtp":
+        out["note"] = ("vLLM's default num_speculative_tokens for MTP is num_nextn_predict_layers "
+                       "(config/speculative.py:1600-1606); pass it explicitly to match")
+    else:
+        out["note"] = "vLLM's default num_speculative_tokens for DSpark is dspark_block_size / block_size"
+    return out
 
 
 @dataclass
@@ -306,6 +347,7 @@ def _sps(cfg: DictConfig, target: FrozenTarget) -> SPSTable:
 def run_eval(cfg: DictConfig) -> dict[str, dict]:
     """Evaluate every benchmark; write the reports and plots (module docstring); return the reports."""
     _validate(cfg)
+    benchmarks = read_benchmarks(cfg)  # inputs first: prompts, then (build) run dir and draft files, then models
     torch.manual_seed(int(cfg.seed))
     target, draft, draft_group, weights, run_dir = build(cfg)
     require(target.tokenizer is not None, "target", "the target has no tokenizer; eval renders chat prompts")
@@ -317,11 +359,12 @@ def run_eval(cfg: DictConfig) -> dict[str, dict]:
     layout = str(draft_group.get("layout", "chain"))
     temperature, eos = float(cfg.temperature), eos_ids(cfg, target)
     max_new, bs, seed = int(cfg.max_new_tokens), int(cfg.batch_size), int(cfg.seed)
-    data_dir = resolve_path(cfg.data_dir)
     out_dir = resolve_path(cfg.out) if cfg.out else run_dir / "eval"
-    tag = f"T{temperature:g}.g{g}"
+    sample_method = str(cfg.get("draft_sample_method", "greedy"))
+    tag = f"T{temperature:g}.g{g}" + ("" if sample_method == "greedy" or temperature == 0 else ".prob")
     common = {
         "engine": ENGINE, "temperature": temperature, "gamma": g, "layout": layout, "window": window,
+        "vllm_settings": vllm_settings(draft_group, draft, g, sample_method),
         "max_new_tokens": max_new, "batch_size": bs, "turns": str(cfg.turns), "seed": seed,
         "draft_kind": str(draft_group.kind), "draft_weights": str(weights),
         "target": OmegaConf.to_container(cfg.target, resolve=True), "eos_token_id": eos, "mask_token_id": mask_id,
@@ -331,16 +374,15 @@ def run_eval(cfg: DictConfig) -> dict[str, dict]:
     def spec_decode(prompts, gens) -> Decoded:
         return speculative_generate_batch(target, draft, prompts, max_new_tokens=max_new, num_drafts=g,
                                           mask_token_id=mask_id, layout=layout, window=window,
-                                          temperature=temperature, eos_token_id=eos, generators=gens)
+                                          temperature=temperature, eos_token_id=eos, generators=gens,
+                                          draft_sample_method=sample_method)
 
     def plain_decode(prompts, gens) -> Decoded:
         return plain_generate(target, prompts, max_new, temperature, eos, gens)
 
     reports: dict[str, dict] = {}
     spec_batches: list[Decoded] = []
-    for name in cfg.benchmarks:
-        convs = read_benchmark(data_dir / f"{name}.jsonl", int(cfg.num_prompts))
-        require(len(convs) > 0, "benchmarks", f"{name}: no prompts in {data_dir / f'{name}.jsonl'}")
+    for name, convs in benchmarks.items():
         run = dict(batch_size=bs, all_turns=str(cfg.turns) == "all", seed=seed)
         spec = decode_conversations(target.tokenizer, convs, spec_decode, **run)
         plain = decode_conversations(target.tokenizer, convs, plain_decode, **run) if cfg.compare_target else None
@@ -389,5 +431,9 @@ def format_summary(reports: dict[str, dict], out_dir: Path) -> str:
                      f"{rate if rate is None else f'{rate:7.3f}':>7} {'-' if sp is None else f'{sp:7.2f}x':>8} "
                      f"{'-' if ov is None else f'{100 * ov:7.1f}%':>8}  {pos}")
     any_r = next(iter(reports.values()))
+    v = any_r.get("vllm_settings") or {}
     lines.append(f"T={any_r['temperature']} gamma={any_r['gamma']} engine={ENGINE}; reports in {out_dir}")
+    if v:
+        lines.append(f"vLLM equivalent: speculative_config method={v['method']} num_speculative_tokens="
+                     f"{v['num_speculative_tokens']} draft_sample_method={v['draft_sample_method']}")
     return "\n".join(lines)

@@ -6,6 +6,10 @@ padding). One round, for every unfinished request:
     sequence so far: [prompt, generated...]; x0 = its last token (the target's bonus/correction token),
     at position a; the target's layer outputs for positions 0..a-1 are cached from earlier forwards.
     1. propose g drafts y_0..y_{g-1} from those context features and x0      (draft_propose_batch: one draft forward)
+       draft_sample_method (vLLM's speculative_config.draft_sample_method, vllm/config/speculative.py:634-640):
+       "probabilistic" samples y_k from the draft distribution at the request temperature and verifies with
+       the full q; "greedy" (vLLM's default) takes the draft argmax and verifies with a one-hot q
+       (v1/worker/gpu/spec_decode/speculator.py:444-482, rejection_sampler_utils.py:191-194). Both are lossless.
     2. ONE batched target forward over [x0, y_0..y_{g-1}] of every request: rows 0..g are p_0..p_g
     3. verify (greedy at T=0, rejection sampling at T>0): n accepted + one next token
     4. keep x0, y_0..y_{n-1} in the cache (their features are the next context: the target is causal, so
@@ -86,18 +90,21 @@ def score(target: FrozenTarget, ids: torch.Tensor) -> tuple[TargetFeatures, torc
 
 def draft_propose_batch(draft, feats: list[TargetFeatures], tokens: list[torch.Tensor], *, num_drafts: int,
                         mask_token_id: int, layout: str, window: int | None, temperature: float,
-                        generators: list) -> list[Proposal]:
+                        generators: list, caches: list | None = None) -> list[Proposal]:
     """One block of drafts per request i after x0 = tokens[i][-1] at position a_i = len(tokens[i]) - 1;
     feats[i] covers positions 0..a_i-1 at least.
 
     Drafts with their own inference path (MTP) implement `draft.propose(feats, tokens, num_drafts=,
-    temperature=, generator=)` and are called per request; DSpark / DFlash drafts propose for every request
-    in one forward (dspark.evaluation.propose.propose_batch).
+    temperature=, generator=, cache=)` and are called per request with that request's draft-side cache
+    (`caches[i]`, a mtp_common.ChainCache kept across rounds; None = recompute); DSpark / DFlash drafts propose
+    for every request in one forward (dspark.evaluation.propose.propose_batch).
     """
     anchors = [t.numel() - 1 for t in tokens]
     if hasattr(draft, "propose"):
-        return [draft.propose(f.prefix(a), t, num_drafts=num_drafts, temperature=temperature, generator=gen)
-                for f, t, a, gen in zip(feats, tokens, anchors, generators)]
+        caches = caches if caches is not None else [None] * len(tokens)
+        return [draft.propose(f.prefix(a), t, num_drafts=num_drafts, temperature=temperature, generator=gen,
+                              **({} if c is None else {"cache": c}))
+                for f, t, a, gen, c in zip(feats, tokens, anchors, generators, caches)]
     return propose_batch(draft, [f.aux[:, :a] for f, a in zip(feats, anchors)], [int(t[-1]) for t in tokens],
                          num_drafts=num_drafts, mask_token_id=mask_token_id, layout=layout, window=window,
                          temperature=temperature, generators=generators)
@@ -223,6 +230,18 @@ def _drop_finished(session: TargetSession, outs: list, x0: list[int]) -> list[in
     return [x0[r] for r in alive]
 
 
+def _draft_caches(draft, n: int) -> list:
+    """One draft-side cache per request for MTP drafts (the served chain, mtp_common), None otherwise."""
+    if not hasattr(draft, "step_rows"):
+        return [None] * n
+    from dspark.models.mtp_common import ChainCache
+
+    return [ChainCache() for _ in range(n)]
+
+
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+
+
 @torch.no_grad()
 def speculative_generate_batch(
     target: FrozenTarget,
@@ -237,14 +256,20 @@ def speculative_generate_batch(
     temperature: float = 0.0,
     eos_token_id: int | Sequence[int] | None = None,
     generators: Sequence[torch.Generator | None] | torch.Generator | None = None,
+    draft_sample_method: str = "probabilistic",
 ) -> Decoded:
     """Speculative decoding of a batch of prompts ([P_i] each). At T=0 every request's tokens equal
-    `target_generate`'s; at T>0 they follow the same distribution."""
+    `target_generate`'s; at T>0 they follow the same distribution. num_drafts is vLLM's num_speculative_tokens;
+    draft_sample_method as vLLM's (module docstring)."""
     g = int(num_drafts)
     if g < 1:
         raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
+    if draft_sample_method not in DRAFT_SAMPLE_METHODS:
+        raise ValueError(f"draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, got {draft_sample_method!r}")
+    draft_temperature = temperature if draft_sample_method == "probabilistic" else 0.0
     session, outs, x0, gens, timing = _start(target, prompts, max_new_tokens, temperature, eos_token_id, generators)
     steps: list[list[StepStats]] = [[] for _ in outs]
+    caches = _draft_caches(draft, len(outs))  # per request: the MTP chain's step-0 rows across rounds
     forwards = 1
     x0 = _drop_finished(session, outs, x0)
     while x0:
@@ -253,8 +278,9 @@ def speculative_generate_batch(
         feats = [session.features(r) for r in rows]
         seqs = [torch.cat([session.tokens(r), session.tokens(r).new_tensor([x0[r]])]) for r in rows]
         props = _timed(timing, "draft_s", draft_propose_batch, draft, feats, seqs, num_drafts=g,
-                       mask_token_id=mask_token_id, layout=layout, window=window, temperature=temperature,
-                       generators=[gens[req] for req in session.requests])  # [a_r + 1] tokens each
+                       mask_token_id=mask_token_id, layout=layout, window=window, temperature=draft_temperature,
+                       generators=[gens[req] for req in session.requests],
+                       caches=[caches[req] for req in session.requests])  # [a_r + 1] tokens each
         new_ids = torch.stack([torch.cat([torch.tensor([x], device=p.tokens.device), p.tokens])
                                for x, p in zip(x0, props)])  # [B, g + 1]
         logits = _timed(timing, "target_s", session.forward, new_ids)  # [B, g + 1, V]

@@ -62,6 +62,14 @@ def _add_v4(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", choices=("fp8", "fp4"), default=None,
                    help="fp8: FP8 128x128 block linears + experts (float32 scales); fp4: FP8 linears "
                         "(e8m0 scales) + packed e2m1 experts (V4-Flash layout). Writes quant_report.json")
+    _add_not_for_vllm(p)
+
+
+def _add_not_for_vllm(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--not-for-vllm", action="store_true",
+                   help="write a draft vLLM 0.33.0 would serve differently from how it was trained (gated / rnn "
+                        "Markov head, confidence bias, ...) for dspark's own import; the config lists the reasons "
+                        "under dspark_not_for_vllm and the verifier reports them as notes")
 
 
 def _run_v4(target, draft, cfg, args, dtype, shard: int) -> None:
@@ -70,13 +78,16 @@ def _run_v4(target, draft, cfg, args, dtype, shard: int) -> None:
 
     if not isinstance(draft, DSparkV4Draft):
         raise SystemExit(f"{args.run_dir}: the draft is {type(draft).__name__}, not a DeepSeek-V4 DSpark draft")
-    if args.merge_into is not None:
-        try:
-            merge_v4_into_target(draft, args.merge_into, args.out, dtype=dtype, quant=args.quant)
-        except ValueError as err:
-            raise SystemExit(str(err))
-    else:
-        export_v4_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=shard, quant=args.quant)
+    layout = str(cfg.draft.get("layout") or "anchor")
+    try:
+        if args.merge_into is not None:
+            merge_v4_into_target(draft, args.merge_into, args.out, dtype=dtype, quant=args.quant, layout=layout,
+                                 for_vllm=not args.not_for_vllm)
+        else:
+            export_v4_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=shard, quant=args.quant, layout=layout,
+                              for_vllm=not args.not_for_vllm)
+    except ValueError as err:
+        raise SystemExit(str(err))
     if args.quant is not None:
         from dspark.integrity import write_manifest
 
@@ -95,6 +106,7 @@ def _add_dense(p: argparse.ArgumentParser) -> None:
                    help="token frequencies: a jsonl of tokenized rows (input_ids + loss_mask) or conversations "
                         "(messages, tokenized with the target's chat template), or a datasets folder (save_to_disk)")
     p.add_argument("--verifier", default=None, help="speculators format: the target's name_or_path to record")
+    _add_not_for_vllm(p)
 
 
 def _run_dense(target, draft, cfg, args, dtype, shard: int) -> None:
@@ -123,8 +135,12 @@ def _run_dense(target, draft, cfg, args, dtype, shard: int) -> None:
         print(f"draft vocabulary: {args.draft_vocab_size} of {v} ids cover {covered:.4f} of "
               f"{counts.sum().item()} trained tokens in {args.vocab_counts}")
         draft = reduce_dense_vocab(draft, d2t, t2d)
-    export_dense(draft, args.out, dtype=dtype, num_target_layers=len(target.layers), max_shard_bytes=shard,
-                 layout=str(cfg.draft.get("layout") or "") or None, fmt=args.format, verifier=args.verifier)
+    try:
+        export_dense(draft, args.out, dtype=dtype, num_target_layers=len(target.layers), max_shard_bytes=shard,
+                     layout=str(cfg.draft.get("layout") or "") or None, fmt=args.format, verifier=args.verifier,
+                     for_vllm=not args.not_for_vllm)
+    except ValueError as err:
+        raise SystemExit(str(err))
 
 
 def _add_mtp(p: argparse.ArgumentParser) -> None:
@@ -161,6 +177,27 @@ def _run_mtp(target, draft, cfg, args, dtype, shard: int) -> None:
 _MTP_TARGETS = {"hyv4_mtp": "tiny_hy_v4", "dsv4_mtp": "tiny_v4"}
 
 
+def _recorded_target(run_dir: Path) -> tuple[str, str | None] | None:
+    """(kind, path) of the target the run was trained against (RUN/draft/target.json), None for older runs."""
+    from dspark.training.draft_dir import DRAFT_DIR, TARGET_FILE
+
+    path = run_dir / DRAFT_DIR / TARGET_FILE
+    if not path.is_file():
+        return None
+    rec = json.loads(path.read_text())
+    return str(rec["kind"]), rec.get("path")
+
+
+def resolve_target(args: argparse.Namespace) -> tuple[str, str | None]:
+    """--target / --target-path when given, else the run's draft/target.json, else the format's default kind."""
+    if args.target is not None:
+        return args.target, args.target_path
+    recorded = _recorded_target(args.run_dir)
+    if recorded is not None:
+        return recorded[0], args.target_path or recorded[1]
+    return FORMATS[args.cmd][1] or _default_target(args.run_dir), args.target_path
+
+
 def _default_target(run_dir: Path) -> str:
     path = run_dir / "draft" / "draft_config.json"
     kind = json.loads(path.read_text()).get("kind") if path.is_file() else None
@@ -189,10 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, (help_text, default_target, add, _) in FORMATS.items():
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--run-dir", required=True, type=Path)
-        p.add_argument("--target", default=default_target,
-                       help="target kind as in configs/target (tiny_v4, tiny_hy_v4, smollm2, hf)"
-                            + ("; default: by draft kind" if default_target is None else ""))
-        p.add_argument("--target-path", default=None, help="HF folder of the target (target kind hf)")
+        p.add_argument("--target", default=None,
+                       help="target kind as in configs/target (tiny_v4, tiny_hy_v4, smollm2, hf); default: the one the "
+                            "run was trained against (RUN/draft/target.json), else "
+                            + ("by draft kind" if default_target is None else default_target))
+        p.add_argument("--target-path", default=None,
+                       help="HF folder or Hub id of the target (target kind hf); default: RUN/draft/target.json's")
         p.add_argument("--out", required=True, type=Path)
         p.add_argument("--dtype", default="bfloat16", choices=_DTYPES)
         p.add_argument("--max-shard-gb", type=float, default=5.0)
@@ -209,8 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     from dspark.errors import one_line_errors
 
     with one_line_errors("python -m dspark.export"):
-        target_kind = args.target or _default_target(args.run_dir)
-        target, draft, cfg = _load_run_draft(args.run_dir, target_kind, args.target_path)
+        target, draft, cfg = _load_run_draft(args.run_dir, *resolve_target(args))
         FORMATS[args.cmd][3](target, draft, cfg, args, getattr(torch, args.dtype), int(args.max_shard_gb * 2**30))
     print(f"wrote {args.out}")
     return 0 if args.no_verify else main_verify(args.out)

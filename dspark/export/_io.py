@@ -14,6 +14,8 @@ from dspark.io import atomic_write_json, save_safetensors_atomic
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+# config key of a folder written although vLLM 0.33.0 would not serve it as trained: the list of reasons
+NOT_FOR_VLLM = "dspark_not_for_vllm"
 
 
 def sealed(export_fn):

@@ -9,11 +9,16 @@ config format or the speculators format. Facts checked against the vLLM 0.33.0 w
   required (target id = d + d2t[d]); `t2d` is skipped by vLLM (we write it for our own import).
   markov_w1 stays [V, r] (previous TARGET token), markov_w2 is [Vd, r].
 - Qwen3DSparkModel reads enable_confidence_head (default False) and confidence_head_with_markov (default
-  False: input H); our head takes [h; e] (H + r), so both are written true. sample_from_anchor: vLLM's
-  DSpark speculator defaults to True (anchor = first prediction, our "anchor" layout); DFlash only runs
-  the 1+N "mask" layout (dflash_config.sample_from_anchor must be false).
-- vLLM's Qwen3DSparkModel implements only the vanilla Markov head (markov_w1/w2): gated / rnn heads
-  export for our own import but vLLM 0.33.0 cannot serve them (its loader rejects gate_proj/joint_proj).
+  False: input H); our head takes [h; e] (H + r), so both are written true. sample_from_anchor is written at
+  the TOP level only: vLLM's DSpark speculator reads it there, default True = our "anchor" layout
+  (v1/worker/gpu/spec_decode/dspark/speculator.py:49-55), after running the DFlash constructor, which raises
+  when dflash_config.sample_from_anchor is true (v1/worker/gpu/spec_decode/dflash/speculator.py:80-88).
+  DFlash only runs the 1+N "mask" layout.
+- vLLM's Qwen3DSparkModel implements only the vanilla Markov head (markov_w1/w2, qwen3_dspark.py:48-93) and
+  the draft layers attend to the whole context (no layer_types written: transformers' Qwen3Config makes them
+  full attention, and vLLM runs a layer non-causally unless it is sliding_attention, qwen3_dflash.py:62-81):
+  a gated / rnn Markov head or a sliding_window draft is refused for the vLLM format (for_vllm=False or the
+  speculators format write it anyway, listing the reasons under `dspark_not_for_vllm`).
 - speculators format (vllm/transformers_utils/configs/speculators/algos.py update_dspark/update_dflash,
   speculators' DSparkSpeculatorConfig): top-level speculators_model_type, transformer_layer_config (the
   Qwen3 layer sizes), speculators_config (proposal_methods[0].speculative_tokens, verifier), and
@@ -28,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_tensors
+from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, NOT_FOR_VLLM, iter_tensors, load_into, sealed, write_tensors
 from dspark.io import atomic_write_json
 from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
 
@@ -59,8 +64,9 @@ def _layer_config(cfg: DSparkDenseConfig, dtype: torch.dtype) -> dict:
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_parameters["rope_theta"],
+        "rope_parameters": dict(cfg.rope_parameters),  # the target's (llama3 / yarn / ... scaling included)
+        "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": False,
         "attention_bias": False,
@@ -78,11 +84,10 @@ def dense_config_json(cfg: DSparkDenseConfig, dtype: torch.dtype = torch.bfloat1
         **_layer_config(cfg, dtype),
         "draft_vocab_size": cfg.draft_vocab_size or cfg.vocab_size,
         "block_size": cfg.block_size,
-        "dflash_config": {
+        "dflash_config": {  # never sample_from_anchor here (module docstring)
             "target_layer_ids": list(cfg.target_layer_ids),
             "mask_token_id": cfg.mask_token_id,
             "block_size": cfg.block_size,
-            "sample_from_anchor": layout == "anchor",
         },
         "markov_rank": cfg.markov_rank,
         "markov_head_type": cfg.markov_head_type if is_dspark else None,
@@ -137,14 +142,38 @@ def dense_export_plan(draft: DSparkDenseDraft, dtype: torch.dtype = torch.bfloat
     return plan
 
 
+def dense_serving_problems(cfg: DSparkDenseConfig) -> list[str]:
+    """Why vLLM 0.33.0 would serve this dense draft differently from how it was trained (empty: as trained);
+    each line names the draft config key."""
+    out = []
+    if cfg.markov_rank > 0 and cfg.markov_head_type != "vanilla":
+        out.append(f"markov_head_type {cfg.markov_head_type!r}: vLLM's DSparkMarkovHead has only markov_w1 / "
+                   "markov_w2 (vllm/model_executor/models/qwen3_dspark.py:48-93), no parameter for the "
+                   f"{'gate_proj' if cfg.markov_head_type == 'gated' else 'joint_proj'} tensors")
+    if cfg.sliding_window is not None:
+        out.append(f"sliding_window {cfg.sliding_window}: vLLM's Qwen3 DFlash / DSpark draft layers attend to the "
+                   "whole context (full attention unless layer_types says sliding_attention, which also makes the "
+                   "block causal: qwen3_dflash.py:62-81, 96-158)")
+    return out
+
+
 @sealed
 def export_dense(draft: DSparkDenseDraft, out_dir, dtype: torch.dtype = torch.bfloat16,
                  num_target_layers: int | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                 layout: str | None = None, fmt: str = "vllm", verifier: str | None = None) -> Path:
+                 layout: str | None = None, fmt: str = "vllm", verifier: str | None = None,
+                 for_vllm: bool = True) -> Path:
     """Write config.json + safetensors. `layout` defaults to "anchor" (DSpark) / "mask" (DFlash);
-    `fmt` "vllm" (vLLM's own config) or "speculators"; `verifier` names the target (speculators only)."""
+    `fmt` "vllm" (vLLM's own config) or "speculators"; `verifier` names the target (speculators only).
+    A draft vLLM 0.33.0 would serve differently (dense_serving_problems) is refused in the vLLM format unless
+    `for_vllm` is False; written anyway (speculators format or for_vllm=False), its config lists the reasons
+    under `dspark_not_for_vllm`."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    not_served = dense_serving_problems(draft.config)
+    if not_served and fmt == "vllm" and for_vllm:
+        raise ValueError("export_dense: vLLM 0.33.0 cannot serve this draft as trained:\n  " + "\n  ".join(not_served)
+                         + "\n(fmt='speculators' or for_vllm=False / CLI --format speculators or --not-for-vllm "
+                         "write it anyway)")
     out_dir = Path(out_dir)
     tensors = {k: p.detach().to("cpu", dtype).contiguous() for k, p in draft.named_parameters()}
     if getattr(draft, "reduced_vocab", False):
@@ -157,6 +186,8 @@ def export_dense(draft: DSparkDenseDraft, out_dir, dtype: torch.dtype = torch.bf
         config = dense_config_json(draft.config, dtype, num_target_layers, layout)
     else:
         config = speculators_config_json(draft.config, dtype, layout, verifier)
+    if not_served:
+        config[NOT_FOR_VLLM] = not_served
     atomic_write_json(out_dir / "config.json", config)
     return out_dir
 
@@ -176,9 +207,12 @@ def read_dense_config(folder) -> dict:
                          "mask_token_id")
     target_ids = [int(i) - 1 for i in c["aux_hidden_state_layer_ids"]]
     sfa = bool(c.get("sample_from_anchor", False))
-    out.update({"architectures": [DSPARK_ARCH if algo == "dspark" else DFLASH_ARCH],
-                "dflash_config": {"target_layer_ids": target_ids, "mask_token_id": c["mask_token_id"],
-                                  "sample_from_anchor": sfa},
+    # as vLLM translates: update_dflash puts sample_from_anchor into dflash_config, update_dspark at the top
+    # level (vllm/transformers_utils/configs/speculators/algos.py:118-126, 187-189)
+    dflash = {"target_layer_ids": target_ids, "mask_token_id": c["mask_token_id"]}
+    if algo == "dflash":
+        dflash["sample_from_anchor"] = sfa
+    out.update({"architectures": [DSPARK_ARCH if algo == "dspark" else DFLASH_ARCH], "dflash_config": dflash,
                 "sample_from_anchor": sfa})
     for key in ("draft_vocab_size", "target_hidden_size", "markov_rank", "markov_head_type", "block_size",
                 "enable_confidence_head", "confidence_head_with_markov", "torch_dtype"):
@@ -198,7 +232,8 @@ def dense_config_from_folder(folder) -> tuple[DSparkDenseConfig, str]:
         num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_key_value_heads"],
         head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
         intermediate_size=c["intermediate_size"], rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-        rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)), block_size=int(c["block_size"]),
+        rope_parameters={"rope_type": "default", "rope_theta": c.get("rope_theta", 10000.0), **rope},
+        max_position_embeddings=int(c.get("max_position_embeddings") or 32768), block_size=int(c["block_size"]),
         mask_token_id=int(c["dflash_config"]["mask_token_id"]),
         target_layer_ids=list(c["dflash_config"]["target_layer_ids"]), markov_rank=rank,
         markov_head_type=c.get("markov_head_type") or "vanilla",

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from dspark.export import quant as q
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_tensors
+from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, NOT_FOR_VLLM, iter_tensors, load_into, sealed, write_tensors
 from dspark.io import atomic_write_json
 from dspark.models.dspark_v4 import FP32_PARAM_RE, DSparkV4Config, DSparkV4Draft
 
@@ -149,16 +149,60 @@ def v4_block_config_json(cfg) -> dict:
         "routed_scaling_factor": cfg.routed_scaling_factor,
         "swiglu_limit": cfg.swiglu_limit,
         "scoring_func": cfg.scoring_func,
+        "topk_method": cfg.topk_method,
+        "norm_topk_prob": cfg.norm_topk_prob,
         "hc_mult": cfg.hc_mult,
         "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters,
         "hc_eps": cfg.hc_eps,
         "rms_norm_eps": cfg.rms_norm_eps,
         "sliding_window": cfg.sliding_window,
+        "rope_theta": cfg.rope_theta,
     }
 
 
-def v4_config_json(cfg: DSparkV4Config, dtype: torch.dtype = torch.bfloat16, quant: str | None = None) -> dict:
-    """dspark_config.json: the target-config keys the serving loader reads + the draft sizes (HF key names)."""
+LAYOUTS = ("anchor", "mask")
+
+
+def v4_serving_problems(cfg: DSparkV4Config, layout: str = "anchor") -> list[str]:
+    """Why vLLM 0.33.0 would serve this DeepSeek-V4 DSpark draft differently from how it was trained (empty: it
+    serves it as is). Each line names the draft config key."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    out = []
+    if cfg.markov_head_type != "vanilla":
+        out.append(f"markov_head_type {cfg.markov_head_type!r}: vLLM's DSparkMarkovHead has only markov_w1 / markov_w2 "
+                   "(vllm/model_executor/models/qwen3_dspark.py:48-93), its loader has no parameter for the "
+                   f"{'gate_proj' if cfg.markov_head_type == 'gated' else 'joint_proj'} tensors")
+    if cfg.confidence_bias:
+        out.append("confidence_bias: vLLM's DeepSeek-V4 DSpark confidence head is DSparkConfidenceHead(bias=False) "
+                   "(vllm/models/deepseek_v4/nvidia/dspark.py:175-180, qwen3_dspark.py:164-181): no parameter for "
+                   "confidence_head.proj.bias")
+    if layout == "mask" and (cfg.sliding_window + cfg.block_size) % 64 == 0:
+        # the 1+N layout puts N+1 queries in the block; vLLM sizes the non-causal index list for window + N, padded
+        # to 64 (vllm/v1/attention/backends/mla/compressor_utils.py:22-28), so one key would be cut off
+        out.append(f"layout 'mask' with sliding_window + block_size = {cfg.sliding_window + cfg.block_size}, a multiple "
+                   "of 64: vLLM's non-causal DSpark window index list (compressor_utils.py:22-28, sparse_swa.py:"
+                   "1290-1323) holds window + num_speculative_tokens keys, one fewer than the 1+N block needs")
+    return out
+
+
+def _check_servable(cfg: DSparkV4Config, layout: str, for_vllm: bool, where: str) -> list[str]:
+    """Refuse (ValueError) what vLLM 0.33.0 would serve wrongly unless `for_vllm` is False; returns the reasons."""
+    problems = v4_serving_problems(cfg, layout)
+    if problems and for_vllm:
+        raise ValueError(f"{where}: vLLM 0.33.0 cannot serve this draft as trained:\n  " + "\n  ".join(problems)
+                         + "\n(export with for_vllm=False / CLI --not-for-vllm to write it for dspark's own import)")
+    return problems
+
+
+def v4_config_json(cfg: DSparkV4Config, dtype: torch.dtype = torch.bfloat16, quant: str | None = None,
+                   layout: str = "anchor") -> dict:
+    """dspark_config.json: the target-config keys the serving loader reads + the draft sizes (HF key names).
+
+    sample_from_anchor: vLLM's DSpark speculator reads it from the top level, default true = the anchor layout
+    (vllm/v1/worker/gpu/spec_decode/dspark/speculator.py:49-55); never inside dflash_config, where the DFlash
+    constructor it runs first raises on true (.../dflash/speculator.py:80-88).
+    """
     return {
         "dspark_block_size": cfg.block_size,
         "dspark_noise_token_id": cfg.mask_token_id,
@@ -171,20 +215,28 @@ def v4_config_json(cfg: DSparkV4Config, dtype: torch.dtype = torch.bfloat16, qua
         "torch_dtype": str(dtype).removeprefix("torch."),
         "dspark_torch_dtype": str(dtype).removeprefix("torch."),
         "dspark_format": "deepseek_v4_mtp",
+        "sample_from_anchor": layout == "anchor",
     } | ({"quantization_config": quantization_config_json(quant), "expert_dtype": quant} if quant else {})
 
 
 @sealed
 def export_v4_sidecar(draft: DSparkV4Draft, out_dir, dtype: torch.dtype = torch.bfloat16,
-                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, quant: str | None = None) -> Path:
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, quant: str | None = None,
+                      layout: str = "anchor", for_vllm: bool = True) -> Path:
     """Write the draft as a sidecar folder of `mtp.{i}.*` tensors + dspark_config.json; returns the folder.
 
-    With `quant`, also writes quant_report.json (per-tensor dequantisation error, see `quant_report`).
+    `layout` is the block layout the draft was trained with (training config draft.layout). A draft vLLM 0.33.0
+    would serve differently (v4_serving_problems) is refused unless `for_vllm` is False; the config then lists
+    the reasons under `dspark_not_for_vllm`. With `quant`, also writes quant_report.json (see `quant_report`).
     """
     out_dir = Path(out_dir)
+    not_served = _check_servable(draft.config, layout, for_vllm, "export_v4_sidecar")
     tensors, errors = v4_tensors(draft, dtype, quant)
     write_tensors(tensors, out_dir, max_shard_bytes)
-    atomic_write_json(out_dir / CONFIG_NAME, v4_config_json(draft.config, dtype, quant))
+    config = v4_config_json(draft.config, dtype, quant, layout)
+    if not_served:
+        config[NOT_FOR_VLLM] = not_served
+    atomic_write_json(out_dir / CONFIG_NAME, config)
     _write_report(out_dir, quant, errors)
     return out_dir
 
@@ -282,15 +334,21 @@ MERGED_SHARD = "model-dspark-mtp.safetensors"
 
 @sealed
 def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch.dtype = torch.bfloat16,
-                         quant: str | None = None) -> Path:
+                         quant: str | None = None, layout: str = "anchor", for_vllm: bool = True) -> Path:
     """A copy of a target checkpoint folder with the draft's `mtp.{i}.*` tensors added (SPEC.md 4).
 
     Files are hard-linked when possible (copied otherwise); the draft goes into its own shard
     `model-dspark-mtp.safetensors`; the index gains its names (a single-file target gets an index);
-    config.json gains dspark_block_size, dspark_noise_token_id, dspark_target_layer_ids,
-    dspark_markov_rank, n_mtp_layers / num_nextn_predict_layers. `mtp.*` tensors the target already holds
-    (e.g. DeepSeek-V4's own MTP layer) would be loaded as draft weights by the serving loader, so they are
-    removed from the copy (their shards are rewritten without them, the originals stay untouched).
+    config.json gains dspark_block_size, dspark_noise_token_id, dspark_target_layer_ids, dspark_markov_rank,
+    n_mtp_layers / num_nextn_predict_layers, sample_from_anchor (the draft's `layout`) and
+    dflash_config.causal = false. `mtp.*` tensors the target already holds (e.g. DeepSeek-V4's own MTP layer)
+    would be loaded as draft weights by the serving loader, so they are removed from the copy (their shards are
+    rewritten without them, the originals stay untouched).
+
+    vLLM builds the draft from the TARGET config, so the merge refuses a target config under which vLLM would
+    serve the draft differently from how it was trained (check_target_config: keys vLLM reads before the
+    dspark_* ones, a causal draft block, different layer sizes / routing / rope_theta), and a draft vLLM cannot
+    serve as trained (v4_serving_problems) unless `for_vllm` is False.
 
     The draft must be stored the way the target checkpoint is: vLLM builds the draft's linears with the
     TARGET's quant config, so a BF16 draft in an FP8 checkpoint would be copied into FP8 parameters without
@@ -308,19 +366,62 @@ def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch
     if int(config.get("hidden_size", draft.config.hidden_size)) != draft.config.hidden_size:
         raise ValueError(f"merge_v4_into_target: target hidden_size {config['hidden_size']} != draft "
                          f"{draft.config.hidden_size}")
+    not_served = _check_servable(draft.config, layout, for_vllm, "merge_v4_into_target")
     _check_merge_quant(config, quant, target_dir)
+    check_target_config(config, draft.config, f"{target_dir}/config.json")
     _check_merge_arch(config, draft, target_dir)
     tensors, errors = v4_tensors(draft, dtype, quant)
     merge_shard_into_copy(target_dir, out_dir, tensors, shard=MERGED_SHARD,
                           is_draft_name=lambda k: k.startswith("mtp."))
     _write_report(out_dir, quant, errors)
-    sidecar = v4_config_json(draft.config, dtype)
+    sidecar = v4_config_json(draft.config, dtype, layout=layout)
     keys = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
             "dspark_markov_head_type", "dspark_confidence_bias", "n_mtp_layers", "num_nextn_predict_layers",
-            "dspark_torch_dtype")
+            "dspark_torch_dtype", "dspark_rope_theta", "sample_from_anchor")
     config.update({k: sidecar[k] for k in keys})
+    # the project's draft block is bidirectional: say so where vLLM resolves the block's causality
+    # (vllm/model_executor/models/qwen3_dflash.py:62-81, used for DSV4 DSpark by dspark/utils.py:102)
+    config["dflash_config"] = {**(config.get("dflash_config") or {}), "causal": False}
+    config.pop(NOT_FOR_VLLM, None)
+    if not_served:
+        config[NOT_FOR_VLLM] = not_served
     atomic_write_json(out_dir / "config.json", config)
     return out_dir
+
+
+# Target-config keys vLLM 0.33.0 reads BEFORE the dspark_* ones, with where it reads them:
+_PRECEDENCE = {
+    "mask_token_id": "mask token: dflash_config.mask_token_id, then mask_token_id, then dspark_noise_token_id "
+                     "(vllm/v1/worker/gpu/spec_decode/utils.py:92-109)",
+    "block_size": "default num_speculative_tokens: block_size, then dspark_block_size "
+                  "(vllm/config/speculative.py:1592-1599)",
+    "eagle_aux_hidden_state_layer_ids": "target taps: eagle_aux_hidden_state_layer_ids, then "
+                                        "dflash_config.target_layer_ids, then dspark_target_layer_ids "
+                                        "(vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py:113-135)",
+}
+
+
+def check_target_config(config: dict, cfg: DSparkV4Config, where: str) -> None:
+    """Refuse (ValueError naming the key) a DeepSeek-V4 target config.json under which vLLM 0.33.0 would not serve
+    this draft as trained. Layer sizes, routing (topk_method / norm_topk_prob) and rope_theta are compared by
+    _check_merge_arch; this checks the keys vLLM reads before the dspark_* ones and the block's causality."""
+    bad = []
+    for key, why in _PRECEDENCE.items():
+        if config.get(key) is not None:
+            bad.append(f"{key}={config[key]!r}: vLLM reads it first for the {why}")
+    dflash = config.get("dflash_config") or {}
+    for key in ("mask_token_id", "target_layer_ids", "sample_from_anchor"):
+        if key in dflash:
+            bad.append(f"dflash_config.{key}={dflash[key]!r}: vLLM reads it before the dspark_* keys"
+                       + (" and the DFlash constructor run first raises on true (dflash/speculator.py:80-88)"
+                          if key == "sample_from_anchor" else ""))
+    if dflash.get("causal") is True or config.get("is_causal") is True:
+        key = "is_causal" if config.get("is_causal") is True else "dflash_config.causal"
+        bad.append(f"{key}=true: vLLM would run the draft block causally (qwen3_dflash.py:62-81); the draft is "
+                   "trained bidirectional")
+    if bad:
+        raise ValueError(f"merge: {where} makes vLLM serve the draft differently from how it was trained:\n  "
+                         + "\n  ".join(bad))
 
 
 _NOT_ARCH = ("initializer_range",)
@@ -362,17 +463,20 @@ def _check_merge_arch(config: dict, draft: DSparkV4Draft, target_dir: Path) -> N
 
     cfg = draft.config
     own = {f.name for f in dataclasses.fields(cfg)} - set(_NOT_ARCH)
+    # rope_theta / topk_method / norm_topk_prob are NOT passed: vLLM takes them from the target config
     keys = {k: getattr(cfg, k) for k in ("num_layers", "block_size", "mask_token_id", "target_layer_ids",
-                                         "markov_rank", "markov_head_type", "confidence_bias", "rope_theta")}
+                                         "markov_rank", "markov_head_type", "confidence_bias")}
     try:
-        served = _config_from_target_json(config, **keys)
+        # what vLLM reads: the target's own rope_theta, not a dspark_rope_theta left by an earlier merge
+        served = _config_from_target_json({k: v for k, v in config.items() if k != "dspark_rope_theta"}, **keys)
     except (TypeError, ValueError) as err:
         raise ValueError(f"merge: {target_dir}/config.json does not describe a DeepSeek-V4 target: {err}") from err
     diff = [f"{k}: draft {getattr(cfg, k)!r} vs target {getattr(served, k)!r}" for k in sorted(own)
             if getattr(cfg, k) != getattr(served, k)]
     if diff:
-        raise ValueError(f"merge: vLLM builds the draft layers from {target_dir}/config.json, whose sizes differ "
-                         "from the draft's:\n  " + "\n  ".join(diff))
+        raise ValueError(f"merge: vLLM builds the draft layers from {target_dir}/config.json, whose sizes / "
+                         "routing (topk_method, norm_topk_prob) / rope_theta differ from the draft's:\n  "
+                         + "\n  ".join(diff))
 
 
 def _check_merge_quant(config: dict, quant: str | None, target_dir: Path) -> None:

@@ -71,6 +71,15 @@ def mtp_tensors(draft, dtype: torch.dtype = torch.bfloat16, *, layer_names: str 
             if n < 1:
                 raise ValueError("layer_names='layers' needs HYV4MTPConfig.mtp_start_layer (the target's "
                                  f"num_hidden_layers) >= 1, got {n}")
+            if draft.config.num_layers >= 2:
+                # vLLM maps model.layers.{N+i} only for i < max(num_nextn_predict_layers - 1, 1)
+                # (vllm/models/hy_v4/nvidia/mtp.py:57-72 of vLLM 0.33.0) while it builds num_nextn_predict_layers
+                # layers (mtp.py:414-417): no num_nextn_predict_layers loads every layer, the rest would serve
+                # their random init. model.mtp_layers.{i} names load for any i (mtp.py:792-799).
+                raise ValueError(f"layer_names='layers' with num_layers={draft.config.num_layers}: vLLM 0.33.0 loads "
+                                 "model.layers.{N+i} only for i < max(num_nextn_predict_layers - 1, 1), so layer 1 "
+                                 "and later would be served with their random init; use layer_names='mtp_layers' "
+                                 "(CLI --layer-names mtp_layers)")
             serving = {_HY_MTP_PREFIX.sub(lambda m: f"model.layers.{n + int(m.group(1))}.", k): v
                        for k, v in serving.items()}
         is_hy = True
@@ -127,8 +136,7 @@ def dsv4_config_json(cfg: DSV4MTPConfig, dtype: torch.dtype) -> dict:
     return {
         "dspark_format": DSV4_FORMAT,
         "model_type": "deepseek_v4",
-        **v4_block_config_json(cfg),
-        "rope_theta": cfg.rope_theta,
+        **v4_block_config_json(cfg),  # incl. rope_theta, topk_method, norm_topk_prob
         "torch_dtype": _dtype_name(dtype),
         "draft_config": dataclasses.asdict(cfg),
     }
@@ -170,7 +178,7 @@ def _served_config(config: dict, draft):
         from transformers import HYV4Config
 
         hf = HYV4Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
-        return HYV4MTPConfig.from_target_config(hf, **keys)
+        return HYV4MTPConfig.from_target_config(hf, config_json=config, **keys)
     from transformers import DeepseekV4Config
 
     hf = DeepseekV4Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})

@@ -37,7 +37,31 @@ MTP sidecars (mtp_config.json, `dspark_format`):
   per expert when mtp_split_experts), mlp.shared_experts.{gate,up,down}_proj (I * n_shared); dense:
   mlp.{gate,up,down}_proj (intermediate_size). Everything not marked F32 is torch_dtype.
   mtp_merged: true (a target checkpoint with the draft merged in): only the MTP tensors (mtp.* / HY V4
-  model.mtp_layers.* and model.layers.{>=N}.*) are judged.
+  model.mtp_layers.* and model.layers.{>=N}.*) are judged, and the keys vLLM reads from the target config.json
+  (num_nextn_predict_layers, layer_types, gated_mla, topk_method, ...) override the sidecar's.
+
+vLLM 0.33.0 loading / serving rules encoded here (file:line in the vllm==0.33.0 wheel; docs/verification.md
+has the table with the test that breaks each one):
+  V4 DSpark: gate bias iff topk_method == "noaux_tc" (models/deepseek_v4/nvidia/model.py:301-309); n_mtp_layers
+    stages, default 3, anything else is a KeyError (nvidia/dspark.py:106, 572-600); confidence head optional,
+    never a bias (dspark.py:175-180, 567-568); only markov_w1/w2; ascending dspark_target_layer_ids
+    (model.py:993-1014); keys read before the dspark_* ones (mask_token_id, dflash_config.*, block_size,
+    eagle_aux_hidden_state_layer_ids); the draft block's causality from layer_types (qwen3_dflash.py:62-81);
+    dspark_rope_theta == rope_theta (common/rope.py:28-42); the 1+N layout's non-causal window width
+    (v1/attention/backends/mla/compressor_utils.py:22-28).
+  Dense: no "model." prefix (qwen3_dspark.py:312-330); reduced vocab needs lm_head + d2t (qwen3_dspark.py:
+    341-358); confidence head per enable_confidence_head / confidence_head_with_markov (qwen3_dspark.py:
+    219-231); only markov_w1/w2; dflash_config.sample_from_anchor never true (dflash/speculator.py:80-88);
+    ascending target layers (models/interfaces.py:1640-1650); a non-causal block (qwen3_dflash.py:62-81).
+  DeepSeek-V4 MTP: num_nextn_predict_layers layers (deepseek_v4/nvidia/mtp.py:218-238), gate bias iff
+    noaux_tc; >= 2 layers run vLLM's multi-module MTP speculator (config/speculative.py:2188-2194), a note.
+  HY V4 MTP: max(num_nextn_predict_layers, 1) layers built (hy_v4/nvidia/mtp.py:414-417); model.layers.{N+i}
+    names load only for i < max(num_nextn_predict_layers - 1, 1) (mtp.py:57-72); linear_gate iff gated_mla
+    (default true, transformers_utils/configs/hy_v4.py:125; hy_v4/nvidia/attention.py:464-485); indexer iff the
+    MTP layer's extended layer_types entry is sparse and layer_types exists (attention.py:322-341, mtp.py:
+    343-356, 391-398); default RoPE only (the draft has no YaRN).
+A folder written with `dspark_not_for_vllm` (CLI --not-for-vllm, or a speculators config with a head vLLM does
+not have) gets the serving rules as notes, not problems.
 """
 from __future__ import annotations
 
@@ -58,10 +82,20 @@ class Report:
     n_tensors: int = 0
     n_bytes: int = 0
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # serving rules of a dspark_not_for_vllm folder, advisories
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+
+NOT_FOR_VLLM = "dspark_not_for_vllm"
+
+
+def _serving(report: Report, cfg: dict, lines: list[str]) -> None:
+    """Add `serving:` lines: problems, or notes when the folder says it is not for vLLM."""
+    target = report.notes if cfg.get(NOT_FOR_VLLM) else report.problems
+    target.extend(f"serving: {line}" for line in lines)
 
 
 def _v4_expected(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -69,7 +103,7 @@ def _v4_expected(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
     f32 = "F32"
     H, V, hc = c["hidden_size"], c["vocab_size"], c["hc_mult"]
     r = c["dspark_markov_rank"]
-    n_layers = c.get("n_mtp_layers") or c.get("num_nextn_predict_layers")
+    n_layers = c.get("n_mtp_layers") or 3  # vLLM: getattr(config, "n_mtp_layers", None) or 3 (dspark.py:106)
     n_ctx = len(c["dspark_target_layer_ids"])
     exp: dict[str, tuple[tuple[int, ...], str]] = {}
     for i in range(n_layers):
@@ -82,7 +116,6 @@ def _v4_expected(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
     exp[last + "hc_head_base"] = ((hc,), f32)
     exp[last + "hc_head_scale"] = ((1,), f32)
     exp.update(_markov(last + "markov_head.", c.get("dspark_markov_head_type", "vanilla"), V, V, r, H, wide))
-    exp[last + "confidence_head.proj.weight"] = ((1, H + r), f32)
     if c.get("dspark_confidence_bias"):
         exp[last + "confidence_head.proj.bias"] = ((1,), f32)
     qc = c.get("quantization_config")
@@ -91,8 +124,18 @@ def _v4_expected(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
     return exp
 
 
+def _v4_optional(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The V4 confidence head: built when enable_confidence_head (default true), dropped by the loader when the
+    checkpoint has none (nvidia/dspark.py:175-180, 567-568); Linear(H + r -> 1, no bias, float32)."""
+    if c.get("enable_confidence_head", True) is False:
+        return {}
+    last = f"mtp.{(c.get('n_mtp_layers') or 3) - 1}."
+    return {last + "confidence_head.proj.weight": ((1, c["hidden_size"] + c["dspark_markov_rank"]), "F32")}
+
+
 def _v4_block(p: str, c: dict, wide: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """One DeepSeek-V4 decoder block under prefix p (sliding-window attention, no compressor / indexer)."""
+    """One DeepSeek-V4 decoder block under prefix p (sliding-window attention, no compressor / indexer); the
+    gate bias only under topk_method "noaux_tc" (models/deepseek_v4/nvidia/model.py:301-309)."""
     f32 = "F32"
     H, nh, D = c["hidden_size"], c["num_attention_heads"], c["head_dim"]
     ql, G, R = c["q_lora_rank"], c["o_groups"], c["o_lora_rank"]
@@ -112,8 +155,9 @@ def _v4_block(p: str, c: dict, wide: str) -> dict[str, tuple[tuple[int, ...], st
         p + "attn_norm.weight": ((H,), f32),
         p + "ffn_norm.weight": ((H,), f32),
         p + "ffn.gate.weight": ((E, H), wide),
-        p + "ffn.gate.bias": ((E,), f32),
     })
+    if c.get("topk_method") == "noaux_tc":
+        exp[p + "ffn.gate.bias"] = ((E,), f32)
     for which in ("attn", "ffn"):
         exp[f"{p}hc_{which}_fn"] = ((mix, hc * H), f32)
         exp[f"{p}hc_{which}_base"] = ((mix,), f32)
@@ -198,11 +242,12 @@ def _hy_mtp_expected(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
             a + "kv_a_layernorm.weight": ((kvl,), wide),
             a + "kv_b_proj.weight": ((nh * (nope + vd), kvl), wide),
             a + "o_proj.weight": ((H, nh * vd), wide),
-            a + "linear_gate.weight": ((nh * (vd if gating == "elementwise" else 1), H), wide),
         })
+        if c.get("gated_mla", True):  # vLLM HYV4Config default true (configs/hy_v4.py:125; attention.py:464-485)
+            exp[a + "linear_gate.weight"] = ((nh * (vd if gating == "elementwise" else 1), H), wide)
         if c.get("learnable_sink", True):
             exp[a + "learnable_sink_param"] = ((nh,), "F32")
-        if c.get("mtp_layer_type", "full_attention") in ("indexed_attention", "sparse_attention", "sparse"):
+        if _hy_mtp_layer_sparse(c, i):
             n, d = _need(c, "index_n_heads", "index_head_dim")
             exp.update({
                 a + "indexer.wq_b.weight": ((n * d, ql), wide),
@@ -229,6 +274,23 @@ def _hy_mtp_expected(c: dict) -> dict[str, tuple[tuple[int, ...], str]]:
         if shared:
             exp.update(_swiglu(m + "shared_experts.", H, I * shared, wide))
     return exp
+
+
+_HY_SPARSE = ("sparse_attention", "sparse", "indexed_attention", "deepseek_sparse_attention")  # attention.py:51-57
+
+
+def _hy_mtp_layer_sparse(c: dict, i: int) -> bool:
+    """Whether vLLM builds MTP layer i (model layer N + i) with the DSA indexer: only when the config HAS
+    layer_types (vLLM's own HYV4Config leaves it None, unlike transformers' which defaults to all indexed;
+    configs/hy_v4.py:154-160) and its entry N + i, padded with the last entry (mtp.py:391-398), is sparse
+    (attention.py:322-341). A sidecar records the draft's own choice as mtp_layer_type."""
+    if "layer_types" not in c:
+        return c.get("mtp_layer_type", "full_attention") in _HY_SPARSE
+    types = c["layer_types"]
+    if not types:
+        return False
+    idx = int(c.get("num_hidden_layers") or 0) + i
+    return (types[idx] if idx < len(types) else types[-1]) in _HY_SPARSE
 
 
 def _swiglu(p: str, H: int, inter: int, dt: str) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -334,25 +396,128 @@ def _from_speculators(c: dict) -> dict:
     out = dict(c["transformer_layer_config"])
     out["architectures"] = ["Qwen3DSparkModel" if algo == "dspark" else "DFlashDraftModel"]
     out["dflash_config"] = {"target_layer_ids": [i - 1 for i in c["aux_hidden_state_layer_ids"]]}
+    if algo == "dflash":  # update_dflash (speculators/algos.py:118-126): these two live in dflash_config
+        out["dflash_config"]["sample_from_anchor"] = c.get("sample_from_anchor", False)
+        out["dflash_config"]["causal"] = not c.get("sliding_window_non_causal", True)
+    else:  # update_dspark (algos.py:187-189): top level, default false
+        out["sample_from_anchor"] = c.get("sample_from_anchor", False)
     for key in ("draft_vocab_size", "markov_rank", "markov_head_type", "enable_confidence_head",
-                "confidence_head_with_markov", "torch_dtype"):
+                "confidence_head_with_markov", "torch_dtype", NOT_FOR_VLLM):
         if c.get(key) is not None:
             out[key] = c[key]
     return out
 
 
-def _serving_problems(is_v4: bool, c: dict) -> list[str]:
-    """Config values whose tensors the vLLM 0.33.0 loaders cannot take (they would raise on load)."""
+def _precedence_lines(c: dict, dense: bool) -> list[str]:
+    """Keys vLLM 0.33.0 reads before the draft's own ones."""
     out = []
-    kind = c.get("dspark_markov_head_type" if is_v4 else "markov_head_type") or "vanilla"
-    rank = c.get("dspark_markov_rank" if is_v4 else "markov_rank") or 0
-    if rank and kind != "vanilla":
-        out.append(f"serving: markov head type {kind!r}: vLLM 0.33.0's DSparkMarkovHead has only markov_w1 / "
-                   f"markov_w2 (vanilla) and rejects the {'gate_proj' if kind == 'gated' else 'joint_proj'} tensors")
-    if is_v4 and c.get("dspark_confidence_bias"):
-        out.append("serving: dspark_confidence_bias: vLLM 0.33.0's DeepSeek-V4 DSpark confidence head has no bias "
-                   "parameter (confidence_head.proj.bias cannot be loaded)")
+    dflash = c.get("dflash_config") or {}
+    if dflash.get("sample_from_anchor") is True:
+        out.append("dflash_config.sample_from_anchor=true: the DFlash speculator constructor (run first by the DSpark "
+                   "one) raises on it (v1/worker/gpu/spec_decode/dflash/speculator.py:80-88); sample_from_anchor "
+                   "belongs at the top level (dspark/speculator.py:49-55)")
+    if dense:
+        return out
+    for key, where in (("mask_token_id", "v1/worker/gpu/spec_decode/utils.py:92-109"),
+                       ("block_size", "config/speculative.py:1592-1599"),
+                       ("eagle_aux_hidden_state_layer_ids", "v1/worker/gpu/spec_decode/eagle/eagle3_utils.py:113-135")):
+        if c.get(key) is not None:
+            out.append(f"{key}={c[key]!r}: vLLM reads it before the dspark_* keys ({where})")
+    for key in ("mask_token_id", "target_layer_ids"):
+        if key in dflash:
+            out.append(f"dflash_config.{key}={dflash[key]!r}: vLLM reads it before the dspark_* keys "
+                       "(spec_decode/utils.py:92-109, eagle/eagle3_utils.py:113-135)")
     return out
+
+
+def _block_causal(c: dict, n_layers: int) -> bool:
+    """vLLM's rule for the DFlash / DSpark draft block (qwen3_dflash.py:62-81): causal iff every layer is causal;
+    per layer: is_causal, else dflash_config.causal, else layer_types[i] == "sliding_attention" (no layer_types:
+    non-causal). Qwen3 configs without layer_types get sliding layers from use_sliding_window (transformers)."""
+    if c.get("is_causal") is not None:
+        return bool(c["is_causal"])
+    dflash = c.get("dflash_config") or {}
+    if dflash.get("causal") is not None:
+        return bool(dflash["causal"])
+    types = c.get("layer_types")
+    if types is None and c.get("use_sliding_window"):
+        start = int(c.get("max_window_layers", n_layers))
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(n_layers)]
+    if not types or n_layers < 1:
+        return False
+    return all(i < len(types) and types[i] == "sliding_attention" for i in range(n_layers))
+
+
+def _markov_line(kind: str | None) -> list[str]:
+    if kind in (None, "vanilla"):
+        return []
+    return [f"markov head type {kind!r}: vLLM 0.33.0's DSparkMarkovHead has only markov_w1 / markov_w2 (vanilla; "
+            f"qwen3_dspark.py:48-93) and has no parameter for the {'gate_proj' if kind == 'gated' else 'joint_proj'} "
+            "tensors"]
+
+
+def _sorted_line(key: str, ids) -> list[str]:
+    ids = list(ids or [])
+    if ids == sorted(ids):
+        return []
+    return [f"{key} {ids} not ascending: vLLM concatenates the target taps in layer order (models/deepseek_v4/nvidia/"
+            "model.py:993-1014, models/interfaces.py:1640-1650), so the draft's input blocks would be permuted"]
+
+
+def _v4_serving(c: dict) -> list[str]:
+    """DeepSeek-V4 DSpark (sidecar dspark_config.json or a merged target config.json)."""
+    out = _markov_line(c.get("dspark_markov_head_type") if c.get("dspark_markov_rank") else None)
+    if c.get("dspark_confidence_bias"):
+        out.append("dspark_confidence_bias: vLLM 0.33.0's DeepSeek-V4 DSpark confidence head has no bias parameter "
+                   "(DSparkConfidenceHead(bias=False), nvidia/dspark.py:175-180)")
+    out += _sorted_line("dspark_target_layer_ids", c.get("dspark_target_layer_ids"))
+    out += _precedence_lines(c, dense=False)
+    n_target = c.get("num_hidden_layers")
+    if isinstance(n_target, int) and _block_causal(c, n_target):
+        out.append("the target's layer_types / dflash_config.causal / is_causal make vLLM run the draft block causally "
+                   "(qwen3_dflash.py:62-81 via dspark/utils.py:102); the draft is trained bidirectional: set "
+                   "dflash_config.causal=false")
+    theta, own = c.get("rope_theta"), c.get("dspark_rope_theta")
+    if theta is not None and own is not None and float(theta) != float(own):
+        out.append(f"dspark_rope_theta {own} != rope_theta {theta}: vLLM's draft layers use the target's rope_theta "
+                   "without scaling (models/deepseek_v4/common/rope.py:28-42)")
+    window, block = c.get("sliding_window"), c.get("dspark_block_size")
+    if c.get("sample_from_anchor") is False and isinstance(window, int) and isinstance(block, int) \
+            and (window + block) % 64 == 0:
+        out.append(f"sample_from_anchor=false with sliding_window + dspark_block_size = {window + block} (a multiple of "
+                   "64): vLLM's non-causal window index list holds window + num_speculative_tokens keys "
+                   "(v1/attention/backends/mla/compressor_utils.py:22-28), one fewer than the 1+N block needs")
+    return out
+
+
+def _dense_serving(c: dict) -> list[str]:
+    out = _markov_line(c.get("markov_head_type") if c.get("markov_rank") else None)
+    out += _sorted_line("dflash_config.target_layer_ids", (c.get("dflash_config") or {}).get("target_layer_ids"))
+    out += _precedence_lines(c, dense=True)
+    if _block_causal(c, int(c.get("num_hidden_layers") or 0)):
+        out.append("layer_types / dflash_config.causal / is_causal make vLLM run the draft block causally "
+                   "(qwen3_dflash.py:62-81); dspark's dense drafts are trained bidirectional")
+    return out
+
+
+def _mtp_serving(c: dict, fmt: str) -> tuple[list[str], list[str]]:
+    """(serving problems, notes) of an MTP folder."""
+    problems, notes = [], []
+    n = c.get("num_nextn_predict_layers")
+    if fmt == "hy_v4_mtp":
+        if c.get("mtp_layer_names") == "layers" and isinstance(n, int) and n >= 2:
+            problems.append(f"mtp_layer_names 'layers' with num_nextn_predict_layers={n}: vLLM maps model.layers.{{N+i}} "
+                            f"only for i < max(num_nextn_predict_layers - 1, 1) = {max(n - 1, 1)} (hy_v4/nvidia/"
+                            "mtp.py:57-72) and serves the other layers' random init; write model.mtp_layers.{i}")
+        rope = c.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            problems.append(f"rope_parameters.rope_type {rope.get('rope_type')!r}: vLLM's MTP layer uses the target's "
+                            "scaled RoPE; the draft is trained with default RoPE")
+    if isinstance(n, int) and n >= 2:
+        notes.append(f"num_nextn_predict_layers={n}: with num_speculative_tokens >= 2 vLLM runs its multi-module MTP "
+                     "speculator (config/speculative.py:2188-2194), a recursion dspark neither trains nor evaluates; "
+                     "eval.py's numbers hold for num_speculative_tokens 1")
+    return problems, notes
 
 
 def _headers(folder: Path) -> tuple[dict[str, tuple[tuple[int, ...], str]], list[str]]:
@@ -425,19 +590,18 @@ def _verify_layout(path) -> Report:
         kind = "deepseek_v4 dspark (mtp.*)" if "dspark_block_size" in cfg else str(arch)
     else:
         return Report("unknown", problems=[f"{folder}: no dspark_config.json or config.json"])
-    optional: dict = {}
-    if kind.startswith("deepseek_v4"):
-        expected = _v4_expected(cfg)
+    is_v4 = kind.startswith("deepseek_v4")
+    if is_v4:
+        expected, optional = _v4_expected(cfg), _v4_optional(cfg)
     elif kind in DENSE_ARCHS:
-        expected = _dense_expected(cfg)
-        optional = _dense_optional(cfg)
+        expected, optional = _dense_expected(cfg), _dense_optional(cfg)
     else:
         return Report(str(kind), problems=[f"config.json: unknown architecture {kind!r} (expected {DENSE_ARCHS})"])
     found, problems = _headers(folder)
-    if kind.startswith("deepseek_v4"):  # a merged target checkpoint also holds the target's own tensors
+    if is_v4:  # a merged target checkpoint also holds the target's own tensors
         found = {k: v for k, v in found.items() if k.startswith("mtp.")}
-    report = Report(kind, n_tensors=len(found), problems=problems + _serving_problems(kind.startswith("deepseek_v4"),
-                                                                                   cfg))
+    report = Report(kind, n_tensors=len(found), problems=problems)
+    _serving(report, cfg, _v4_serving(cfg) if is_v4 else _dense_serving(cfg))
     present_optional = {k: v for k, v in optional.items() if k in found and k not in expected}
     return _compare(report, {**expected, **present_optional}, found)
 
@@ -446,6 +610,10 @@ def _verify_mtp(folder: Path) -> Report:
     """An MTP sidecar: every tensor named, shaped and typed as mtp_config.json implies, nothing more or less."""
     try:
         cfg = json.loads((folder / MTP_CONFIG).read_text())
+        if cfg.get("mtp_merged") is True and (folder / "config.json").is_file():
+            # vLLM reads the target config.json: its keys win over the sidecar's copy
+            served = json.loads((folder / "config.json").read_text())
+            cfg = {**cfg, **{k: v for k, v in served.items() if k not in ("torch_dtype", "dtype")}}
         fmt = cfg.get("dspark_format")
         if fmt not in MTP_FORMATS:
             return Report(str(fmt), problems=[f"{MTP_CONFIG}: dspark_format {fmt!r} is not one of {MTP_FORMATS}"])
@@ -458,7 +626,11 @@ def _verify_mtp(folder: Path) -> Report:
     if cfg.get("mtp_merged") is True:  # a target checkpoint with the draft merged in: judge the MTP tensors only
         start = cfg.get("num_hidden_layers") or 0
         found = {k: v for k, v in found.items() if _is_mtp_tensor(k, fmt, start)}
-    return _compare(Report(fmt, n_tensors=len(found), problems=problems), expected, found)
+    report = Report(fmt, n_tensors=len(found), problems=problems)
+    serving, notes = _mtp_serving(cfg, fmt)
+    _serving(report, cfg, serving)
+    report.notes += notes
+    return _compare(report, expected, found)
 
 
 def _is_mtp_tensor(name: str, fmt: str, start: int) -> bool:
@@ -498,9 +670,11 @@ def main_verify(path) -> int:
     report = verify_folder(path)
     if report.ok:
         print(f"OK {path}: {report.kind}, {report.n_tensors} tensors, {report.n_bytes / 2**20:.1f} MiB, "
-              "names/shapes/dtypes match the config")
-        return 0
-    print(f"FAILED {path}: {report.kind}, {len(report.problems)} problem(s)")
-    for line in report.problems:
-        print(f"  {line}")
-    return 1
+              "names/shapes/dtypes and the vLLM 0.33.0 serving rules match the config")
+    else:
+        print(f"FAILED {path}: {report.kind}, {len(report.problems)} problem(s)")
+        for line in report.problems:
+            print(f"  {line}")
+    for line in report.notes:
+        print(f"  note: {line}")
+    return 0 if report.ok else 1

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
 from dspark.models.heads import MARKOV_HEAD_KINDS, ConfidenceHead, MarkovHead
 from dspark.ops.attention import masked_attention
 from dspark.ops.norms import RMSNorm
@@ -38,7 +40,10 @@ class DSparkDenseConfig:
     head_dim: int
     intermediate_size: int
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    # the TARGET's positions: its transformers `rope_parameters` (rope_type default / linear / dynamic / yarn /
+    # longrope / llama3 with their keys) and max_position_embeddings; the draft rotates with the same frequencies
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 32768
     block_size: int
     mask_token_id: int
     target_layer_ids: list[int] = field(default_factory=list)
@@ -61,6 +66,11 @@ class DSparkDenseConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
+        if list(self.target_layer_ids) != sorted(set(self.target_layer_ids)):
+            # vLLM appends the taps while running the target's layers in order (_maybe_add_hidden_state,
+            # vllm/model_executor/models/interfaces.py:1640-1650 of vLLM 0.33.0): fc's input blocks are ascending
+            raise ValueError(f"target_layer_ids must be ascending without duplicates (vLLM concatenates the target "
+                             f"layers' outputs in layer order), got {list(self.target_layer_ids)}")
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}")
         if self.markov_head_type not in MARKOV_HEAD_KINDS:
@@ -72,6 +82,15 @@ class DSparkDenseConfig:
                              f"got {self.draft_vocab_size}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or null, got {self.sliding_window}")
+        rp = self.rope_parameters
+        if not isinstance(rp, dict) or "rope_theta" not in rp or any(isinstance(v, dict) for v in rp.values()):
+            raise ValueError(f"rope_parameters must be one flat transformers rope dict with rope_theta, got {rp!r}")
+        if rp.get("rope_type", "default") not in ("default", *ROPE_INIT_FUNCTIONS):
+            raise ValueError(f"rope_parameters.rope_type {rp.get('rope_type')!r} is not one of "
+                             f"{('default', *ROPE_INIT_FUNCTIONS)}")
+        if float(rp.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("rope_parameters.partial_rotary_factor != 1 (partial rotary) is not supported by the "
+                             "dense draft")
         return self
 
     @classmethod
@@ -83,35 +102,49 @@ class DSparkDenseConfig:
             num_key_value_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
             head_dim=int(getattr(hf, "head_dim", None) or hf.hidden_size // heads),
             intermediate_size=int(hf.intermediate_size), rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
-            rope_theta=float(_rope_theta(hf)),
+            rope_parameters=target_rope_parameters(hf),
+            max_position_embeddings=int(getattr(hf, "max_position_embeddings", None) or 32768),
         )
         base.update(draft_keys)
         return cls(**base)
 
 
-def _rope_theta(hf) -> float:
-    rp = getattr(hf, "rope_parameters", None) or {}
-    if isinstance(rp, dict) and "rope_theta" in rp:
-        return rp["rope_theta"]
-    return getattr(hf, "rope_theta", 10000.0)
+def target_rope_parameters(hf) -> dict:
+    """The target config's standardized `rope_parameters` (transformers 5 puts rope_theta, rope_type and the
+    scaling keys there), as plain JSON values; an old-style config without it has rope_theta only."""
+    rp = getattr(hf, "rope_parameters", None)
+    if not rp:
+        return {"rope_type": "default", "rope_theta": float(getattr(hf, "rope_theta", None) or 10000.0)}
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dict(rp).items()}
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Half-split (Llama/Qwen) rotary embedding. x [B, heads, T, D], positions [B, T]."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))  # [D/2]
-    ang = positions.float()[:, None, :, None] * inv_freq  # [B, 1, T, D/2]
-    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)  # [B, 1, T, D]
+def rotary_embedding(cfg: DSparkDenseConfig) -> nn.Module:
+    """transformers' Llama-family rotary embedding (inverse frequencies from ROPE_INIT_FUNCTIONS, attention
+    scaling, dynamic / longrope updates) for the draft's head_dim with the target's rope_parameters."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hf = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+                     num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
+                     rope_parameters=dict(cfg.rope_parameters))
+    return LlamaRotaryEmbedding(hf)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, rotary: nn.Module) -> torch.Tensor:
+    """Half-split (Llama/Qwen) rotary embedding, in float32. x [B, heads, T, D], positions [B, T]."""
+    cos, sin = rotary(x.new_empty(0, dtype=torch.float32), positions)  # [B, T, D] (attention scaling included)
+    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rotated * sin).to(x.dtype)
 
 
 class DenseAttention(nn.Module):
-    def __init__(self, cfg: DSparkDenseConfig):
+    def __init__(self, cfg: DSparkDenseConfig, rotary: nn.Module):
         super().__init__()
         H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.nh, self.nkv, self.hd, self.theta = nh, nkv, hd, cfg.rope_theta
+        self.nh, self.nkv, self.hd = nh, nkv, hd
+        object.__setattr__(self, "rotary", rotary)  # the draft's one rotary module (not registered per layer)
         self.q_proj = nn.Linear(H, nh * hd, bias=False)
         self.k_proj = nn.Linear(H, nkv * hd, bias=False)
         self.v_proj = nn.Linear(H, nkv * hd, bias=False)
@@ -124,12 +157,12 @@ class DenseAttention(nn.Module):
 
     def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, H] -> k, v [B, nkv, T, hd]; k gets k_norm and RoPE at its positions, v neither."""
-        k = rope(self.k_norm(self._heads(self.k_proj(x), self.nkv)), positions, self.theta)
+        k = rope(self.k_norm(self._heads(self.k_proj(x), self.nkv)), positions, self.rotary)
         return k, self._heads(self.v_proj(x), self.nkv)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv, mask: torch.Tensor) -> torch.Tensor:
         """x [B, T, H] (normed block hidden), ctx_kv (k, v) [B, nkv, S, hd], mask [B, T, S+T] -> [B, T, H]."""
-        q = rope(self.q_norm(self._heads(self.q_proj(x), self.nh)), positions, self.theta)
+        q = rope(self.q_norm(self._heads(self.q_proj(x), self.nh)), positions, self.rotary)
         k_blk, v_blk = self.kv(x, positions)
         k = torch.cat([ctx_kv[0], k_blk], dim=2)
         v = torch.cat([ctx_kv[1], v_blk], dim=2)
@@ -149,10 +182,10 @@ class DenseMLP(nn.Module):
 
 
 class DenseDraftLayer(nn.Module):
-    def __init__(self, cfg: DSparkDenseConfig):
+    def __init__(self, cfg: DSparkDenseConfig, rotary: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DenseAttention(cfg)
+        self.self_attn = DenseAttention(cfg, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DenseMLP(cfg)
 
@@ -184,7 +217,8 @@ class DSparkDenseDraft(nn.Module):
         self.sliding_window = cfg.sliding_window
         self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DenseDraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.rotary_emb = rotary_embedding(cfg)  # non-persistent buffers: no checkpoint names
+        self.layers = nn.ModuleList(DenseDraftLayer(cfg, self.rotary_emb) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.markov_head = None
         self.confidence_head = None

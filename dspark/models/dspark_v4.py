@@ -66,6 +66,11 @@ class V4BlockSizes:
     routed_scaling_factor: float
     swiglu_limit: float
     scoring_func: str = "sqrtsoftplus"
+    # Routing as vLLM builds it from the target config (vllm/models/deepseek_v4/nvidia/model.py:251,301-309 of
+    # vLLM 0.33.0): the gate has a selection bias (`ffn.gate.bias`, vLLM `e_score_correction_bias`) only when
+    # topk_method == "noaux_tc"; top-k weights are renormalised iff norm_topk_prob.
+    topk_method: str | None = "noaux_tc"
+    norm_topk_prob: bool = True
     hc_mult: int
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
@@ -142,6 +147,11 @@ class DSparkV4Config(V4BlockSizes):
             raise ValueError(f"DSparkV4Config.target_layer_ids must be non-empty, >= 0, got {self.target_layer_ids}")
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             raise ValueError(f"DSparkV4Config.target_layer_ids has duplicates: {self.target_layer_ids}")
+        if self.target_layer_ids != sorted(self.target_layer_ids):
+            # vLLM collects the taps while running the target's layers in order and concatenates them in that
+            # order (vllm/models/deepseek_v4/nvidia/model.py:993-1014): main_proj's input blocks are ascending.
+            raise ValueError(f"DSparkV4Config.target_layer_ids must be ascending (vLLM concatenates the target "
+                             f"layers' outputs in layer order), got {self.target_layer_ids}")
         return self
 
     @classmethod
@@ -155,8 +165,8 @@ class DSparkV4Config(V4BlockSizes):
 
         DSpark keys come from `draft_keys`, falling back to the target config's `dspark_*` keys
         (dspark_block_size, dspark_noise_token_id, dspark_target_layer_ids, dspark_markov_rank,
-        n_mtp_layers) when the checkpoint config carries them. rope_theta stays 10000 (draft layers are
-        plain sliding-window layers without YaRN) unless given.
+        n_mtp_layers) when the checkpoint config carries them. rope_theta, topk_method and norm_topk_prob are the
+        target's, as vLLM builds the draft layers from the target config.
         """
         rope_dim = getattr(hf_cfg, "qk_rope_head_dim", None) or hf_cfg.head_dim * hf_cfg.partial_rotary_factor
         values: dict[str, Any] = {
@@ -175,6 +185,11 @@ class DSparkV4Config(V4BlockSizes):
             "routed_scaling_factor": hf_cfg.routed_scaling_factor,
             "swiglu_limit": hf_cfg.swiglu_limit,
             "scoring_func": hf_cfg.scoring_func,
+            "topk_method": getattr(hf_cfg, "topk_method", None),
+            "norm_topk_prob": bool(getattr(hf_cfg, "norm_topk_prob", True)),
+            # draft layers are sliding-window layers: vLLM gives them the target's rope_theta, no YaRN
+            # (vllm/models/deepseek_v4/common/rope.py:28-42)
+            "rope_theta": float(getattr(hf_cfg, "rope_theta", 10000.0)),
             "hc_mult": hf_cfg.hc_mult,
             "hc_sinkhorn_iters": hf_cfg.hc_sinkhorn_iters,
             "hc_eps": hf_cfg.hc_eps,
@@ -317,26 +332,33 @@ class DSparkV4Expert(nn.Module):
 
 
 class DSparkV4Gate(nn.Module):
-    """Learned router: s = sqrt(softplus(x W^T)) (fp32), top-k on s + bias, weights = normalised s * scale."""
+    """Learned router: s = sqrt(softplus(x W^T)) (fp32), top-k on s (+ bias under topk_method "noaux_tc"),
+    weights = s of the chosen experts (normalised when norm_topk_prob) * routed_scaling_factor."""
 
     def __init__(self, cfg: DSparkV4Config):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.scaling = cfg.routed_scaling_factor
+        self.renormalize = cfg.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
-        # Bias-based load balancing (selection only, no gradient reaches it through top-k).
-        self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False)
+        # Bias-based load balancing (selection only, no gradient reaches it through top-k); vLLM builds it only
+        # for topk_method "noaux_tc" (vllm/models/deepseek_v4/nvidia/model.py:301-309).
+        self.bias = (nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False)
+                     if cfg.topk_method == "noaux_tc" else None)
 
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=std)
-        nn.init.zeros_(self.bias)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (weights [N, k] fp32, expert ids [N, k])."""
         scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()  # [N, E]
-        idx = torch.topk(scores + self.bias.float(), self.top_k, dim=-1, sorted=False).indices  # [N, k]
+        select = scores if self.bias is None else scores + self.bias.float()
+        idx = torch.topk(select, self.top_k, dim=-1, sorted=False).indices  # [N, k]
         w = scores.gather(-1, idx)
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.renormalize:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return w * self.scaling, idx
 
 

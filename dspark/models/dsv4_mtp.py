@@ -86,12 +86,11 @@ class DSV4MTPConfig(V4BlockSizes):
 
     @classmethod
     def from_hf_config(cls, hf_cfg: Any, **keys: Any) -> "DSV4MTPConfig":
-        """Block sizes from a transformers DeepseekV4Config (its main RoPE theta; YaRN is not modelled),
+        """Block sizes from a transformers DeepseekV4Config (its rope_theta, topk_method and norm_topk_prob, as vLLM
+        builds the MTP block from the target config; YaRN is not modelled),
         num_layers from `num_nextn_predict_layers` when the config has MTP layers; `keys` override."""
         block = DSparkV4Config.from_hf_config(hf_cfg, **_DSPARK_ONLY)
         values: dict[str, Any] = {k: getattr(block, k) for k in BLOCK_FIELDS}
-        main_rope = (getattr(hf_cfg, "rope_parameters", None) or {}).get("main") or {}
-        values["rope_theta"] = float(main_rope.get("rope_theta") or getattr(hf_cfg, "rope_theta", None) or 10000.0)
         n_mtp = getattr(hf_cfg, "num_nextn_predict_layers", 0) or 0
         if n_mtp > 0:
             values["num_layers"] = int(n_mtp)
@@ -174,13 +173,12 @@ class DSV4MTPDraft(SharedTargetWeights, nn.Module):
         """Start every MTP layer from the target: its last decoder layer into the block (compressor / indexer
         tensors dropped, see v4_names), its hc_head into hc_head_*, its final norm into norm. enorm / hnorm /
         e_proj / h_proj keep their init."""
-        from dspark.models.v4_names import hf_layer_to_draft_state
+        from dspark.models.v4_names import load_hf_layer_into
 
         base = getattr(hf_model, "model", hf_model)
-        block_state = hf_layer_to_draft_state(base.layers[-1].state_dict())
         head = base.hc_head
         for layer in self.layers:
-            layer.block.load_state_dict(block_state, strict=True)
+            load_hf_layer_into(layer.block, base.layers[-1].state_dict())
             layer.hc_head_fn.copy_(head.hc_fn)
             layer.hc_head_base.copy_(head.hc_base)
             layer.hc_head_scale.copy_(head.hc_scale)
@@ -199,10 +197,24 @@ class DSV4MTPDraft(SharedTargetWeights, nn.Module):
             raise ValueError(f"pre_head must be [B, S, {c.hc_mult}, {c.hidden_size}], got {tuple(h.shape)}")
         return h.to(self.dtype)
 
+    @property
+    def attention_window(self) -> int:
+        """The MTP block is a sliding-window layer (vLLM: compress_ratio 1 past num_hidden_layers,
+        models/deepseek_v4/attention.py:236-242): key j is visible to query i iff pos_i - window < pos_j <= pos_i."""
+        return self.config.sliding_window
+
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
              layer_idx: int) -> torch.Tensor:
         """One MTP application over a sequence (causal): input_ids [B, S], hidden [B, S, hc, H],
         position_ids [B, S] -> the block output [B, S, hc, H] (pre-hc_head; fed to the next step)."""
+        mask = causal_window_mask(position_ids, self.config.sliding_window)  # [B, S, S]
+        return self.step_rows(input_ids, hidden, position_ids, layer_idx, None, mask)[0]
+
+    def step_rows(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, layer_idx: int,
+                  past: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New rows (input_ids [B, T], hidden [B, T, hc, H], position_ids [B, T]) attending to `past` rows' KV
+        [B, P, D] (K == V, as an earlier call returned it) and to themselves per `mask` [B, T, P+T]
+        -> (block output [B, T, hc, H], the new rows' KV [B, T, D] = RoPE(kv_norm(wkv(attn_norm(hc_pre(x))))))."""
         b, s = input_ids.shape
         if tuple(hidden.shape[:2]) != (b, s) or tuple(position_ids.shape) != (b, s):
             raise ValueError(f"step: input_ids {tuple(input_ids.shape)}, hidden {tuple(hidden.shape)} and "
@@ -212,9 +224,9 @@ class DSV4MTPDraft(SharedTargetWeights, nn.Module):
         if self.config.mask_first_embedding:
             emb = emb.masked_fill((position_ids == 0).unsqueeze(-1), 0.0)
         x = layer.combine(emb, hidden.to(self.dtype))  # [B, S, hc, H]
-        mask = causal_window_mask(position_ids, self.config.sliding_window)  # [B, S, S]
-        no_ctx = x.new_zeros(b, 0, self.config.head_dim)
-        return layer.block(x, position_ids, no_ctx, mask)
+        kv = layer.block.attn.project_kv(layer.block.attn_input(x), position_ids)  # [B, S, D]
+        ctx = x.new_zeros(b, 0, self.config.head_dim) if past is None else past
+        return layer.block(x, position_ids, ctx, mask), kv
 
     def logits(self, hidden_out: torch.Tensor, layer_idx: int = 0) -> torch.Tensor:
         """hidden_out [..., hc, H] -> head(norm(hc_head(.))) [..., V] with layer `layer_idx % num_layers`'s head stack."""
@@ -224,9 +236,10 @@ class DSV4MTPDraft(SharedTargetWeights, nn.Module):
 
     @torch.no_grad()
     def propose(self, feats, tokens: torch.Tensor, *, num_drafts: int, temperature: float = 0.0,
-                generator: torch.Generator | None = None):
-        """Chain drafting with the MTP layers (see chain_propose)."""
-        return chain_propose(self, feats, tokens, num_drafts=num_drafts, temperature=temperature, generator=generator)
+                generator: torch.Generator | None = None, cache=None):
+        """Chain drafting as vLLM's MTP speculator does it (mtp_common.chain_propose); `cache` a ChainCache."""
+        return chain_propose(self, feats, tokens, num_drafts=num_drafts, temperature=temperature, generator=generator,
+                             cache=cache)
 
 
 # ---- serving checkpoint names -------------------------------------------------------------------

@@ -39,7 +39,8 @@ from dspark.models.common import SharedTargetWeights, config_from_dict
 from dspark.models.mtp_common import chain_propose
 from dspark.ops.norms import RMSNorm
 
-SPARSE_ATTENTION_TYPES = ("indexed_attention", "sparse_attention", "sparse")  # vLLM _SPARSE_LAYER_TYPES
+# vLLM _SPARSE_LAYER_TYPES (vllm/models/hy_v4/nvidia/attention.py:51-57)
+SPARSE_ATTENTION_TYPES = ("indexed_attention", "sparse_attention", "sparse", "deepseek_sparse_attention")
 
 
 @dataclass(kw_only=True)
@@ -136,14 +137,24 @@ class HYV4MTPConfig:
         return config_from_dict(cls, values).validate()
 
     @classmethod
-    def from_target_config(cls, hf_config: Any, **overrides: Any) -> "HYV4MTPConfig":
+    def from_target_config(cls, hf_config: Any, config_json: Mapping[str, Any] | None = None,
+                           **overrides: Any) -> "HYV4MTPConfig":
         """Block sizes from a transformers HYV4Config (or vLLM's hy_v4 config); `overrides` win.
 
         The MTP layer's attention / MLP type is the target's entry at index num_hidden_layers, padded with the
-        last entry when the lists are shorter (vLLM `_extend_layer_types`); num_layers = num_nextn_predict_layers
-        when the config has MTP layers.
+        last entry when the lists are shorter (vLLM `_extend_layer_types`, vllm/models/hy_v4/nvidia/mtp.py:343-356,
+        391-398 of vLLM 0.33.0); num_layers = num_nextn_predict_layers when the config has MTP layers.
+        `config_json` (the target's raw config.json) applies vLLM's own HYV4Config where it differs from
+        transformers': without `layer_types` vLLM builds no indexer (its config leaves layer_types None,
+        transformers_utils/configs/hy_v4.py:154-160; attention.py:322-341), while transformers defaults every layer
+        to indexed attention. A target with gated_mla false is refused (vLLM then builds no output gate,
+        attention.py:464-485; the draft always has one).
         """
         c = hf_config
+        gated = (config_json or {}).get("gated_mla", getattr(c, "gated_mla", True))
+        if gated is False:
+            raise ValueError("target gated_mla=false: vLLM builds the MTP attention without linear_gate "
+                             "(vllm/models/hy_v4/nvidia/attention.py:464-485); the HY V4 MTP draft always gates")
         if getattr(c, "model_type", "hy_v4") not in ("hy_v4", "hy_v4_vl_text"):
             raise ValueError(f"HYV4MTPConfig.from_target_config: target model_type {c.model_type!r} is not hy_v4")
         rope = dict(getattr(c, "rope_parameters", None) or {})
@@ -158,7 +169,8 @@ class HYV4MTPConfig:
         n = int(c.num_hidden_layers)
 
         def mtp_entry(name: str, fallback: str) -> str:
-            types = list(getattr(c, name, None) or [])
+            raw = config_json.get(name) if config_json is not None else getattr(c, name, None)
+            types = list(raw or [])
             return str(types[n] if len(types) > n else (types[-1] if types else fallback))
 
         values: dict[str, Any] = {k: getattr(c, k) for k in (
@@ -218,18 +230,23 @@ class HyIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=cfg.index_norm_eps)
         self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
 
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] -> the rows' indexer keys [B, T, d] (normed, RoPE on the last rope dims)."""
+        r = self.cfg.qk_rope_head_dim
+        k = self.k_norm(self.wk(x).float()).to(x.dtype).unsqueeze(2)  # [B, T, 1, d]
+        return torch.cat([k[..., :-r], apply_rope(k[..., -r:], cos, sin, self.cfg.rope_interleave)], dim=-1)[:, :, 0]
+
     @torch.no_grad()
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                allowed: torch.Tensor) -> torch.Tensor:
-        """x [B, S, H], q_resid [B, S, q_lora], allowed bool [B, S, T] -> selected bool [B, S, T] (subset of allowed)."""
+                allowed: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """x [B, S, H], q_resid [B, S, q_lora], allowed bool [B, S, T], k [B, T, d] (every key row's indexer key)
+        -> selected bool [B, S, T] (subset of allowed)."""
         c = self.cfg
         b, s, _ = x.shape
         r = c.qk_rope_head_dim
         q = self.wq_b(q_resid).view(b, s, c.index_n_heads, c.index_head_dim)  # [B, S, n, d]
-        k = self.k_norm(self.wk(x).float()).to(x.dtype).unsqueeze(2)  # [B, S, 1, d]
         # RoPE on the LAST rope dims of the indexer head (checkpoint layout)
         q = torch.cat([q[..., :-r], apply_rope(q[..., -r:], cos, sin, c.rope_interleave)], dim=-1)
-        k = torch.cat([k[..., :-r], apply_rope(k[..., -r:], cos, sin, c.rope_interleave)], dim=-1)[:, :, 0]  # [B, T, d]
         scores = F.relu(torch.einsum("bsnd,btd->bsnt", q.float(), k.float()))  # [B, S, n, T]
         w = self.weights_proj(x).float() * (c.index_n_heads ** -0.5) * (c.index_head_dim ** -0.5)  # [B, S, n]
         index = torch.einsum("bsn,bsnt->bst", w, scores)  # [B, S, T]
@@ -265,6 +282,14 @@ class HyMLA(nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """x [B, S, H] (normed), position_ids [B, S] -> [B, S, H]; causal over the S rows."""
+        b, s, _ = x.shape
+        return self.attend(x, position_ids, None, causal_mask(b, s, x.device))[0]
+
+    def attend(self, x: torch.Tensor, position_ids: torch.Tensor, past: tuple | None,
+               mask: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """New rows x [B, T, H] (normed) at position_ids [B, T], attending to `past` rows (the kv tuple an earlier
+        call returned, P rows, or None) and to themselves as `mask` [B, T, P+T] bool allows (keys: past rows then
+        the T new rows). -> (out [B, T, H], kv of the T new rows: (k [B,T,nh,dq], v [B,T,nh,v], indexer k | None))."""
         c = self.cfg
         b, s, _ = x.shape
         nh, r = c.num_attention_heads, c.qk_rope_head_dim
@@ -282,20 +307,26 @@ class HyMLA(nn.Module):
                                                                  c.rope_interleave)], dim=-1)
         k_rot = apply_rope(k_rot.unsqueeze(2), cos, sin, c.rope_interleave)  # [B, S, 1, r] shared by all heads
         k = torch.cat([k_nope, k_rot.expand(b, s, nh, r)], dim=-1)  # [B, S, nh, dq]
+        idx_k = self.indexer.keys(x, cos, sin) if self.indexer is not None else None  # [B, S, d]
+        new = (k, v, idx_k)
+        k_all, v_all, idx_all = new if past is None else tuple(
+            None if n is None else torch.cat([p, n], dim=1) for p, n in zip(past, new))  # [B, P+S, ...]
+        if tuple(mask.shape) != (b, s, k_all.shape[1]):
+            raise ValueError(f"attend: mask must be [{b}, {s}, {k_all.shape[1]}], got {tuple(mask.shape)}")
 
-        allowed = causal_mask(b, s, x.device)  # [B, S, T]
+        allowed = mask  # [B, S, T]
         if self.indexer is not None:
-            allowed = self.indexer(x, q_resid, cos, sin, allowed)
-        scores = torch.einsum("bshd,bthd->bhst", q, k) * self.scaling  # [B, nh, S, T]
+            allowed = self.indexer(x, q_resid, cos, sin, allowed, idx_all)
+        scores = torch.einsum("bshd,bthd->bhst", q, k_all) * self.scaling  # [B, nh, S, T]
         scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
         if self.learnable_sink_param is not None:  # an extra logit per head that absorbs probability mass
             sink = self.learnable_sink_param.to(scores.dtype).view(1, nh, 1, 1).expand(b, nh, s, 1)
             probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         else:
             probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("bhst,bthd->bshd", probs.to(v.dtype), v)  # [B, S, nh, v]
+        out = torch.einsum("bhst,bthd->bshd", probs.to(v_all.dtype), v_all)  # [B, S, nh, v]
         gate = torch.sigmoid(self.linear_gate(x)).view(b, s, nh, -1)  # [B, S, nh, v | 1]
-        return self.o_proj((out * gate).reshape(b, s, nh * c.v_head_dim))
+        return self.o_proj((out * gate).reshape(b, s, nh * c.v_head_dim)), new
 
 
 # ---- feed-forward ---------------------------------------------------------------------------------
@@ -390,9 +421,17 @@ class HyBlock(nn.Module):
         self.mlp = HyMoE(cfg) if cfg.mlp_type == "sparse" else HySwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def block(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """x [B, S, H], position_ids [B, S] -> residual stream after attention and MLP [B, S, H]."""
-        x = x + self.self_attn(self.input_layernorm(x), position_ids)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x [B, S, H], position_ids [B, S] -> residual stream after attention and MLP [B, S, H] (causal rows)."""
+        b, s, _ = x.shape
+        return self.block_rows(x, position_ids, None, causal_mask(b, s, x.device))[0]
+
+    def block_rows(self, x: torch.Tensor, position_ids: torch.Tensor, past: tuple | None,
+                   mask: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """New rows x [B, T, H] attending to `past` rows and themselves per `mask` [B, T, P+T] (HyMLA.attend)
+        -> (residual stream [B, T, H], the new rows' kv)."""
+        a, kv = self.self_attn.attend(self.input_layernorm(x), position_ids, past, mask)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
 class HyMTPLayer(HyBlock):
@@ -420,10 +459,13 @@ class HyMTPLayer(HyBlock):
             if name.endswith("e_score_correction_bias"):
                 nn.init.zeros_(buf)
 
-    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """emb, hidden [B, S, H], position_ids [B, S] -> final_layernorm(block(eh_proj([enorm e; hnorm h]))) [B, S, H]."""
-        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))  # [B, S, H]
-        return self.final_layernorm(self.block(x, position_ids))
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, past: tuple | None,
+                mask: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """emb, hidden [B, T, H], position_ids [B, T], past rows' kv | None, mask [B, T, P+T] ->
+        (final_layernorm(block(eh_proj([enorm e; hnorm h]))) [B, T, H], the new rows' kv)."""
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))  # [B, T, H]
+        y, kv = self.block_rows(x, position_ids, past, mask)
+        return self.final_layernorm(y), kv
 
 
 # ---- the draft ------------------------------------------------------------------------------------
@@ -484,10 +526,19 @@ class HYV4MTPDraft(SharedTargetWeights, nn.Module):
             raise ValueError(f"TargetFeatures.final must be [B, S, {self.config.hidden_size}], got {tuple(h.shape)}")
         return h.to(self.dtype)
 
+    attention_window = None  # HY V4 MTP attention sees the whole sequence (MLA, optional DSA top-k)
+
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
              layer_idx: int) -> torch.Tensor:
         """One MTP application over a sequence (causal). input_ids [B, S] (row p: token t_{p+1}), hidden [B, S, H]
         (row p: h_p), position_ids [B, S] -> out [B, S, H] after final_layernorm (what vLLM feeds the next step)."""
+        b, s = input_ids.shape
+        return self.step_rows(input_ids, hidden, position_ids, layer_idx, None, causal_mask(b, s, input_ids.device))[0]
+
+    def step_rows(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, layer_idx: int,
+                  past: tuple | None, mask: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """New rows (input_ids [B, T], hidden [B, T, H], position_ids [B, T]) attending to `past` rows (the kv an
+        earlier call returned) and to themselves per `mask` [B, T, P+T] -> (out [B, T, H], the new rows' kv)."""
         b, s = input_ids.shape
         if tuple(hidden.shape) != (b, s, self.config.hidden_size) or tuple(position_ids.shape) != (b, s):
             raise ValueError(f"step: input_ids {tuple(input_ids.shape)}, hidden {tuple(hidden.shape)} and "
@@ -496,7 +547,7 @@ class HYV4MTPDraft(SharedTargetWeights, nn.Module):
         if self.config.zero_position0_embedding:
             emb = emb.masked_fill((position_ids == 0).unsqueeze(-1), 0.0)
         layer = self.mtp_layers[layer_idx % len(self.mtp_layers)]
-        return layer(emb, hidden.to(self.dtype), position_ids)
+        return layer(emb, hidden.to(self.dtype), position_ids, past, mask)
 
     def logits(self, hidden_out: torch.Tensor, layer_idx: int = 0) -> torch.Tensor:
         """hidden_out [..., H] (already final_layernorm'ed by step) -> target lm_head logits [..., V].
@@ -506,10 +557,12 @@ class HYV4MTPDraft(SharedTargetWeights, nn.Module):
 
     @torch.no_grad()
     def propose(self, feats, tokens: torch.Tensor, *, num_drafts: int, temperature: float = 0.0,
-                generator: torch.Generator | None = None):
-        """`num_drafts` chain drafts after x0 = tokens[a] (see mtp_common.chain_propose): step k recomputes rows
-        0..a-1 over step k-1's outputs, ids shifted k+1 times (the drafts appended), positions + k."""
-        return chain_propose(self, feats, tokens, num_drafts=num_drafts, temperature=temperature, generator=generator)
+                generator: torch.Generator | None = None, cache=None):
+        """`num_drafts` chain drafts after x0 = tokens[a], as vLLM's MTP speculator drafts them (mtp_common.
+        chain_propose): step-0 rows (t_{p+1}, h_p) once, then one row (y_{k-1}, out_{k-1}) per step; `cache` a
+        mtp_common.ChainCache kept across the request's rounds."""
+        return chain_propose(self, feats, tokens, num_drafts=num_drafts, temperature=temperature, generator=generator,
+                             cache=cache)
 
     # -- serving names -----------------------------------------------------------------------------
     def to_serving_names(self, state_dict: Mapping[str, torch.Tensor] | None = None, *,

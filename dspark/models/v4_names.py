@@ -104,6 +104,15 @@ def draft_layer_to_hf_state(draft_layer_state: Mapping[str, torch.Tensor]) -> di
     return out
 
 
+def load_hf_layer_into(layer: torch.nn.Module, hf_layer_state: Mapping[str, torch.Tensor]) -> None:
+    """Copy a transformers DeepseekV4DecoderLayer state into a DSparkV4Layer (strict). transformers always keeps
+    the gate bias; a draft layer built without it (target topk_method != "noaux_tc", as vLLM builds it) drops it."""
+    state = hf_layer_to_draft_state(hf_layer_state)
+    if getattr(layer.ffn.gate, "bias", None) is None:
+        state.pop("ffn.gate.bias", None)
+    layer.load_state_dict(state, strict=True)
+
+
 def init_draft_layers_from_target(
     draft: torch.nn.Module, hf_causal_lm: torch.nn.Module, source_layer_ids: Sequence[int] | None = None
 ) -> list[int]:
@@ -127,9 +136,8 @@ def init_draft_layers_from_target(
         )
     with torch.no_grad():
         for layer, src in zip(draft.layers, source_layer_ids):
-            state = hf_layer_to_draft_state(target_layers[src].state_dict())
-            layer.load_state_dict(state, strict=True)
+            load_hf_layer_into(layer, target_layers[src].state_dict())
     return source_layer_ids
 
 
-__all__ = ["hf_layer_to_draft_state", "draft_layer_to_hf_state", "init_draft_layers_from_target"]
+__all__ = ["hf_layer_to_draft_state", "draft_layer_to_hf_state", "load_hf_layer_into", "init_draft_layers_from_target"]

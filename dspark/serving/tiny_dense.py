@@ -69,8 +69,9 @@ def train_dense_run(target: Path, data: Path, run_dir: Path, *, dspark: bool = F
         "target.dtype=float32", f"data.path={data}", "data.feature_cache=null", "data.max_length=192",
         "data.val_examples=8", "data.min_loss_tokens=8", "draft.num_layers=1", f"draft.block_size={gamma}",
         f"draft.mask_token_id={MASK_ID}", f"draft.target_layer_ids=[{LAYERS[0]},{LAYERS[1]}]",
-        f"train.max_steps={steps}", "train.lr=3e-3", f"train.val_every_steps={steps}",
-        f"train.ckpt_every_steps={steps}", "trainer.enable_progress_bar=false", "validate_at_start=false",
+        f"trainer.max_steps={steps}", "train.lr=3e-3", f"trainer.val_check_interval={steps}",
+        f"callbacks.last_checkpoint.every_n_train_steps={steps}", "trainer.enable_progress_bar=false",
+        "validate_at_start=false",
         f"run_dir={run_dir}"]
     if dspark:
         overrides.append("draft.markov_rank=16")

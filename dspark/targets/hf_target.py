@@ -36,6 +36,20 @@ def strided_sample_index(n: int, k: int, device=None) -> torch.Tensor:
     return torch.arange(k, dtype=torch.long, device=device) * (n - 1) // (k - 1)
 
 
+def _cache_kwarg(base: nn.Module) -> str:
+    """The name under which the decoder takes its KV cache: `cache` (transformers >= 5.24) or `past_key_values`
+    (earlier). A name the forward does not declare would land in **kwargs and be ignored: every cached forward
+    would then silently start from an empty cache."""
+    import inspect
+
+    params = inspect.signature(base.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise TypeError(f"{type(base).__name__}.forward takes neither `cache` nor `past_key_values`: this transformers "
+                    "version is not supported for KV-cached decoding (tested: 5.24)")
+
+
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
@@ -135,8 +149,9 @@ class FrozenTarget:
             ))
         try:
             base = getattr(self.model, "model", self.model)
+            kwargs = {} if cache is None else {_cache_kwarg(base): cache}
             out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       cache=cache, use_cache=cache is not None)
+                       use_cache=cache is not None, **kwargs)
         finally:
             for h in handles:
                 h.remove()
@@ -157,15 +172,38 @@ class FrozenTarget:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
 
-def load_hf_target(path: str, layer_ids: list[int], dtype: str = "float32", *, require_aux: bool = True) -> FrozenTarget:
-    """Any local HF causal-LM folder (offline)."""
+def resolve_target_source(path: str) -> str:
+    """target.path -> what from_pretrained loads: a local folder as is, else a Hub id (org/name) resolved through
+    the Hugging Face cache (HF_HOME / HF_HUB_CACHE; with HF_HUB_OFFLINE=1 nothing is downloaded). Neither a folder
+    nor a usable id: FileNotFoundError naming target.path, before anything loads."""
     from pathlib import Path
 
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if Path(path).expanduser().is_dir():
+        return str(Path(path).expanduser())
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        raise FileNotFoundError(f"target.path={path!r} is not a folder (nor a Hub id such as Qwen/Qwen3-8B)") from None
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(path, "config.json"), str):
+        raise FileNotFoundError(
+            f"target.path={path!r} is neither a local folder nor a model in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}); HF_HUB_OFFLINE is set, so nothing is downloaded: `hf download {path}` "
+            "where there is a network, or set target.path to a folder")
+    return path
+
+
+def load_hf_target(path: str, layer_ids: list[int], dtype: str = "float32", *, require_aux: bool = True) -> FrozenTarget:
+    """A local HF causal-LM folder or a Hub id through the Hugging Face cache (resolve_target_source)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"target.path={path!r} is not a local folder (nothing is downloaded at run time)")
+    source = resolve_target_source(str(path))
     torch_dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        tok = AutoTokenizer.from_pretrained(source)
+    except OSError as e:  # an id that is neither cached nor downloadable, a folder without a model, ...
+        raise FileNotFoundError(f"target.path={path!r}: {e}") from e
     return FrozenTarget(model, layer_ids, tok, require_aux=require_aux)

@@ -1,6 +1,9 @@
 """MTP training: recursive K-step teacher forcing, CE + distillation losses, tau-like metrics (SPEC.md 6).
 
-Sequence ids [B, S]. Step k (0-based) runs over rows t = 0 .. L_k - 1 with L_k = S - k - 1:
+Sequence ids [B, S]. Every position t starts a chain, run the way vLLM serves it (dspark.models.mtp_common:
+step-0 rows built once from the target's hidden, depth-k rows attending to the step-0 rows 0..t plus the
+chain's own earlier rows, never to other chains' depth-k rows). Step k (0-based) runs over rows
+t = 0 .. L_k - 1 with L_k = S - k - 1:
     input token  ids[t + k + 1]                       (always the TRUE token: teacher forcing)
     input hidden context_hidden[t] (k = 0) / output of step k-1 at row t (k >= 1)
     position     t + k
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.models.mtp_common import takes_layer as mtp_takes_layer
+from dspark.models.mtp_common import teacher_forced_chain
 from dspark.training.objectives import acceptance_targets, tau_prob
 
 
@@ -82,20 +86,16 @@ class StepOutputs:
 
 def recursive_forward(draft, context_hidden: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor,
                       final: torch.Tensor, num_steps: int) -> list[StepOutputs]:
-    """Teacher-forced K-step chain of an MTP draft over whole sequences.
+    """Teacher-forced K-step chain of an MTP draft over whole sequences, as served (module docstring).
 
     context_hidden [B, S, ...] (draft.context_hidden(feats)), ids / loss_mask [B, S], final [B, S, H]
-    -> one StepOutputs per step. Step k's hidden input is step k-1's output cut to L_k rows (rows beyond
-    are never needed: attention is causal). Steps that need longer sequences than S are skipped.
+    -> one StepOutputs per step. Steps that need longer sequences than S (no row with a label) are skipped.
     """
     takes_layer = mtp_takes_layer(draft)
-    hidden = context_hidden[:, : ids.shape[1] - 1]  # [B, L_0, ...]
+    steps = min(int(num_steps), max(ids.shape[1] - 2, 0))  # step k has a labelled row iff S >= k + 3
     outs: list[StepOutputs] = []
-    for k in range(num_steps):
-        if ids.shape[1] < k + 3:  # no row of this step has a label
-            break
+    for k, hidden in enumerate(teacher_forced_chain(draft, context_hidden, ids, steps)):
         r = step_rows(ids, loss_mask, k)
-        hidden = draft.step(r.input_ids, hidden[:, : r.input_ids.shape[1]], r.positions, k)  # [B, L_k, ...]
         scored = hidden[:, :-1]  # [B, L_k - 1, ...]: rows with a label
         where = r.valid.nonzero()  # [N_k, 2] (b, t)
         sel = scored[where[:, 0], where[:, 1]]  # [N_k, ...]

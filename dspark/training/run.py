@@ -3,15 +3,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import resource
 import time
 import warnings
 from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
@@ -19,7 +17,9 @@ from dspark import factory
 from dspark.integrity import check_file, remove_checked, write_checked
 from dspark.io import atomic_write_json
 from dspark.training import draft_dir
+from dspark.training.callbacks import Throughput
 from dspark.training.run_dir import claim_run_dir, is_launcher_process
+from dspark.training.trainer import make_trainer
 
 log = logging.getLogger("dspark.train")
 
@@ -47,95 +47,42 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 CKPT_HINT = "resume from an earlier checkpoint (resume=<path to a stepNNNNNNN.ckpt>) or start a new run_dir"
 
 
-class Throughput(Callback):
-    """Tokens/s, blocks/s and peak memory over the training steps (first `skip` steps excluded)."""
+class LogsFollowCheckpoints(Callback):
+    """After a kill, the logs are never behind the checkpoint the run resumes from.
 
-    def __init__(self, skip: int = 3):
-        self.skip, self.t0, self.n = skip, None, 0
-        self.tokens = self.blocks = 0
-        self.elapsed = 0.0
+    Loggers are flushed whenever a checkpoint is saved (the CSV logger also writes every step). Lightning saves
+    a step's checkpoint just BEFORE it logs that step's row, so the checkpoint carries that row
+    (`dspark_log_row`: step + metrics) and a run resumed from it logs the row again first: a kill between the
+    two loses nothing (a row written twice has the same values, and readers keep the later one)."""
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.t0 = time.perf_counter()
+    KEY = "dspark_log_row"
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.n += 1
-        if self.n <= self.skip or self.t0 is None:
-            return
-        self.elapsed += time.perf_counter() - self.t0
-        self.tokens += int(batch["attention_mask"].sum())
-        self.blocks += int(batch["keep"].sum())
-
-    def summary(self) -> dict:
-        peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        out = {"timed_steps": max(0, self.n - self.skip), "peak_rss_mb": round(peak_rss_mb, 1)}
-        if self.elapsed > 0:
-            out.update(tokens_per_s=round(self.tokens / self.elapsed, 1),
-                       blocks_per_s=round(self.blocks / self.elapsed, 1),
-                       s_per_step=round(self.elapsed / max(1, self.n - self.skip), 4))
-        if torch.cuda.is_available():
-            out["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-        return out
-
-
-class FlushLogsOnCheckpoint(Callback):
-    """Writes the loggers' buffered rows whenever a checkpoint is saved (the CSV logger also writes every step),
-    so after a kill the logs are not behind the checkpoint the run resumes from. Lightning saves a step's
-    checkpoint just before it logs that step's row: a kill in those few milliseconds loses that one train row
-    (never weights, optimizer or data position)."""
+    def __init__(self):
+        self._pending: dict | None = None
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         for logger in trainer.loggers:
             logger.save()
+        metrics = trainer._logger_connector.metrics["log"]  # the row Lightning logs right after this save
+        checkpoint[self.KEY] = {"step": int(trainer.fit_loop.epoch_loop._batches_that_stepped),
+                                "metrics": {k: float(v) for k, v in metrics.items()}}
 
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+        self._pending = checkpoint.get(self.KEY)
 
-def build_loggers(cfg: DictConfig, run_dir: Path):
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-
-    loggers = []
-    for kind in cfg.logger.kinds:
-        if kind == "csv":
-            loggers.append(CSVLogger(save_dir=str(run_dir), name="logs", flush_logs_every_n_steps=1))
-        elif kind == "tensorboard":
-            loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tb"))
-        elif kind == "wandb":
-            try:
-                import wandb  # noqa: F401
-            except ImportError as e:
-                raise factory.ConfigError("logger.kinds: wandb needs `pip install dspark[wandb]`") from e
-            from lightning.pytorch.loggers import WandbLogger
-
-            w = cfg.logger.wandb
-            if w.mode == "offline":
-                os.environ.setdefault("WANDB_MODE", "offline")
-            loggers.append(WandbLogger(project=w.project, name=w.name, save_dir=str(run_dir),
-                                       offline=w.mode == "offline"))
-        else:
-            raise factory.ConfigError(f"logger.kinds: unknown logger {kind!r} (csv, tensorboard, wandb)")
-    return loggers
+    def on_train_start(self, trainer, pl_module):
+        row, self._pending = self._pending, None
+        if row and row["metrics"] and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(row["metrics"], step=row["step"])
+                logger.save()
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[Callback]) -> L.Trainer:
+    """cfg.trainer / callbacks / logger -> Trainer (dspark.training.trainer), with the atomic checkpoint IO."""
     t = OmegaConf.to_container(cfg.trainer, resolve=True)
-    if str(t.get("strategy", "")).startswith("deepspeed"):
-        try:
-            import deepspeed  # noqa: F401
-        except ImportError as e:
-            raise factory.ConfigError("trainer.strategy: DeepSpeed needs `pip install dspark[deepspeed]`") from e
-    tr = cfg.train
-    ckpt = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), filename="step{step:07d}",
-                           auto_insert_metric_name=False, every_n_train_steps=int(tr.ckpt_every_steps),
-                           save_top_k=1, save_last=True, enable_version_counter=False)
     plugins = [] if str(t.get("strategy", "")).startswith("deepspeed") else [AtomicCheckpointIO()]
-    return L.Trainer(
-        **t,
-        max_steps=int(tr.max_steps), max_epochs=-1,
-        accumulate_grad_batches=int(tr.accumulate_grad_batches),
-        val_check_interval=int(tr.val_every_steps) * int(tr.accumulate_grad_batches),
-        check_val_every_n_epoch=None, num_sanity_val_steps=0, use_distributed_sampler=False,
-        callbacks=[ckpt, LearningRateMonitor(logging_interval="step"), *callbacks],
-        logger=build_loggers(cfg, run_dir), plugins=plugins, default_root_dir=str(run_dir),
-    )
+    return make_trainer(cfg, callbacks, plugins)
 
 
 def resolve_resume(cfg: DictConfig, run_dir: Path) -> str | None:
@@ -214,7 +161,7 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> 
     datamodule = factory.build_datamodule(cfg, target.tokenizer, target=target)
     module = factory.build_module(cfg, draft, target)
     throughput = Throughput()
-    trainer = build_trainer(cfg, run_dir, [throughput, FlushLogsOnCheckpoint(), *callbacks])
+    trainer = build_trainer(cfg, run_dir, [throughput, LogsFollowCheckpoints(), *callbacks])
     n_params = sum(p.numel() for p in draft.parameters())
     log.info("draft parameters: %d; run dir: %s", n_params, run_dir)
 
@@ -229,7 +176,8 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> 
     out = run_dir / draft_dir.DRAFT_DIR
     if trainer.is_global_zero:  # the trained weights first: nothing below can lose them
         draft_dir.write_weights_and_config(draft, OmegaConf.to_container(cfg.draft, resolve=True), out)
-    if trainer.global_step % int(cfg.train.val_every_steps) != 0 or not getattr(module, "last_val_metrics", None):
+    validated_last = trainer.global_step * trainer.accumulate_grad_batches % trainer.val_check_batch == 0
+    if not validated_last or not getattr(module, "last_val_metrics", None):
         trainer.validate(module, datamodule=datamodule, verbose=False)
     summary.update(
         final=dict(getattr(module, "last_val_metrics", {})), global_step=trainer.global_step,

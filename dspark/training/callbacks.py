@@ -1,0 +1,94 @@
+"""The run's own Lightning callbacks: throughput over the timed steps, a progress bar that counts optimizer
+steps, and one print per Lightning log line under Hydra."""
+from __future__ import annotations
+
+import logging
+import resource
+import time
+
+import torch
+from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
+
+
+class Throughput(Callback):
+    """Tokens/s, blocks/s and peak memory over the training steps (first `skip` steps excluded)."""
+
+    def __init__(self, skip: int = 3):
+        self.skip, self.t0, self.n = skip, None, 0
+        self.tokens = self.blocks = 0
+        self.elapsed = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.n += 1
+        if self.n <= self.skip or self.t0 is None:
+            return
+        self.elapsed += time.perf_counter() - self.t0
+        self.tokens += int(batch["attention_mask"].sum())
+        self.blocks += int(batch["keep"].sum())
+
+    def summary(self) -> dict:
+        peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        out = {"timed_steps": max(0, self.n - self.skip), "peak_rss_mb": round(peak_rss_mb, 1)}
+        if self.elapsed > 0:
+            out.update(tokens_per_s=round(self.tokens / self.elapsed, 1),
+                       blocks_per_s=round(self.blocks / self.elapsed, 1),
+                       s_per_step=round(self.elapsed / max(1, self.n - self.skip), 4))
+        if torch.cuda.is_available():
+            out["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        return out
+
+
+class _StepCount:
+    """Lightning's bars count the batches of an epoch and label them "Epoch e/max_epochs-1" ("Epoch 0/-2" for a
+    run bounded by max_steps) and show the logger version as v_num. This one shows optimizer steps done out of
+    trainer.max_steps (right after a resume too) and no v_num."""
+
+    @property
+    def total_train_batches(self):
+        return self.trainer.max_steps
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        return "Training steps"
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # the base bars draw batch_idx + 1: hand them the step count instead
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, trainer.global_step - 1)
+
+    def get_metrics(self, trainer, pl_module):
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        return items
+
+
+class RichStepProgressBar(_StepCount, RichProgressBar):
+    pass
+
+
+class TQDMStepProgressBar(_StepCount, TQDMProgressBar):
+    def on_train_epoch_start(self, trainer, *args):
+        super().on_train_epoch_start(trainer, *args)  # labels the bar "Epoch e": relabel
+        self.train_progress_bar.set_description(self._get_train_description(trainer.current_epoch))
+
+
+def step_progress_bar() -> Callback:
+    """The bar Lightning would pick (rich when installed, else tqdm), counting steps."""
+    from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
+
+    return RichStepProgressBar() if _RICH_AVAILABLE else TQDMStepProgressBar()
+
+
+def print_lightning_logs_once() -> None:
+    """The `lightning` package logs through its own console handler and also propagates to the root logger;
+    under Hydra (whose job logging owns the root logger and the run's log file) every line printed twice.
+    With a root handler present, Lightning's own console handler goes and the lines print once, via Hydra."""
+    if not logging.getLogger().hasHandlers():
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        lg = logging.getLogger(name)
+        for h in list(lg.handlers):
+            if type(h) is logging.StreamHandler:
+                lg.removeHandler(h)
+        lg.propagate = True
