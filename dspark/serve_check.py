@@ -78,8 +78,9 @@ def export_run(cfg: DictConfig, run_dir: Path, kind: str, target_dir: str, out: 
     return out
 
 
-def project_decode(cfg: DictConfig, target, draft, draft_group, benchmark: str):
-    """eval.py's decoding of one benchmark -> (parity.Request list in vLLM order, eval.py's report)."""
+def project_decode(cfg: DictConfig, target, draft, draft_group, convs: list[list[str]]):
+    """eval.py's decoding of one benchmark's conversations -> (parity.Request list in vLLM order, eval.py's
+    report, gamma, eos ids)."""
     from dspark.evaluation import run_eval as ev
     from dspark.evaluation.speculative import plain_generate, speculative_generate_batch
     from dspark.serving.parity import Request, request_order
@@ -102,7 +103,6 @@ def project_decode(cfg: DictConfig, target, draft, draft_group, benchmark: str):
     def plain_decode(prompts, gens):
         return plain_generate(target, prompts, max_new, temperature, eos, gens)
 
-    convs = ev.read_benchmark(ev.resolve_path(cfg.data_dir) / f"{benchmark}.jsonl", int(cfg.num_prompts))
     run = dict(batch_size=int(cfg.batch_size), all_turns=str(cfg.turns) == "all", seed=int(cfg.seed))
     spec = ev.decode_conversations(target.tokenizer, convs, spec_decode, **run)
     plain = ev.decode_conversations(target.tokenizer, convs, plain_decode, **run) if cfg.compare_target else None
@@ -130,6 +130,7 @@ def run_serve_check(cfg: DictConfig) -> dict:
     if temperature == 0 and str(cfg.target.dtype) != "float32":
         log.warning("target.dtype=%s: exact greedy parity needs float32 on both sides (vLLM runs float32)",
                     cfg.target.dtype)
+    benchmarks = ev.read_benchmarks(cfg)  # checked before any model loads
     target, draft, draft_group, weights, run_dir = ev.build(cfg)
     tpath = factory.target_folder(cfg)
     out_dir = ev.resolve_path(cfg.out) if cfg.out else run_dir / "serve_check"
@@ -140,9 +141,9 @@ def run_serve_check(cfg: DictConfig) -> dict:
     vllm_target, vllm_draft = (str(export_dir), None) if is_merged(export_dir) else (tpath, str(export_dir))
 
     decoded = {}
-    for name in cfg.benchmarks:
+    for name, convs in benchmarks.items():
         t0 = time.perf_counter()
-        requests, report, g, eos = project_decode(cfg, target, draft, draft_group, name)
+        requests, report, g, eos = project_decode(cfg, target, draft, draft_group, convs)
         decoded[name] = (requests, report, time.perf_counter() - t0)
         log.info("%s: eval.py AL %s (%d requests)", name, report["mean_acceptance_length"], len(requests))
     longest = max(len(r.prompt_ids) for reqs, _, _ in decoded.values() for r in reqs)
