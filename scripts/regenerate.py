@@ -3,6 +3,8 @@
 
     # local target folder (or `smollm2`, the packaged SmolLM2-135M-Instruct, converted once)
     python scripts/regenerate.py --source sharegpt --target smollm2 --out data/regen.jsonl --limit 1000
+    # the same through vLLM's offline engine (its own venv: bash scripts/setup_vllm.sh; --tensor-parallel-size N on GPUs)
+    python scripts/regenerate.py --source sharegpt --target smollm2 --engine vllm --out data/regen.jsonl --limit 1000
     # an OpenAI-compatible server you already run (vLLM, SGLang, llama.cpp ...)
     python scripts/regenerate.py --source prompts.jsonl --openai-base-url http://127.0.0.1:8000/v1 \\
         --openai-model Qwen/Qwen3-8B --out data/regen.jsonl --temperature 0.7 --top-p 0.8
@@ -79,14 +81,23 @@ def _generator(args, sampling: SamplingParams):
                                    concurrency=args.batch_size, disable_thinking=not args.no_disable_thinking)
     if not args.target:
         raise SystemExit("error: give --target (HF folder or 'smollm2') or --openai-base-url")
-    import torch  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
-
     folder = args.target
     if folder == "smollm2":
         from dspark.targets.gguf_convert import prepare_smollm2  # noqa: PLC0415
 
         folder = prepare_smollm2()
+    if args.engine == "vllm":
+        from dspark.serving.engine import VLLMUnavailable  # noqa: PLC0415
+        from dspark.serving.vllm_generator import VLLMGenerator  # noqa: PLC0415
+
+        try:
+            return VLLMGenerator(folder, sampling, python=args.vllm_python, dtype=args.dtype,
+                                 tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
+                                 log_path=Path(str(args.out) + ".vllm.log"))
+        except VLLMUnavailable as exc:
+            raise SystemExit(f"error: {exc}") from None
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -111,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--target", default=None, help="local HF model folder, or 'smollm2'")
     gen.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                     help="--target decoded by transformers (hf) or by vLLM's offline engine in its own venv")
+    gen.add_argument("--vllm-python", default=None, help="vLLM interpreter (default $DSPARK_VLLM_PYTHON or .venv-vllm)")
+    gen.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM: GPUs per model")
+    gen.add_argument("--max-model-len", type=int, default=4096, help="vLLM: longest prompt + answer")
     gen.add_argument("--openai-base-url", default=None, help="e.g. http://127.0.0.1:8000/v1")
     gen.add_argument("--openai-model", default=None, help="model name as the server knows it")
     gen.add_argument("--api-key-env", default=None, help="environment variable holding the API key, if any")
@@ -139,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     except GeneratorUnavailable as exc:
         print(f"error: generator unavailable, run stopped (rerun to resume): {exc}", file=sys.stderr)
         return 2
+    finally:
+        if hasattr(generator, "close"):
+            generator.close()
     print(f"{stats.summary()} -> {args.out}")
     return 0
 

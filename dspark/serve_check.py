@@ -1,0 +1,282 @@
+"""Serving check: `python -m dspark.serve_check run_dir=RUN target=smollm2 [export=DIR] [eval.py keys ...]`.
+
+Decodes eval.py's benchmarks (same prompts, same chat-template token ids, T, gamma, max_new_tokens, eos ids)
+with the project's engine and with vLLM serving the exported draft, and writes one side-by-side report
+(dspark.serving.parity): `<out>/serve_check.T<T>.g<gamma>.json` + the table on stdout. `out` defaults to
+<run_dir>/serve_check. Without `export=` the run's draft is exported first, in float32, with
+`python -m dspark.export dense|v4|mtp` into <out>/export. vLLM runs in its own venv (`bash scripts/setup_vllm.sh`,
+or `vllm_python=` / $DSPARK_VLLM_PYTHON). DeepSeek-V4 DSpark and MTP drafts are exported merged into a copy of
+the target (`--merge-into`), which vLLM then serves as the target. Exit status 0 with the report; `strict=true`
+exits 1 when a benchmark misses parity (T=0: outputs, every verify step, AL within `al_tolerance`; T>0: ALs within
+`al_z_max` standard errors, both engines drafting with eval.py's `draft_sample_method`, default greedy = vLLM's).
+
+What vLLM serves on which machine: README "vLLM in the loop".
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train.py
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from dspark.errors import ConfigError  # noqa: E402
+
+log = logging.getLogger("dspark.serve_check")
+_METHODS = {"DFlashDraftModel": "dflash", "Qwen3DSparkModel": "dspark"}
+
+
+def speculative_method(export_dir: Path) -> str:
+    """vLLM's speculative method for an exported folder: a dense draft folder's config.json names its
+    architecture; a target copy with merged draft tensors is `mtp` (mtp_config.json) or `dspark` (dspark_* keys)."""
+    path = Path(export_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"export: {path} not found: `export` must be a folder written by `python -m dspark.export`")
+    c = json.loads(path.read_text())
+    algo = c.get("speculators_model_type")
+    if algo in ("dflash", "dspark"):
+        return algo
+    for arch in c.get("architectures") or []:
+        if arch in _METHODS:
+            return _METHODS[arch]
+    if (Path(export_dir) / "mtp_config.json").is_file():
+        return "mtp"
+    if "dspark_block_size" in c:
+        return "dspark"
+    raise ConfigError(f"export: {path}: architectures {c.get('architectures')} is not a draft vLLM serves "
+                      f"({sorted(_METHODS)}, or a target copy with merged MTP / DSpark tensors); set `method` explicitly")
+
+
+def is_merged(export_dir: Path) -> bool:
+    """True for a target checkpoint copy with the draft merged in (vLLM reads the draft from the target)."""
+    c = json.loads((Path(export_dir) / "config.json").read_text())
+    return not any(a in _METHODS for a in c.get("architectures") or []) and "speculators_model_type" not in c
+
+
+def export_run(cfg: DictConfig, run_dir: Path, kind: str, target_dir: str, out: Path) -> Path:
+    """The run's draft exported in float32 through the export CLI, as a user would: dense drafts as a draft
+    folder; DeepSeek-V4 DSpark and MTP drafts merged into a copy of the target (how vLLM loads them)."""
+    from dspark.export.__main__ import main as export_main
+
+    fmt = {"dspark_dense": "dense", "dspark_v4": "v4", "dsv4_mtp": "mtp", "hyv4_mtp": "mtp"}.get(kind)
+    if fmt is None:
+        raise ValueError(f"draft kind {kind!r}: no vLLM export format")
+    args = [fmt, "--run-dir", str(run_dir), "--target", str(cfg.target.kind), "--out", str(out), "--dtype", "float32"]
+    if cfg.target.get("path"):
+        args += ["--target-path", str(cfg.target.path)]
+    if fmt != "dense":
+        args += ["--merge-into", str(target_dir)]
+    code = export_main(args)
+    if code:
+        raise RuntimeError(f"python -m dspark.export {' '.join(args)} exited {code}")
+    return out
+
+
+def project_decode(cfg: DictConfig, target, draft, draft_group, convs: list[list[str]]):
+    """eval.py's decoding of one benchmark's conversations -> (parity.Request list in vLLM order, eval.py's
+    report, gamma, eos ids)."""
+    from dspark.evaluation import run_eval as ev
+    from dspark.evaluation.speculative import plain_generate, speculative_generate_batch
+    from dspark.serving.parity import Request, request_order
+
+    dcfg = draft.config
+    default_g = getattr(dcfg, "block_size", None) or getattr(dcfg, "num_steps", None)  # MTP: num_steps
+    g = int(cfg.num_drafts) if cfg.num_drafts is not None else int(default_g)
+    layout = str(draft_group.get("layout", "chain"))
+    temperature, eos, max_new = float(cfg.temperature), ev.eos_ids(cfg, target), int(cfg.max_new_tokens)
+    sample = str(cfg.get("draft_sample_method", "greedy"))  # eval.yaml: vLLM's draft_sample_method
+    prompts_seen: list[list[int]] = []
+
+    def spec_decode(prompts, gens):
+        prompts_seen.extend(p.tolist() for p in prompts)
+        return speculative_generate_batch(target, draft, prompts, max_new_tokens=max_new, num_drafts=g,
+                                          mask_token_id=getattr(dcfg, "mask_token_id", None), layout=layout,
+                                          window=getattr(dcfg, "sliding_window", None), temperature=temperature,
+                                          eos_token_id=eos, generators=gens, draft_sample_method=sample)
+
+    def plain_decode(prompts, gens):
+        return plain_generate(target, prompts, max_new, temperature, eos, gens)
+
+    run = dict(batch_size=int(cfg.batch_size), all_turns=str(cfg.turns) == "all", seed=int(cfg.seed))
+    spec = ev.decode_conversations(target.tokenizer, convs, spec_decode, **run)
+    plain = ev.decode_conversations(target.tokenizer, convs, plain_decode, **run) if cfg.compare_target else None
+    steps = [s for d in spec.batches for s in d.steps]
+    order = request_order(convs, run["all_turns"])
+    assert len(order) == len(steps) == len(prompts_seen)
+    requests = [Request(c, t, p, spec.outputs[c][t].tolist(), None if plain is None else plain.outputs[c][t].tolist(),
+                        [s.num_accepted for s in st], [s.num_drafts for s in st])
+                for (c, t), p, st in zip(order, prompts_seen, steps)]
+    report = ev.benchmark_report(spec, plain, temperature)
+    return requests, report, g, eos
+
+
+def run_serve_check(cfg: DictConfig) -> dict:
+    """Both engines on every benchmark; writes and returns the report (module docstring)."""
+    from dspark import factory
+    from dspark.evaluation import run_eval as ev
+    from dspark.io import atomic_write_json
+    from dspark.serving.engine import vllm_python
+    from dspark.serving.parity import compare
+
+    ev._validate(cfg)
+    vllm_python(cfg.get("vllm_python"))  # fail before any decoding when vLLM is missing
+    temperature = float(cfg.temperature)
+    if temperature == 0 and str(cfg.target.dtype) != "float32":
+        log.warning("target.dtype=%s: exact greedy parity needs float32 on both sides (vLLM runs float32)",
+                    cfg.target.dtype)
+    benchmarks = ev.read_benchmarks(cfg)  # checked before any model loads
+    target, draft, draft_group, weights, run_dir = ev.build(cfg)
+    tpath = factory.target_folder(cfg)
+    out_dir = ev.resolve_path(cfg.out) if cfg.out else run_dir / "serve_check"
+    export_dir = (ev.resolve_path(cfg.export) if cfg.get("export")
+                  else export_run(cfg, run_dir, str(draft_group.kind), tpath, out_dir / "export"))
+    method = cfg.get("method") or speculative_method(export_dir)
+    # a merged export is a target copy: vLLM serves it as the target and reads the draft from it
+    vllm_target, vllm_draft = (str(export_dir), None) if is_merged(export_dir) else (tpath, str(export_dir))
+
+    decoded = {}
+    for name, convs in benchmarks.items():
+        t0 = time.perf_counter()
+        requests, report, g, eos = project_decode(cfg, target, draft, draft_group, convs)
+        decoded[name] = (requests, report, time.perf_counter() - t0)
+        log.info("%s: eval.py AL %s (%d requests)", name, report["mean_acceptance_length"], len(requests))
+    longest = max(len(r.prompt_ids) for reqs, _, _ in decoded.values() for r in reqs)
+    max_len = int(cfg.get("max_model_len") or (longest + int(cfg.max_new_tokens) + g + 16))
+    del target, draft
+
+    vllm = serve_with_vllm(cfg, decoded, vllm_target=vllm_target, vllm_draft=vllm_draft, plain_target=tpath,
+                           method=method, gamma=g, eos=eos, max_len=max_len, export_dir=export_dir, out_dir=out_dir)
+    reports = {}
+    tol, z_max = float(cfg.get("al_tolerance", 0.02)), float(cfg.get("al_z_max", 3.0))
+    for name, (requests, eval_report, eval_s) in decoded.items():
+        r = vllm["runs"][name]
+        if "spec" not in r:  # vLLM refused to serve it: the eval side alone, the refusal in the summary
+            reports[name] = {"benchmark": name, "eval": eval_report, "vllm": None, "parity": False}
+            continue
+        rep = compare(requests, r["spec"].requests(r.get("plain")), r["spec"].counters, temperature, tol, z_max)
+        if "spec_greedy_drafts" in r:  # what vLLM serves by default at T > 0
+            rep["vllm_greedy_drafts"] = compare(requests, r["spec_greedy_drafts"].requests(),
+                                                r["spec_greedy_drafts"].counters, temperature, tol, z_max)["vllm"]
+        rep.update(benchmark=name, gamma=g, max_new_tokens=int(cfg.max_new_tokens), method=method,
+                   draft_sample_method=str(cfg.get("draft_sample_method", "greedy")) if temperature > 0 else None,
+                   export=str(export_dir), draft_weights=str(weights), eval_report=eval_report,
+                   seconds={"eval_py_spec_and_plain": eval_s, "vllm_spec": r["spec"].seconds,
+                            "vllm_plain": r["plain"].seconds if "plain" in r else None})
+        reports[name] = rep
+    load, engine = vllm["load"], vllm["engine"]
+    served_audits = [a for e in engine.values() for a in e.get("load_audit", [])]
+    load_ok = bool(load.get("ok")) and all(a["ok"] for a in served_audits)
+    summary = {"engines": {"eval": ev.ENGINE, "vllm": vllm["versions"]}, "method": method, "export": str(export_dir),
+               "target": tpath, "vllm_target": vllm_target, "vllm_draft": vllm_draft, "engine": engine,
+               "benchmarks": reports, "load_audit": load, "load_ok": load_ok, "serve_error": vllm["serve_error"],
+               "parity": load_ok and vllm["serve_error"] is None and all(r["parity"] for r in reports.values()),
+               "note": note_for(draft_group)}
+    tag = f"T{temperature:g}.g{g}"
+    atomic_write_json(out_dir / f"serve_check.{tag}.json", summary)
+    print_summary(summary, out_dir / f"serve_check.{tag}.json", temperature, g)
+    return summary
+
+
+def note_for(draft_group) -> str | None:
+    """What a passing check does and does not establish for this draft kind."""
+    if str(draft_group.kind) == "dspark_dense" and int(draft_group.get("markov_rank") or 0) > 0:
+        return ("dense DSpark served as vLLM's Qwen3DSparkModel (method dspark); a DSpark backbone served as DFlash "
+                "would be a DFlash check, not a DSpark one")
+    return None
+
+
+def serve_with_vllm(cfg, decoded: dict, *, vllm_target: str, vllm_draft: str | None, plain_target: str, method: str,
+                    gamma: int, eos: list[int], max_len: int, export_dir: Path, out_dir: Path) -> dict:
+    """Load audit, then the draft served (and, at T=0, the plain target) on every benchmark's prompt ids.
+    A refusal by vLLM (load or serve) is recorded, not raised: it is the result of the check."""
+    from dspark.serving.audit import describe, judge
+    from dspark.serving.engine import VLLMWorker, VLLMWorkerError
+    from dspark.serving.parity import VLLMRun
+
+    temperature = float(cfg.temperature)
+    out = {"runs": {name: {} for name in decoded}, "engine": {}, "serve_error": None, "versions": None}
+    with VLLMWorker(cfg.get("vllm_python"), log_path=out_dir / "vllm_worker.log") as w:
+        try:  # vLLM's own draft class and load_weights on the export, before serving it
+            out["load"] = judge(w.load_check(target=vllm_target, draft=vllm_draft, method=method,
+                                             num_speculative_tokens=gamma, max_model_len=max_len,
+                                             per_tensor=vllm_draft is not None), export_dir,
+                                merged=vllm_draft is None)
+        except VLLMWorkerError as exc:
+            out["load"] = {"ok": False, "error": str(exc), "class": None}
+        log.info("vLLM load audit: %s", out["load"].get("error") or describe(out["load"]))
+        spec = dict(draft=vllm_draft, method=method, num_speculative_tokens=gamma)
+        sample = str(cfg.get("draft_sample_method", "greedy"))
+        # at T > 0 both engines draft the same way (eval.yaml draft_sample_method = vLLM's: greedy = argmax drafts
+        # accepted with probability p(y), vLLM's default; probabilistic = drafts sampled from q, min(1, p/q));
+        # with probabilistic, vLLM's default is served as well and its AL reported beside
+        configs = [("spec", vllm_target, {**spec, "speculative_extra": {"draft_sample_method": sample}}
+                    if temperature > 0 else spec)]
+        if cfg.get("vllm_plain", True) and temperature == 0:
+            configs.append(("plain", plain_target, {}))
+        if temperature > 0 and sample != "greedy" and cfg.get("vllm_default_drafting", True):
+            configs.append(("spec_greedy_drafts", vllm_target,
+                            {**spec, "speculative_extra": {"draft_sample_method": "greedy"}}))
+        for label, target, extra in configs:
+            try:
+                info = w.init(target=target, dtype="float32", max_model_len=max_len, seed=int(cfg.seed),
+                              kv_cache_gib=int(cfg.get("kv_cache_gib", 1)),
+                              fix_cpu_float_expand=bool(cfg.get("vllm_fix_cpu_float_expand", False)), **extra)
+            except VLLMWorkerError as exc:
+                out["serve_error"] = str(exc)
+                log.error("vLLM refused to serve it: %s", exc)
+                break
+            out["engine"][label] = {"init_s": info["init_s"], "engine_kwargs": info["engine_kwargs"]}
+            if info.get("load_audit"):  # the same audit, on the model the engine serves
+                out["engine"][label]["load_audit"] = [judge(a, export_dir) for a in info["load_audit"]]
+            for name, (requests, _, _) in decoded.items():
+                res = w.generate([r.prompt_ids for r in requests], max_tokens=int(cfg.max_new_tokens),
+                                 temperature=temperature, seed=int(cfg.seed), stop_token_ids=eos)
+                out["runs"][name][label] = VLLMRun(res["outputs"], res["spec_counters"], res["generate_s"])
+        out["versions"] = w.versions
+    return out
+
+
+def print_summary(summary: dict, path: Path, temperature: float, gamma: int) -> None:
+    from dspark.serving.audit import describe
+    from dspark.serving.parity import format_table
+
+    served = {n: r for n, r in summary["benchmarks"].items() if r.get("vllm") is not None}
+    if served:
+        print(format_table(served))
+        for name, rep in served.items():
+            for line in rep["explanation"]:
+                print(f"  {name}: {line}")
+            greedy = rep.get("vllm_greedy_drafts")
+            if greedy:
+                print(f"  {name}: vLLM's default drafting (draft_sample_method=greedy: argmax drafts, accepted with "
+                      f"probability p(y)) serves AL {greedy['mean_acceptance_length']:.3f}; the table compares "
+                      f"draft_sample_method={rep['draft_sample_method']} (eval.py's scheme)")
+    load = summary["load_audit"]
+    print(f"vLLM load: {load.get('error') or describe(load)}")
+    if summary["serve_error"]:
+        print(f"vLLM did not serve it: {summary['serve_error']}")
+    if summary["note"]:
+        print(f"note: {summary['note']}")
+    versions = summary["engines"]["vllm"] or {}
+    print(f"T={temperature:g} gamma={gamma} method={summary['method']} vllm={versions.get('vllm')}; "
+          f"parity={'yes' if summary['parity'] else 'NO'}; report {path}")
+
+
+@hydra.main(config_path="../configs", config_name="serve_check", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from dspark.errors import one_line_errors
+
+    with one_line_errors("serve_check"):
+        summary = run_serve_check(cfg)
+    if cfg.get("strict") and not summary["parity"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

