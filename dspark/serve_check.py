@@ -88,7 +88,6 @@ def project_decode(cfg: DictConfig, target, draft, draft_group, convs: list[list
     dcfg = draft.config
     default_g = getattr(dcfg, "block_size", None) or getattr(dcfg, "num_steps", None)  # MTP: num_steps
     g = int(cfg.num_drafts) if cfg.num_drafts is not None else int(default_g)
-    layout = str(draft_group.get("layout", "chain"))
     temperature, eos, max_new = float(cfg.temperature), ev.eos_ids(cfg, target), int(cfg.max_new_tokens)
     sample = str(cfg.get("draft_sample_method", "greedy"))  # eval.yaml: vLLM's draft_sample_method
     prompts_seen: list[list[int]] = []
@@ -96,9 +95,8 @@ def project_decode(cfg: DictConfig, target, draft, draft_group, convs: list[list
     def spec_decode(prompts, gens):
         prompts_seen.extend(p.tolist() for p in prompts)
         return speculative_generate_batch(target, draft, prompts, max_new_tokens=max_new, num_drafts=g,
-                                          mask_token_id=getattr(dcfg, "mask_token_id", None), layout=layout,
-                                          window=getattr(dcfg, "sliding_window", None), temperature=temperature,
-                                          eos_token_id=eos, generators=gens, draft_sample_method=sample)
+                                          temperature=temperature, eos_token_id=eos, generators=gens,
+                                          draft_sample_method=sample)  # mask token, layout, window: the draft's config
 
     def plain_decode(prompts, gens):
         return plain_generate(target, prompts, max_new, temperature, eos, gens)
