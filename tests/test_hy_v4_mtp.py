@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import HYV4Config
+from transformers.models.hy_v4 import modeling_hy_v4
 from transformers.models.hy_v4.modeling_hy_v4 import HYV4DecoderLayer, HYV4RotaryEmbedding
 
 from dspark.export.hy_v4_mtp import HYV4MTPAdapter, from_serving_names, to_serving_names
@@ -15,6 +16,9 @@ from dspark.models.hy_v4_mtp import HYV4MTPConfig, HYV4MTPDraft
 from dspark.ops.rope import apply_rope
 
 V = 50
+# transformers >= 5.25 rotates HY V4's rope dims in interleaved pairs, as vLLM does; earlier releases rotate halves.
+# test_block_matches_transformers_layer checks that this probe names the convention transformers' layer really has.
+HF_ROPE_INTERLEAVED = hasattr(modeling_hy_v4, "apply_rotary_pos_emb_interleave")
 
 
 def tiny_hy_config(**overrides) -> HYV4Config:
@@ -55,11 +59,13 @@ def rope_permutation(r: int) -> torch.Tensor:
     return torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)])
 
 
-def neox_weights(block: dict[str, torch.Tensor], cfg: HYV4MTPConfig) -> dict[str, torch.Tensor]:
-    """Block tensors for an interleaved-RoPE block -> the same function under rotate-half RoPE: permute the rows
-    (and k_norm entries) that produce rope dims. q.k products are unchanged by a common permutation."""
+def permute_rope_rows(block: dict[str, torch.Tensor], cfg: HYV4MTPConfig, perm: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Permute the rows (and k_norm entries) of every tensor that produces rope dims. With perm =
+    rope_permutation(r), an interleaved-RoPE block with W equals a rotate-half block with the permuted W; with its
+    inverse, a rotate-half block with W equals an interleaved block with the permuted W. q.k products are unchanged
+    by a permutation common to q and k."""
     out = dict(block)
-    r, perm = cfg.qk_rope_head_dim, rope_permutation(cfg.qk_rope_head_dim)
+    r = cfg.qk_rope_head_dim
 
     def permute_tail(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
         w = w.view(n_heads, head_dim, *w.shape[1:]).clone()
@@ -95,7 +101,7 @@ def draft_for(cfg: HYV4Config, **overrides) -> HYV4MTPDraft:
 
 
 def test_rope_permutation_identity():
-    """The two RoPE conventions differ by a fixed permutation of the rope dims (what neox_weights relies on)."""
+    """The two RoPE conventions differ by a fixed permutation of the rope dims (what permute_rope_rows relies on)."""
     torch.manual_seed(0)
     r = 8
     x = torch.randn(2, 5, 3, r)
@@ -125,8 +131,10 @@ def test_block_matches_transformers_layer(interleave, layer_idx, index_topk):
     own = layer.state_dict()
     assert set(block) == {k for k in own if not k.startswith(hy_v4_names.LAYER_LEVEL)}
     layer.load_state_dict({**own, **block})
-    if interleave:  # our interleaved block with W == transformers' rotate-half layer with permuted W
-        ref_layer.load_state_dict(hy_v4_names.block_to_hf(neox_weights(block, draft.config)), strict=False)
+    if interleave != HF_ROPE_INTERLEAVED:  # transformers' layer has the other convention: permute its rope rows
+        perm = rope_permutation(draft.config.qk_rope_head_dim)
+        perm = perm if interleave else torch.argsort(perm)
+        ref_layer.load_state_dict(hy_v4_names.block_to_hf(permute_rope_rows(block, draft.config, perm)), strict=False)
 
     torch.manual_seed(1)
     x = torch.randn(2, 7, cfg.hidden_size)
@@ -165,7 +173,7 @@ def test_step_matches_naive_composition(zero0):
     """step = final_layernorm(layer(eh_proj([enorm(Emb(t_{p+1})) ; hnorm(h_p)]))), embedding zeroed at position 0."""
     cfg = tiny_hy_config()
     ref_layer = hf_layer(cfg, 1, seed=3)
-    draft = draft_for(cfg, rope_interleave=False, zero_position0_embedding=zero0)
+    draft = draft_for(cfg, rope_interleave=HF_ROPE_INTERLEAVED, zero_position0_embedding=zero0)
     layer = draft.mtp_layers[0]
     torch.manual_seed(4)
     with torch.no_grad():

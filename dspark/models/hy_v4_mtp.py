@@ -19,7 +19,7 @@ softmax, sigmoid output gate `linear_gate`) + MoE (sigmoid router with expert_bi
 experts + an unclamped shared expert) or a dense SwiGLU MLP.
 
 Conventions where transformers `hy_v4` and vLLM differ are config fields (defaults = vLLM serving):
-  rope_interleave (vLLM: interleaved pairs; transformers: rotate-half), lora_norm_eps (vLLM: rms_norm_eps;
+  rope_interleave (vLLM: interleaved pairs; transformers: rotate-half before 5.25, interleaved from 5.25), lora_norm_eps (vLLM: rms_norm_eps;
   transformers: 1e-6), index_norm_eps (vLLM: 1e-6; transformers: rms_norm_eps). Not modelled: YaRN RoPE,
   sharing step 0's indexer top-k with steps >= 1 (vLLM index_share_for_mtp_iteration), FP8.
 """
