@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dspark.data.regenerate import HFGenerator, regenerate
+    from dspark.data.hf_generator import HFGenerator
+    from dspark.data.regenerate import regenerate
 
     if args.threads:
         torch.set_num_threads(args.threads)

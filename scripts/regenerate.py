@@ -25,13 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from dspark.data.regenerate import (  # noqa: E402
-    GeneratorUnavailable,
-    HFGenerator,
-    OpenAIChatGenerator,
-    SamplingParams,
-    regenerate,
-)
+from dspark.data.generator import GeneratorUnavailable, SamplingParams  # noqa: E402
+from dspark.data.regenerate import regenerate  # noqa: E402
 
 
 def _records(args):
@@ -75,10 +70,15 @@ def _generator(args, sampling: SamplingParams):
     if args.openai_base_url:
         if not args.openai_model:
             raise SystemExit("error: --openai-base-url needs --openai-model (the served model name)")
+        from dspark.data.openai_generator import OpenAIChatGenerator  # noqa: PLC0415
+
         api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
-        return OpenAIChatGenerator(args.openai_base_url, args.openai_model, api_key=api_key,
-                                   timeout=args.timeout, max_retries=args.max_retries, sampling=sampling,
-                                   concurrency=args.batch_size, disable_thinking=not args.no_disable_thinking)
+        try:
+            return OpenAIChatGenerator(args.openai_base_url, args.openai_model, api_key=api_key,
+                                       timeout=args.timeout, max_retries=args.max_retries, sampling=sampling,
+                                       concurrency=args.batch_size, disable_thinking=not args.no_disable_thinking)
+        except ImportError as exc:  # urllib3 missing: the message says what to install
+            raise SystemExit(f"error: {exc}") from None
     if not args.target:
         raise SystemExit("error: give --target (HF folder or 'smollm2') or --openai-base-url")
     folder = args.target
@@ -98,6 +98,9 @@ def _generator(args, sampling: SamplingParams):
             raise SystemExit(f"error: {exc}") from None
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    from dspark.data.hf_generator import HFGenerator  # noqa: PLC0415
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -15,19 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.data.regenerate import (
+from dspark.data.generator import (
     BatchPartialFailure,
     Completion,
     GenerationError,
     GeneratorUnavailable,
-    HFGenerator,
-    OpenAIChatGenerator,
     SamplingParams,
-    failed_path_for,
-    plan_record,
-    read_jsonl_state,
-    regenerate,
 )
+from dspark.data.hf_generator import HFGenerator
+from dspark.data.openai_generator import OpenAIChatGenerator
+from dspark.data.regenerate import failed_path_for, plan_record, read_jsonl_state, regenerate
 
 # --------------------------------------------------------------------------------------------
 # Fakes and helpers
@@ -142,6 +139,26 @@ def test_crash_then_resume_gives_each_id_exactly_once(tmp_path):
     again = regenerate(records, EchoGenerator(), out, batch_size=3)
     assert (again.done, again.failed, again.skipped, again.total) == (0, 0, 10, 10)
     assert len(read_lines(out)) == 10
+
+
+def test_crash_mid_file_then_resume_equals_an_uninterrupted_run(tmp_path):
+    """Output and sidecar after (crash, torn last line, resume) == those of one uninterrupted run."""
+    records = make_records(11, turns=2)
+    faults = dict(fail_on={"q4.1"}, empty_on={"q8.0"})
+    whole = tmp_path / "whole.jsonl"
+    regenerate(records, EchoGenerator(**faults), whole, batch_size=3, seed=5)
+
+    out = tmp_path / "resumed.jsonl"
+    with pytest.raises(Crash):  # call 5 = first turn of the third batch (r6..r8)
+        regenerate(records, EchoGenerator(crash_after=5, **faults), out, batch_size=3, seed=5)
+    with open(out, "a") as handle:  # the kill tore the next line
+        handle.write(json.dumps(read_lines(whole)[5])[:40])
+    regenerate(records, EchoGenerator(**faults), out, batch_size=3, seed=5)
+
+    assert read_lines(out) == read_lines(whole)
+    strip_time = [{k: v for k, v in row.items() if k != "time"} for row in read_lines(failed_path_for(whole))]
+    assert [{k: v for k, v in row.items() if k != "time"} for row in read_lines(failed_path_for(out))] == strip_time
+    assert [row["id"] for row in strip_time] == ["r4", "r8"]
 
 
 def test_limit_and_duplicate_ids(tmp_path):
@@ -315,12 +332,13 @@ class StubServer:
     """ThreadingHTTPServer on 127.0.0.1: records requests, answers by the user text's prefix.
 
     'fail500:'  -> 500 the first time for that text, then 200
+    'flaky<N>:' -> 429 (Retry-After: 0), then 503, ... for the first N requests with that text, then 200
     'always500' -> 500 every time;  'bad400' -> 400 with an OpenAI-style error body
     anything else -> 200 echoing the text; a request for model 'missing' -> 404.
     """
 
     def __init__(self):
-        self.requests, self.seen = [], set()
+        self.requests, self.seen, self.count = [], set(), {}
         self.lock = threading.Lock()
         stub = self
 
@@ -335,10 +353,15 @@ class StubServer:
                     text = body["messages"][-1]["content"]
                     first_time = text not in stub.seen
                     stub.seen.add(text)
+                    stub.count[text] = nth = stub.count.get(text, 0) + 1
                 if body["model"] == "missing":
                     return self._send(404, {"error": {"message": "The model `missing` does not exist."}})
                 if text == "always500" or (text.startswith("fail500:") and first_time):
                     return self._send(500, {"error": {"message": "internal hiccup"}})
+                if text.startswith("flaky") and nth <= int(text[5:text.index(":")]):
+                    if nth % 2:
+                        return self._send(429, {"error": {"message": "slow down"}}, {"Retry-After": "0"})
+                    return self._send(503, {"error": {"message": "warming up"}})
                 if text == "bad400":
                     return self._send(400, {"error": {"message": "prompt is longer than the context"}})
                 n = sum(m["role"] == "assistant" for m in body["messages"])
@@ -346,9 +369,11 @@ class StubServer:
                     {"index": 0, "message": {"role": "assistant", "content": f"echo {text}#{n}"},
                      "finish_reason": "length" if text.endswith("!") else "stop"}]})
 
-            def _send(self, code, payload):
+            def _send(self, code, payload, headers=None):
                 data = json.dumps(payload).encode()
                 self.send_response(code)
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -400,6 +425,53 @@ def test_openai_retries_500_then_succeeds():
         with pytest.raises(GeneratorUnavailable, match=r"3 attempts.*HTTP 500.*internal hiccup"):
             client.complete([{"role": "user", "content": "always500"}])
         assert len(server.requests) == 2 + 3
+
+
+def test_openai_server_failing_n_times_then_answering():
+    """N failures (429 with Retry-After, 503) then an answer: max_retries >= N gets it, fewer gives up."""
+    with StubServer() as server:
+        assert _client(server, max_retries=3).complete([{"role": "user", "content": "flaky3:a"}]) == "echo flaky3:a#0"
+        assert server.count["flaky3:a"] == 4
+        with pytest.raises(GeneratorUnavailable, match=r"giving up after 3 attempts: HTTP 429.*slow down"):
+            _client(server, max_retries=2).complete([{"role": "user", "content": "flaky3:b"}])
+        assert server.count["flaky3:b"] == 3
+        with pytest.raises(GeneratorUnavailable, match=r"giving up after 2 attempts: HTTP 503.*warming up"):
+            _client(server, max_retries=1).complete([{"role": "user", "content": "flaky2:c"}])
+        with pytest.raises(GeneratorUnavailable, match=r"giving up after 1 attempts: HTTP 429.*slow down"):
+            _client(server, max_retries=0).complete([{"role": "user", "content": "flaky1:d"}])
+        assert (server.count["flaky2:c"], server.count["flaky1:d"]) == (2, 1)
+
+
+def test_openai_retry_policy_unit():
+    """Which answers are retried, for POST, and how long the client waits before each retry."""
+    from urllib3 import HTTPResponse
+
+    from dspark.data.openai_generator import MAX_BACKOFF_S, retry_policy
+
+    policy = retry_policy(max_retries=4, backoff_s=1.5)
+    for status in (408, 409, 425, 429, 500, 502, 503, 504, 599):
+        assert policy.is_retry("POST", status), status
+    for status in (200, 400, 401, 403, 404, 405, 413, 422):
+        assert not policy.is_retry("POST", status), status
+    waits, retry = [], policy
+    for _ in range(4):
+        retry = retry.increment("POST", "/v1/chat/completions", response=HTTPResponse(status=503))
+        waits.append(retry.get_backoff_time())
+    assert waits == [0, 3.0, 6.0, 12.0]
+    with pytest.raises(Exception, match="Max retries exceeded"):
+        retry.increment("POST", "/v1/chat/completions", response=HTTPResponse(status=503))
+    slow = retry_policy(max_retries=9, backoff_s=10.0)
+    for _ in range(5):
+        slow = slow.increment("POST", "/v1/chat/completions", response=HTTPResponse(status=500))
+    assert slow.get_backoff_time() == MAX_BACKOFF_S
+
+
+def test_openai_client_without_urllib3_says_what_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "urllib3", None)  # import urllib3 -> ImportError
+    with pytest.raises(ImportError, match=r"pip install 'dspark\[http\]'"):
+        OpenAIChatGenerator("http://127.0.0.1:1/v1", "m")
 
 
 def test_openai_4xx_errors_are_clear():

@@ -152,7 +152,8 @@ def test_regeneration_through_vllm_equals_hf_and_resumes(served, tmp_path):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dspark.data.regenerate import HFGenerator, read_jsonl_state, regenerate
+    from dspark.data.hf_generator import HFGenerator
+    from dspark.data.regenerate import read_jsonl_state, regenerate
 
     _, target, _, _, python = served
     prompts = tmp_path / "prompts.jsonl"

@@ -41,7 +41,8 @@ def build_tiny_llama(path: Path, seed: int = 0) -> Path:
 def regenerate_answers(target: Path, out: Path, limit: int = 160, max_new_tokens: int = 48) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dspark.data.regenerate import HFGenerator, regenerate
+    from dspark.data.hf_generator import HFGenerator
+    from dspark.data.regenerate import regenerate
     from dspark.data.sharegpt import iter_sharegpt
 
     def first_turns():

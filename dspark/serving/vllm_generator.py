@@ -1,20 +1,21 @@
-"""Regeneration through vLLM: a `dspark.data.regenerate.Generator` backed by the vLLM worker (offline
+"""Regeneration through vLLM: a `dspark.data.generator.Generator` backed by the vLLM worker (offline
 `LLM.generate` in vLLM's own venv; tensor parallel on GPUs), so `regenerate()` keeps its bookkeeping
 (done / failed / skipped, resumable, no duplicates) whatever the engine.
 
-Prompts are rendered exactly as the HF backend renders them (the target's chat template through transformers in
-this process, `enable_thinking: False`, no extra special tokens) and sent as token ids; answers come back as
-token ids and are decoded here, cut at the first end token (generation_config + tokenizer eos), special tokens
-removed. Per-request seeds are derived from (seed, the conversation) like the OpenAI client's, so a record's
-answer does not depend on its batch.
+Prompts are rendered exactly as the HF backend renders them (`dspark.data.hf_generator.render_chat`: the target's
+chat template through transformers in this process, `enable_thinking: False`, no extra special tokens) and sent as
+token ids; answers come back as token ids and are decoded here by the HF backend's `decode_answer`, cut at the
+first end token (`stop_token_ids`: generation_config + tokenizer eos), special tokens removed. Per-request seeds
+are derived from (seed, the conversation) like the OpenAI client's (`prompt_seed`), so a record's answer does not
+depend on its batch.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 
-from dspark.data.regenerate import Completion, GenerationError, GeneratorUnavailable, SamplingParams, \
-    _derived_seed, body_messages_key
+from dspark.data.generator import Completion, GenerationError, GeneratorUnavailable, SamplingParams, prompt_seed
+from dspark.data.hf_generator import NON_THINKING, decode_answer, render_chat, stop_token_ids
 
 
 class VLLMGenerator:
@@ -33,18 +34,12 @@ class VLLMGenerator:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"{self.target}: the tokenizer has no chat template")
         self.sampling = sampling or SamplingParams()
-        self.chat_template_kwargs = {"enable_thinking": False} if chat_template_kwargs is None else chat_template_kwargs
-        ids = set()
+        self.chat_template_kwargs = dict(NON_THINKING) if chat_template_kwargs is None else chat_template_kwargs
         try:
             eos = GenerationConfig.from_pretrained(self.target).eos_token_id
-            ids.update([eos] if isinstance(eos, int) else (eos or []))
         except OSError:  # no generation_config.json
-            pass
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        if not ids:
-            raise ValueError("no end-of-turn token: set tokenizer.eos_token or generation_config.eos_token_id")
-        self.stop_ids = sorted(ids)
+            eos = None
+        self.stop_ids = stop_token_ids(eos, self.tokenizer)
         self.max_model_len = int(max_model_len)
         self.name = f"vllm:{Path(self.target).name}"
         self.worker = VLLMWorker(python, log_path=log_path, threads=threads)
@@ -54,8 +49,7 @@ class VLLMGenerator:
         self.versions = info.get("versions")
 
     def render(self, messages) -> list[int]:
-        text = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
-                                                  add_generation_prompt=True, **self.chat_template_kwargs)
+        text = render_chat(self.tokenizer, messages, self.chat_template_kwargs)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def generate(self, batch: Sequence[Sequence[dict]], sampling: SamplingParams | None = None) -> list[Completion]:
@@ -72,23 +66,15 @@ class VLLMGenerator:
         try:
             res = self.worker.generate(prompts, max_tokens=sampling.max_new_tokens,
                                        temperature=sampling.temperature,
-                                       top_p=1.0 if sampling.greedy else sampling.top_p,
-                                       seeds=[_derived_seed(sampling.seed, body_messages_key(m)) for m in batch],
+                                       top_p=sampling.request_top_p,
+                                       seeds=[prompt_seed(sampling.seed, m) for m in batch],
                                        stop_token_ids=self.stop_ids)
         except VLLMWorkerError as exc:
             raise GenerationError(str(exc)) from exc
         except (RuntimeError, TimeoutError) as exc:  # the worker died: nothing else will work either
             raise GeneratorUnavailable(str(exc)) from exc
         stop = set(self.stop_ids)
-        out = []
-        for o in res["outputs"]:
-            ids = o["token_ids"]
-            end = next((i for i, t in enumerate(ids) if t in stop), None)
-            kept = ids if end is None else ids[:end]
-            reason = "stop" if end is not None else ("length" if o.get("finish_reason") == "length" else
-                                                     o.get("finish_reason"))
-            out.append(Completion(self.tokenizer.decode(kept, skip_special_tokens=True), reason))
-        return out
+        return [decode_answer(self.tokenizer, o["token_ids"], stop, o.get("finish_reason")) for o in res["outputs"]]
 
     def close(self) -> None:
         self.worker.close()
