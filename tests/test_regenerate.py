@@ -220,6 +220,16 @@ def test_state_reader_rejects_damage_in_the_middle(tmp_path):
     assert path.read_text() == '{"id": "a"}\n{"id": "b"}\n'
 
 
+def test_seeds_are_pinned():
+    """Per-request seeds (OpenAI, vLLM) and HF batch seeds: fixed values, so reruns and resumed runs of older
+    outputs draw the same samples."""
+    from dspark.data.generator import derived_seed, prompt_seed
+
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    assert (prompt_seed(0, messages), prompt_seed(7, messages)) == (1250843517, 1649121984)
+    assert derived_seed(3, ["<a>", "<b>"]) == 296335058
+
+
 def test_plan_record_rules():
     plan = plan_record({"id": "x", "messages": [
         {"role": "assistant", "content": "greeting first"}, {"role": "system", "content": "s"},

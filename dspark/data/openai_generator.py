@@ -51,10 +51,13 @@ def retry_policy(max_retries: int, backoff_s: float):
     urllib3 = _urllib3()
 
     class _LoggedRetry(urllib3.util.Retry):
+        """urllib3 warns about retried connection errors itself, about retried statuses only at debug level."""
+
         def increment(self, method=None, url=None, response=None, error=None, _pool=None, _stacktrace=None):
             new = super().increment(method, url, response, error, _pool, _stacktrace)
-            what = f"HTTP {response.status}" if response is not None else repr(error)
-            logger.warning("%s from %s; retry %d/%d", what, url, len(new.history), len(new.history) + new.total)
+            if response is not None:
+                logger.warning("HTTP %d from %s: %s; retry %d/%d", response.status, url, server_message(response.data),
+                               len(new.history), len(new.history) + new.total)
             return new
 
     return _LoggedRetry(total=max_retries, connect=None, read=None, redirect=None, status=None, other=None,
@@ -62,8 +65,9 @@ def retry_policy(max_retries: int, backoff_s: float):
                         backoff_max=MAX_BACKOFF_S, raise_on_status=False, respect_retry_after_header=True)
 
 
-def server_message(raw: bytes) -> str:
+def server_message(raw: bytes | None) -> str:
     """The error text of a response body: OpenAI's ``{"error": {"message": ...}}``, else the body itself."""
+    raw = raw or b""
     try:
         payload = json.loads(raw)
     except ValueError:
