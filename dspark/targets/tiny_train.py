@@ -23,15 +23,28 @@ import torch
 from dspark.data.sharegpt import ShareGPTStats, is_heldout, iter_sharegpt
 
 
-def collect_records(max_train: int, max_heldout: int) -> tuple[list[dict], list[dict], ShareGPTStats]:
-    """English ShareGPT records split into train / held-out by id (is_heldout)."""
+def build_log(name: str) -> Callable[[str], None]:
+    """A builder's progress printer: ``[name HH:MM:SS] message``, flushed."""
+
+    def log(msg: str) -> None:
+        print(f"[{name} {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    return log
+
+
+def collect_records(max_train: int, max_heldout: int,
+                    log: Callable[[str], None] | None = None) -> tuple[list[dict], list[dict], ShareGPTStats]:
+    """English ShareGPT records split into train / held-out by id (is_heldout); counts logged when ``log``."""
     stats = ShareGPTStats()
     train, heldout = [], []
     for rec in iter_sharegpt(english_only=True, stats=stats):
         (heldout if is_heldout(rec["id"]) else train).append(rec)
         if len(train) >= max_train and len(heldout) >= max_heldout:
             break
-    return train[:max_train], heldout[:max_heldout], stats
+    train, heldout = train[:max_train], heldout[:max_heldout]
+    if log is not None:
+        log(f"ShareGPT: {len(train)} train / {len(heldout)} held-out records ({stats.summary()})")
+    return train, heldout, stats
 
 
 def make_windows(
@@ -328,6 +341,13 @@ def readme_rebuild(info: dict) -> str:
 
 (Fixed seeds; on another machine or thread count the weights match up to floating-point
 reduction order. A time-capped build records `--stop-at-step` so that the command replays it.)"""
+
+
+def readme_training(info: dict) -> str:
+    """README line: steps of the schedule, batch, tokens, optimiser, seed, time."""
+    return f"""- Training: {info['steps']} steps (of a {info['scheduled_steps']}-step warmup + cosine schedule) x batch
+  {info['batch_size']} x {info['seq_len']} tokens ({info['train_tokens']:,} tokens), AdamW lr {info['lr']}, seed
+  {info['seed']}, {info['train_seconds']:.0f} s on {info['threads']} CPU threads."""
 
 
 def readme_result(info: dict) -> str:
