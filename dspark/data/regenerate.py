@@ -313,15 +313,25 @@ class _Sink:
         return [row["id"] for row in good], len(bad)
 
 
-def _finish_batch(generator, jobs: list[_Job], sampling: SamplingParams, sink: _Sink, state: ResumeState,
-                  stats: RegenStats, started: float) -> None:
-    """Generate every turn of a batch, write the results, count them."""
-    _process_batch(generator, jobs, sampling)
-    done_ids, n_failed = sink.write(jobs)
-    state.done.update(done_ids)
-    stats.done += len(done_ids)
-    stats.failed += n_failed
-    logger.info("regenerate: %s (%.1f s)", stats.summary(), time.perf_counter() - started)
+@dataclass
+class _Run:
+    """One :func:`regenerate` call in progress: its generator, files, resume state and counters."""
+
+    generator: Generator
+    sampling: SamplingParams
+    sink: _Sink
+    state: ResumeState
+    stats: RegenStats = field(default_factory=RegenStats)
+    started: float = field(default_factory=time.perf_counter)
+
+    def finish_batch(self, jobs: list[_Job]) -> None:
+        """Generate every turn of a batch, write the results, count them."""
+        _process_batch(self.generator, jobs, self.sampling)
+        done_ids, n_failed = self.sink.write(jobs)
+        self.state.done.update(done_ids)
+        self.stats.done += len(done_ids)
+        self.stats.failed += n_failed
+        logger.info("regenerate: %s (%.1f s)", self.stats.summary(), time.perf_counter() - self.started)
 
 
 def regenerate(records: Iterable[dict], generator: Generator, out_path: str | os.PathLike, *,
@@ -349,11 +359,11 @@ def regenerate(records: Iterable[dict], generator: Generator, out_path: str | os
     failed_path = failed_path_for(out_path)
     state = ResumeState.load(out_path, failed_path)
     name = getattr(generator, "name", type(generator).__name__)
-    stats = RegenStats()
-    started = time.perf_counter()
 
     with open(out_path, "a", encoding="utf-8") as out, open(failed_path, "a", encoding="utf-8") as failed:
-        sink = _Sink(out, failed, name, {"generator": name, "sampling": asdict(sampling)})
+        run = _Run(generator, sampling, _Sink(out, failed, name, {"generator": name, "sampling": asdict(sampling)}),
+                   state)
+        stats = run.stats
         try:
             pending: list[_Job] = []
             for record in islice(records, limit) if limit is not None else records:
@@ -366,10 +376,10 @@ def regenerate(records: Iterable[dict], generator: Generator, out_path: str | os
                     continue
                 pending.append(_Job.start(rid, record))
                 if len(pending) == batch_size:
-                    _finish_batch(generator, pending, sampling, sink, state, stats, started)
+                    run.finish_batch(pending)
                     pending = []
             if pending:
-                _finish_batch(generator, pending, sampling, sink, state, stats, started)
+                run.finish_batch(pending)
         finally:
             with contextlib.suppress(OSError, ValueError):
                 failed.flush()
