@@ -98,6 +98,27 @@ def test_vllm_serves_the_exported_dflash_draft_like_eval_py(served):
     assert saved["parity"] and set(saved["benchmarks"]) == {"chat", "math"}
 
 
+def test_the_speculators_format_serves_like_eval_py(served):
+    """The same draft exported with `--format speculators` (speculators_model_type dflash, transformer_layer_config):
+    vLLM translates it itself (transformers_utils/configs/speculators/algos.py update_dflash), loads every tensor
+    and serves exactly what eval.py decodes."""
+    from dspark.export.__main__ import main as export_main
+    from dspark.serve_check import run_serve_check
+
+    root, target, run = served[0], served[1], served[2]
+    folder = root / "export_speculators"
+    assert export_main(["dense", "--run-dir", str(run), "--target", "hf", "--target-path", str(target), "--out",
+                        str(folder), "--dtype", "float32", "--format", "speculators", "--verifier", str(target)]) == 0
+    assert json.loads((folder / "config.json").read_text())["speculators_model_type"] == "dflash"
+    summary = run_serve_check(_cfg(served, f"export={folder}", f"out={root / 'check_speculators'}",
+                                   "benchmarks=[math]", "vllm_plain=false"))
+    assert summary["method"] == "dflash" and summary["load_ok"], summary["load_audit"]
+    rep = summary["benchmarks"]["math"]
+    assert rep["eval"]["mean_acceptance_length"] > 1.2
+    assert rep["steps_equal"] == "3/3" and rep["outputs"]["vllm_equals_eval"] == "3/3", rep["per_request"]
+    assert summary["parity"]
+
+
 def _broken_copy(src: Path, dst: Path, edit) -> Path:
     shutil.copytree(src, dst)
     edit(dst)
