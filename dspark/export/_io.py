@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from huggingface_hub import split_torch_state_dict_into_shards
 
 from dspark.io import atomic_write_json, save_safetensors_atomic
 
@@ -58,21 +59,12 @@ def write_tensors(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_byt
         path = out_dir / SINGLE_NAME
         save_safetensors_atomic(tensors, path, meta)
         return [path]
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(tensors):
-        nbytes = tensors[name].numel() * tensors[name].element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensors[name]
-        size += nbytes
-    n = len(shards)
+    # the shard plan (greedy by size, model-0000k-of-0000n names) is huggingface_hub's, as transformers saves
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_bytes)
     weight_map, paths = {}, []
-    for k, shard in enumerate(shards, start=1):
-        fname = f"model-{k:05d}-of-{n:05d}.safetensors"
-        save_safetensors_atomic(shard, out_dir / fname, meta)
-        weight_map.update({name: fname for name in shard})
+    for fname, names in split.filename_to_tensors.items():
+        save_safetensors_atomic({name: tensors[name] for name in names}, out_dir / fname, meta)
+        weight_map.update({name: fname for name in names})
         paths.append(out_dir / fname)
     atomic_write_json(out_dir / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
     return paths
