@@ -196,12 +196,26 @@ def build_feature_cache(target: FrozenTarget, rows, out_dir, *, batch_size: int 
     rows: datasets.Dataset (or a sequence of dicts) with `input_ids`. Returns out_dir. An existing complete
     cache is reused after checking it was built for this target and these rows (ValueError otherwise).
     """
+    if batch_size < 1:
+        raise ValueError(f"feature cache: batch_size ({batch_size}) must be >= 1")
+    return write_feature_cache(
+        target_identity(target), rows, out_dir,
+        lambda lo, hi: _shard_tensors(target, rows, lo, hi, batch_size, dtype),
+        dtype=dtype, shard_size=shard_size, hidden_size=int(target.hidden_size), producer="hf")
+
+
+def write_feature_cache(target_id: dict, rows, out_dir, shard_fn, *, dtype: torch.dtype, shard_size: int,
+                        hidden_size: int, producer: str, on_start=None) -> Path:
+    """The shard loop every feature producer shares: `shard_fn(lo, hi)` -> {"{idx}.aux": [S_i, n*H],
+    "{idx}.final": [S_i, H]} in `dtype` for rows [lo, hi). Skips the shards a previous run of the same build
+    completed (resume), reuses a finished cache after checking it, writes meta.json last.
+    `on_start()` runs once before the first shard is computed (e.g. to start an engine), never on a reuse."""
     out_dir = Path(out_dir)
-    if batch_size < 1 or shard_size < 1:
-        raise ValueError(f"feature cache: batch_size ({batch_size}) and shard_size ({shard_size}) must be >= 1")
+    if shard_size < 1:
+        raise ValueError(f"feature cache: shard_size ({shard_size}) must be >= 1")
     if len(rows) == 0:
         raise ValueError("feature cache: no rows to cache")
-    target_id, dataset_fp = target_identity(target), dataset_fingerprint(rows)
+    dataset_fp = dataset_fingerprint(rows)
     key = cache_key(target_id, dataset_fp, dtype)
     if (out_dir / META_NAME).is_file():
         FeatureCache(out_dir)._check(target_id, dataset_fp, dtype)
@@ -209,7 +223,7 @@ def build_feature_cache(target: FrozenTarget, rows, out_dir, *, batch_size: int 
     out_dir.mkdir(parents=True, exist_ok=True)
     n = len(rows)
     num_shards = math.ceil(n / shard_size)
-    t0, done_before, shards = time.perf_counter(), 0, {}
+    t0, done_before, shards, started = time.perf_counter(), 0, {}, False
     for k in range(num_shards):
         lo, hi = k * shard_size, min(n, (k + 1) * shard_size)
         path = out_dir / shard_name(k)
@@ -217,19 +231,22 @@ def build_feature_cache(target: FrozenTarget, rows, out_dir, *, batch_size: int 
             done_before += 1
             shards[path.name] = digest_file(path)
             continue
-        tensors = _shard_tensors(target, rows, lo, hi, batch_size, dtype)
+        if not started and on_start is not None:
+            on_start()
+        started = True
+        tensors = shard_fn(lo, hi)
         data = save_safetensors_atomic(tensors, path, metadata={"key": key, "first": str(lo), "count": str(hi - lo)})
         shards[path.name] = digest_bytes(data)
-        log.info("feature cache %s: shard %d/%d written", out_dir, k + 1, num_shards)
+        log.info("feature cache %s: shard %d/%d written (%s)", out_dir, k + 1, num_shards, producer)
     if done_before:
         log.info("feature cache %s: resumed, %d of %d shards were already complete", out_dir, done_before, num_shards)
     meta = {
         "format": FORMAT_VERSION, "key": key, "target": target_id, "dataset": dataset_fp,
-        "dtype": dtype_name(dtype), "hidden_size": int(target.hidden_size),
-        "aux_size": int(target.hidden_size) * len(target.layer_ids), "num_examples": n,
+        "dtype": dtype_name(dtype), "hidden_size": int(hidden_size),
+        "aux_size": int(hidden_size) * len(target_id["layer_ids"]), "num_examples": n,
         "shard_size": shard_size, "num_shards": num_shards,
         "bytes": sum(d["size"] for d in shards.values()), "shards": shards,
-        "build_seconds": round(time.perf_counter() - t0, 3),
+        "build_seconds": round(time.perf_counter() - t0, 3), "producer": producer,
     }
     atomic_write_json(out_dir / META_NAME, meta)
     return out_dir
