@@ -186,6 +186,39 @@ def _wait_for_meta(path: Path, poll_s: float = 2.0) -> None:
         polls += 1
 
 
+FEATURE_PRODUCERS = ("hf", "vllm")
+
+
+def loaded_target_folder(target: FrozenTarget) -> tuple[str, Path]:
+    """(what from_pretrained was given, the local folder holding its files): a Hub id resolves to its snapshot in
+    the Hugging Face cache (nothing is downloaded)."""
+    source = str(getattr(target.model.config, "_name_or_path", "") or "")
+    if Path(source).is_dir():
+        return source, Path(source)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return source, Path(snapshot_download(source, local_files_only=True))
+    except Exception as e:  # noqa: BLE001 (named below)
+        raise ConfigError(f"data.feature_producer=vllm: the target {source!r} is neither a folder nor a model in the "
+                          f"Hugging Face cache ({e})") from e
+
+
+def build_feature_cache_with_vllm(cfg: DictConfig, target: FrozenTarget, dataset, path: Path, dtype) -> Path:
+    """data.feature_producer=vllm: the cache computed by vLLM (its own venv, dspark.data.vllm_features), with the
+    settings under data.vllm_producer (tensor_parallel_size, batch_size, kv_cache_gib, python)."""
+    from dspark.data.vllm_features import build_feature_cache_vllm
+
+    name_or_path, folder = loaded_target_folder(target)
+    opts = cfg.data.get("vllm_producer") or {}
+    tp = int(opts.get("tensor_parallel_size", 1))
+    require(tp >= 1, "data.vllm_producer.tensor_parallel_size", f"must be >= 1, got {tp}")
+    return build_feature_cache_vllm(
+        folder, list(target.layer_ids), dataset, path, target_dtype=str(target.embed_weight.dtype).removeprefix("torch."),
+        dtype=dtype, batch_size=int(opts.get("batch_size", 64)), tensor_parallel_size=tp,
+        python=opts.get("python"), kv_cache_gib=int(opts.get("kv_cache_gib", 2)), name_or_path=name_or_path)
+
+
 def prepare_feature_cache(cfg: DictConfig, target: FrozenTarget | None, dataset):
     """Builds (local rank 0; a resumed build skips finished shards) or reuses the feature cache, checks
     that it belongs to this target and dataset, and returns it (None when data.feature_cache is null).
@@ -200,19 +233,26 @@ def prepare_feature_cache(cfg: DictConfig, target: FrozenTarget | None, dataset)
             f"the cache stores no pre-hc_head stream, which draft.kind={cfg.draft.kind} reads; set it to null")
     from dspark.data.feature_cache import CACHE_DTYPES, META_NAME, FeatureCache, build_feature_cache
 
+    producer = str(cfg.data.get("feature_producer", "hf"))
+    require(producer in FEATURE_PRODUCERS, "data.feature_producer", f"{producer!r} is not one of {FEATURE_PRODUCERS}")
     path = feature_cache_dir(cfg, target, dataset)
     dtype = CACHE_DTYPES[str(cfg.data.get("feature_cache_dtype", "bfloat16"))]
     reused = (path / META_NAME).is_file()
     t0 = time.perf_counter()
     try:
         if _local_rank() == 0:  # builds, or checks an existing cache against this target and dataset
-            home, device = target.device, _build_device(cfg, target)
-            target.to(device)
-            try:
-                build_feature_cache(target, dataset, path, batch_size=int(cfg.train.val_batch_size), dtype=dtype)
-            finally:
-                target.to(home)
+            if producer == "vllm":
+                build_feature_cache_with_vllm(cfg, target, dataset, path, dtype)
+            else:
+                home, device = target.device, _build_device(cfg, target)
+                target.to(device)
+                try:
+                    build_feature_cache(target, dataset, path, batch_size=int(cfg.train.val_batch_size), dtype=dtype)
+                finally:
+                    target.to(home)
             cache = FeatureCache(path)
+            if producer == "vllm":  # its identity was computed from the checkpoint: must be this target's
+                cache.check_compatible(target, dataset)
         else:
             _wait_for_meta(path)
             cache = FeatureCache(path)

@@ -118,10 +118,12 @@ def _meta_model(folder, dtype: torch.dtype):
     return model
 
 
-def checkpoint_identity(folder, layer_ids: list[int], dtype: str | torch.dtype, samples: int = 64) -> dict:
+def checkpoint_identity(folder, layer_ids: list[int], dtype: str | torch.dtype, samples: int = 64, *,
+                        name_or_path: str | None = None) -> dict:
     """feature_cache.target_identity of the target `load_hf_target(folder, layer_ids, dtype)` would load, computed
     from config.json and strided reads of the checkpoint (the model is built on the meta device for its parameter
-    names and shapes only). A parameter the checkpoint stores under another name is refused, naming it."""
+    names and shapes only). A parameter the checkpoint stores under another name is refused, naming it.
+    `name_or_path`: what the HF loader was given, when that is a Hub id rather than `folder`."""
 
     dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     model = _meta_model(folder, dt)
@@ -141,7 +143,7 @@ def checkpoint_identity(folder, layer_ids: list[int], dtype: str | torch.dtype, 
         h.update(vals.numpy().tobytes())
     cfg_dict = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
     return {
-        "name_or_path": str(folder),
+        "name_or_path": str(name_or_path or folder),
         "config_hash": _digest(cfg_dict),
         "weights_hash": h.hexdigest()[:16],
         "dtype": str(model.get_input_embeddings().weight.dtype).removeprefix("torch."),
@@ -202,7 +204,8 @@ def build_feature_cache_vllm(target_dir, layer_ids: list[int], rows, out_dir, *,
                              dtype: torch.dtype = torch.bfloat16, shard_size: int = 256, batch_size: int = 64,
                              tensor_parallel_size: int = 1, python: str | None = None, kv_cache_gib: int = 2,
                              max_model_len: int | None = None, log_path=None, threads: int | None = None,
-                             engine_kwargs: dict | None = None, stats: dict | None = None) -> Path:
+                             engine_kwargs: dict | None = None, stats: dict | None = None,
+                             name_or_path: str | None = None) -> Path:
     """The offline feature cache of `rows` (their input_ids: prompt + regenerated answer, as the HF producer gets
     them) computed by vLLM serving `target_dir` at `target_dtype`, for the taps `layer_ids` (0-based layer outputs)
     plus the final normed hidden. Resumable, reused when complete, same meta.json identity as the HF producer.
@@ -225,7 +228,7 @@ def build_feature_cache_vllm(target_dir, layer_ids: list[int], rows, out_dir, *,
         raise ValueError(f"feature cache: batch_size ({batch_size}) must be >= 1")
     tdt = getattr(torch, target_dtype)
     model = _meta_model(target_dir, tdt)
-    target_id = checkpoint_identity(target_dir, layer_ids, tdt)
+    target_id = checkpoint_identity(target_dir, layer_ids, tdt, name_or_path=name_or_path)
     final_norm = FinalNorm(target_dir, tdt, model)
     ids, tap_rows, final_row = vllm_aux_ids(layer_ids, num_layers)
     if max_model_len is None:
