@@ -222,3 +222,80 @@ def test_training_on_a_vllm_cache_follows_the_hf_cache(tiny, tmp_path):
     print(f"max relative loss difference over 20 steps: {rel:.3g}")
     assert rel <= 1e-3, (a, b)
     assert a[19] < a[0]  # the curve is a curve: training moved
+
+
+class FakeExtractWorker:
+    """Stands in for dspark.serving.engine.VLLMWorker: writes what vLLM's hidden-states connector writes (the
+    stream entering each requested layer, [T, n_ids, H]) from transformers' forward, so the producer's plumbing
+    (shards, resume, reuse, identity) runs without vLLM."""
+
+    started = 0
+    extracted = 0
+
+    def __init__(self, python=None, **_kw):
+        type(self).started += 1
+
+    def init(self, *, target, extract_layer_ids, extract_dir, **_kw):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+        self.ids, self.dir = list(extract_layer_ids), Path(extract_dir)
+        return {}
+
+    def extract(self, prompts):
+        from safetensors.torch import save_file
+
+        paths = []
+        for k, p in enumerate(prompts):
+            streams = {}
+            hooks = [layer.register_forward_hook(lambda _m, _i, o, i=i: streams.__setitem__(i + 1, o[0] if isinstance(o, tuple) else o))
+                     for i, layer in enumerate(self.model.model.layers)]
+            hooks.append(self.model.model.embed_tokens.register_forward_hook(lambda _m, _i, o: streams.__setitem__(0, o)))
+            with torch.no_grad():
+                self.model.model(input_ids=torch.tensor([p]))
+            for h in hooks:
+                h.remove()
+            path = self.dir / f"{type(self).extracted}-{k}.safetensors"
+            save_file({"hidden_states": torch.stack([streams[i][0] for i in self.ids], dim=1).contiguous(),
+                       "token_ids": torch.tensor(p)}, str(path))
+            paths.append(str(path))
+        type(self).extracted += 1
+        return {"paths": paths, "extract_s": 0.0}
+
+    def close(self):
+        pass
+
+
+def test_vllm_producer_shards_resume_and_reuse(tiny, tmp_path, monkeypatch):
+    import dspark.serving.engine as engine
+    from dspark.data.feature_cache import FeatureCache, build_feature_cache, shard_name
+    from dspark.data.vllm_features import build_feature_cache_vllm
+    from dspark.targets.hf_target import load_hf_target
+
+    monkeypatch.setattr(engine, "VLLMWorker", FakeExtractWorker)
+    rows = _rows(lengths=(5, 30, 17, 64, 9, 12, 3))
+    kw = dict(dtype=torch.float32, shard_size=3, batch_size=2)
+    ref = FeatureCache(build_feature_cache(load_hf_target(str(tiny), LAYERS, "float32"), rows, tmp_path / "hf", **kw))
+    out = tmp_path / "vl"
+    build_feature_cache_vllm(tiny, LAYERS, rows, out, **kw)
+    assert FakeExtractWorker.started == 1 and FakeExtractWorker.extracted == 5  # batches of <= 2 in shards of 3: 2+2+1
+    first = FeatureCache(out)
+    assert first.meta["key"] == ref.meta["key"] and first.meta["producer"] == "vllm"
+    for i in range(len(rows)):
+        for x, y in zip(first.get(i), ref.get(i)):
+            d, tol = _max_diff(x, y)
+            assert d <= tol, (i, d, tol)
+    # interrupted after shard 0: meta.json and shard 2 gone -> only shard 2 is computed again, same bytes
+    shards = {k: (out / shard_name(k)).read_bytes() for k in range(3)}
+    (out / "meta.json").unlink()
+    (out / shard_name(2)).unlink()
+    FakeExtractWorker.extracted = 0
+    build_feature_cache_vllm(tiny, LAYERS, rows, out, **kw)
+    assert FakeExtractWorker.started == 2 and FakeExtractWorker.extracted == 1
+    assert {k: (out / shard_name(k)).read_bytes() for k in range(3)} == shards
+    # complete: reused without starting an engine; another layer set is refused naming it
+    build_feature_cache_vllm(tiny, LAYERS, rows, out, **kw)
+    assert FakeExtractWorker.started == 2
+    with pytest.raises(ValueError, match="other layer ids"):
+        build_feature_cache_vllm(tiny, [1, 3], rows, out, **kw)
+    assert FakeExtractWorker.started == 2
