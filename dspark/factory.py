@@ -141,6 +141,26 @@ def build_datamodule(cfg: DictConfig, tokenizer, dataset=None, target: FrozenTar
 
 
 # ---- offline feature cache ------------------------------------------------------------------------
+def cache_layout(cfg: DictConfig):
+    """data.feature_cache_layout -> CacheLayout (encoding plain|fp8_e4m3, teacher_rows all|assistant,
+    context_rows all|anchored); row-dropping layouts only for block objectives (an MTP chain reads `final` at every
+    context position)."""
+    from dspark.data.feature_cache import CacheLayout
+
+    raw = cfg.data.get("feature_cache_layout") or {}
+    try:
+        layout = CacheLayout.from_dict(OmegaConf.to_container(raw) if isinstance(raw, DictConfig) else raw)
+    except ValueError as e:
+        raise ConfigError(f"data.feature_cache_layout: {e}") from e
+    if layout.drops_rows and cfg.get("draft") is not None and cfg.draft.get("kind") is not None:
+        objective = registry.family(str(cfg.draft.kind)).objective
+        require(objective == "block", "data.feature_cache_layout",
+                f"teacher_rows={layout.teacher_rows} / context_rows={layout.context_rows} drop rows only a block "
+                f"objective never reads; draft.kind={cfg.draft.kind} trains the {objective!r} objective, which "
+                "reads the final hidden of every context position: use teacher_rows=all, context_rows=all")
+    return layout
+
+
 def feature_cache_dir(cfg: DictConfig, target: FrozenTarget, dataset) -> Path | None:
     """data.feature_cache: null -> None; auto -> <DSPARK_CACHE or ~/.cache/dspark>/features/<key>; else a folder."""
     from dspark.data.feature_cache import CACHE_DTYPES, cache_key, dataset_fingerprint, target_identity
@@ -154,7 +174,7 @@ def feature_cache_dir(cfg: DictConfig, target: FrozenTarget, dataset) -> Path | 
         return Path(str(where)).expanduser()
     from dspark.data.dataset import default_cache_dir
 
-    key = cache_key(target_identity(target), dataset_fingerprint(dataset), CACHE_DTYPES[name])
+    key = cache_key(target_identity(target), dataset_fingerprint(dataset), CACHE_DTYPES[name], cache_layout(cfg))
     return default_cache_dir() / "features" / key
 
 
@@ -204,7 +224,8 @@ def loaded_target_folder(target: FrozenTarget) -> tuple[str, Path]:
                           f"Hugging Face cache ({e})") from e
 
 
-def build_feature_cache_with_vllm(cfg: DictConfig, target: FrozenTarget, dataset, path: Path, dtype) -> Path:
+def build_feature_cache_with_vllm(cfg: DictConfig, target: FrozenTarget, dataset, path: Path, dtype,
+                                  layout=None) -> Path:
     """data.feature_producer=vllm: the cache computed by vLLM (its own venv, dspark.data.vllm_features), with the
     settings under data.vllm_producer (tensor_parallel_size, batch_size, kv_cache_gib, python)."""
     from dspark.data.vllm_features import build_feature_cache_vllm
@@ -216,7 +237,8 @@ def build_feature_cache_with_vllm(cfg: DictConfig, target: FrozenTarget, dataset
     return build_feature_cache_vllm(
         folder, list(target.layer_ids), dataset, path, target_dtype=str(target.embed_weight.dtype).removeprefix("torch."),
         dtype=dtype, batch_size=int(opts.get("batch_size", 64)), tensor_parallel_size=tp,
-        python=opts.get("python"), kv_cache_gib=int(opts.get("kv_cache_gib", 2)), name_or_path=name_or_path)
+        python=opts.get("python"), kv_cache_gib=int(opts.get("kv_cache_gib", 2)), name_or_path=name_or_path,
+        layout=layout)
 
 
 def prepare_feature_cache(cfg: DictConfig, target: FrozenTarget | None, dataset):
@@ -228,6 +250,7 @@ def prepare_feature_cache(cfg: DictConfig, target: FrozenTarget | None, dataset)
     """
     if cfg.data.get("feature_cache") in (None, "", False):
         return None
+    layout = cache_layout(cfg)
     require(target is not None, "data.feature_cache", "the cache needs the target: pass target= to build_datamodule")
     require(not target.capture_pre_head, "data.feature_cache",
             f"the cache stores no pre-hc_head stream, which draft.kind={cfg.draft.kind} reads; set it to null")
@@ -242,12 +265,13 @@ def prepare_feature_cache(cfg: DictConfig, target: FrozenTarget | None, dataset)
     try:
         if _local_rank() == 0:  # builds, or checks an existing cache against this target and dataset
             if producer == "vllm":
-                build_feature_cache_with_vllm(cfg, target, dataset, path, dtype)
+                build_feature_cache_with_vllm(cfg, target, dataset, path, dtype, layout)
             else:
                 home, device = target.device, _build_device(cfg, target)
                 target.to(device)
                 try:
-                    build_feature_cache(target, dataset, path, batch_size=int(cfg.train.val_batch_size), dtype=dtype)
+                    build_feature_cache(target, dataset, path, batch_size=int(cfg.train.val_batch_size), dtype=dtype,
+                                        layout=layout)
                 finally:
                     target.to(home)
             cache = FeatureCache(path)

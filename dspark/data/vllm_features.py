@@ -38,7 +38,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark.data.feature_cache import _VOLATILE_CONFIG_KEYS, _digest, _rows_input_ids, write_feature_cache
+from dspark.data.feature_cache import _VOLATILE_CONFIG_KEYS, CacheLayout, _digest, _rows_input_ids, \
+    write_feature_cache
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ def build_feature_cache_vllm(target_dir, layer_ids: list[int], rows, out_dir, *,
                              tensor_parallel_size: int = 1, python: str | None = None, kv_cache_gib: int = 2,
                              max_model_len: int | None = None, log_path=None, threads: int | None = None,
                              engine_kwargs: dict | None = None, stats: dict | None = None,
-                             name_or_path: str | None = None) -> Path:
+                             name_or_path: str | None = None, layout: CacheLayout | None = None) -> Path:
     """The offline feature cache of `rows` (their input_ids: prompt + regenerated answer, as the HF producer gets
     them) computed by vLLM serving `target_dir` at `target_dtype`, for the taps `layer_ids` (0-based layer outputs)
     plus the final normed hidden. Resumable, reused when complete, same meta.json identity as the HF producer.
@@ -226,6 +227,8 @@ def build_feature_cache_vllm(target_dir, layer_ids: list[int], rows, out_dir, *,
                          f"[0, {num_layers - 1}] of the target; bad: {bad or 'empty list'}")
     if batch_size < 1:
         raise ValueError(f"feature cache: batch_size ({batch_size}) must be >= 1")
+    layout = layout or CacheLayout()
+    work = torch.float32 if layout.encoding != "plain" else dtype  # fp8 codes are made from float32 features
     tdt = getattr(torch, target_dtype)
     model = _meta_model(target_dir, tdt)
     target_id = checkpoint_identity(target_dir, layer_ids, tdt, name_or_path=name_or_path)
@@ -266,14 +269,15 @@ def build_feature_cache_vllm(target_dir, layer_ids: list[int], rows, out_dir, *,
                 aux = torch.cat([hs[:, r] for r in tap_rows], dim=-1)  # [T, n*H] in tap order
                 final = final_norm(hs[:, final_row].to(tdt))  # [T, H]
                 idx = b0 + j
-                out[f"{idx}.aux"] = aux.to(dtype).contiguous()
-                out[f"{idx}.final"] = final.to(dtype).contiguous()
+                out[f"{idx}.aux"] = aux.to(work).contiguous()
+                out[f"{idx}.final"] = final.to(work).contiguous()
                 state["tokens"] += len(s)
         return out
 
     try:
         path = write_feature_cache(target_id, rows, out_dir, shard, dtype=dtype, shard_size=shard_size,
-                                   hidden_size=int(cfg.hidden_size), producer="vllm", on_start=start)
+                                   hidden_size=int(cfg.hidden_size), producer="vllm", on_start=start,
+                                   layout=layout)
     finally:
         if state["worker"] is not None:
             state["worker"].close()
