@@ -69,11 +69,18 @@ def main() -> None:
                        "tokens_per_s_total": round(tokens / (t4 - t3), 1)}
         out["vllm_over_hf_tokens_per_s"] = round(out["vllm"]["tokens_per_s_extract"] / out["hf"]["tokens_per_s"], 3)
         a, b = FeatureCache(Path(tmp) / "hf"), FeatureCache(Path(tmp) / "vllm")
-        d_aux = d_fin = 0.0
+        d_aux = d_fin = m_aux = m_fin = 0.0
+        ulps = {"aux": 0.0, "final": 0.0}  # max over examples of max|diff| / (eps32 * max|ref|) of that example
+        eps = torch.finfo(torch.float32).eps
         for i in range(len(a)):
             (x1, f1), (x2, f2) = a.get(i), b.get(i)
             d_aux, d_fin = max(d_aux, (x1 - x2).abs().max().item()), max(d_fin, (f1 - f2).abs().max().item())
+            m_aux, m_fin = max(m_aux, x1.abs().max().item()), max(m_fin, f1.abs().max().item())
+            ulps["aux"] = max(ulps["aux"], (x1 - x2).abs().max().item() / (eps * x1.abs().max().item()))
+            ulps["final"] = max(ulps["final"], (f1 - f2).abs().max().item() / (eps * f1.abs().max().item()))
         out["max_abs_diff"] = {"aux": d_aux, "final": d_fin}
+        out["max_abs_ref"] = {"aux": m_aux, "final": m_fin}
+        out["max_diff_in_ulps_of_example_scale"] = {k: round(v, 1) for k, v in ulps.items()}
         out["same_key"] = a.meta["key"] == b.meta["key"]
     print(json.dumps(out))
 

@@ -145,3 +145,27 @@ def test_mtp_objective_refuses_row_dropping_layouts():
         check_data(cfg)
     check_data(compose(["experiment=hyv4_mtp", "data.feature_cache=auto",
                         "data.feature_cache_layout.encoding=fp8_e4m3"]))  # an encoding drops no row: allowed
+
+
+def test_converting_a_float32_cache_equals_building_the_layout(tmp_path):
+    from safetensors.torch import load_file
+
+    from dspark.data.feature_cache import convert_feature_cache, shard_name
+
+    target = _tiny_llama_target()
+    g = torch.Generator().manual_seed(4)
+    lengths = [7, 11, 5]
+    rows = datasets.Dataset.from_dict({"input_ids": [torch.randint(2, 50, (n,), generator=g).tolist() for n in lengths],
+                                       "loss_mask": [[0] * 2 + [1] * (n - 2) for n in lengths]})
+    src = build_feature_cache(target, rows, tmp_path / "f32", dtype=torch.float32, shard_size=2)
+    for name, layout, dtype in (("bf16", CacheLayout(), torch.bfloat16),
+                                ("fp8rows", CacheLayout(encoding="fp8_e4m3", teacher_rows="assistant"), torch.bfloat16)):
+        built = build_feature_cache(target, rows, tmp_path / f"built_{name}", dtype=dtype, shard_size=2, layout=layout)
+        conv = convert_feature_cache(src, rows, tmp_path / f"conv_{name}", layout=layout, dtype=dtype)
+        a, b = FeatureCache(built), FeatureCache(conv)
+        assert a.meta["key"] == b.meta["key"] and b.meta["producer"] == "hf+convert"
+        for k in range(a.meta["num_shards"]):
+            x, y = load_file(built / shard_name(k)), load_file(conv / shard_name(k))
+            assert x.keys() == y.keys() and all(torch.equal(x[n].view(torch.uint8) if x[n].dtype == torch.float8_e4m3fn
+                                                            else x[n], y[n].view(torch.uint8) if y[n].dtype ==
+                                                            torch.float8_e4m3fn else y[n]) for n in x), (name, k)

@@ -415,6 +415,29 @@ def write_feature_cache(target_id: dict, rows, out_dir, shard_fn, *, dtype: torc
     return out_dir
 
 
+def convert_feature_cache(src, rows, out_dir, *, layout: CacheLayout, dtype: torch.dtype | None = None,
+                          shard_size: int | None = None) -> Path:
+    """Re-stores a built cache under another layout / dtype without running the target: the float32 features read
+    back from `src` (exact for a float32 source) are packed as a build would pack them. `rows` are the rows `src`
+    was built from (their loss_mask for row-dropping layouts). Resumable and reused like a build."""
+    src = FeatureCache(src)
+    if not src.layout.is_default:
+        raise ValueError(f"feature cache {src.path}: convert from a plain cache (this one has {src.layout.as_dict()})")
+    src._check(None, dataset_fingerprint(rows), None)
+    dtype = dtype or src.dtype
+
+    def shard(lo: int, hi: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for i in range(lo, hi):
+            out[f"{i}.aux"], out[f"{i}.final"] = src.get(i, dtype=torch.float32)
+        return out
+
+    return write_feature_cache(src.meta["target"], rows, out_dir, shard, dtype=dtype,
+                               shard_size=shard_size or int(src.meta["shard_size"]),
+                               hidden_size=src.hidden_size, producer=f"{src.meta.get('producer', 'hf')}+convert",
+                               layout=layout)
+
+
 # ---- read -----------------------------------------------------------------------------------------
 class FeatureCache:
     """Read side of a built cache: `get(idx)` -> (aux [S_i, n*H], final [S_i, H]), loaded lazily per example.
