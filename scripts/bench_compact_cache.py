@@ -2,7 +2,7 @@
 same training budget on the plain bf16 cache vs a compact one.
 
     python scripts/bench_compact_cache.py --dataset DIR --rows 400 --steps 300 --out /tmp/compact \
-        [--producer vllm|hf] [--train plain_bf16 fp8_rows]
+        [--producer vllm|hf] [--train plain_bf16 fp8_rows] [--seed 0] [--tag _x]
 
 DIR: a tokenized dataset saved by `datasets` (input_ids + loss_mask rows, e.g. the SmolLM2 regenerated set under
 $DSPARK_CACHE/chat_datasets/); its first --rows rows are used as the training data (the last 64 held out). One float32
@@ -30,6 +30,16 @@ LAYOUTS = {
 }
 
 
+def _losses(run_dir: Path) -> dict[int, float]:
+    import csv
+
+    out = {}
+    for version in sorted((run_dir / "logs").glob("version_*")):
+        with open(version / "metrics.csv") as fh:
+            out.update({int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(fh) if r.get("train/loss")})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dataset", required=True)
@@ -38,6 +48,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--producer", default="vllm", choices=["vllm", "hf"])
     ap.add_argument("--train", nargs="*", default=["plain_bf16", "fp8_rows"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tag", default="", help="suffix of the run folders and the report name")
     args = ap.parse_args()
 
     import datasets
@@ -49,6 +61,7 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    report_path = out / f"compact{args.tag}.json"
     rows = datasets.load_from_disk(args.dataset).select(range(args.rows))
     tokens = sum(len(x) for x in rows["input_ids"])
     report: dict = {"dataset": args.dataset, "rows": len(rows), "tokens": tokens,
@@ -91,7 +104,8 @@ def main() -> None:
                      f"data.feature_cache_dtype={dt}", f"trainer.max_steps={args.steps}",
                      f"trainer.val_check_interval={max(1, args.steps // 3)}",
                      f"callbacks.last_checkpoint.every_n_train_steps={args.steps}",
-                     "trainer.enable_progress_bar=false", f"run_dir={out / f'run_{name}'}"]
+                     "trainer.enable_progress_bar=false", f"seed={args.seed}",
+                     f"run_dir={out / f'run_{name}{args.tag}'}"]
         overrides += [f"data.feature_cache_layout.{k}={v}" for k, v in lay.items()]
         with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
@@ -100,10 +114,11 @@ def main() -> None:
         report["training"][name] = {"tau_prob": s["final"].get("val/tau_prob"),
                                     "tau_prob_step0": s.get("step0", {}).get("val/tau_prob"),
                                     "loss": s["final"].get("val/loss"), "seconds": round(time.perf_counter() - t1, 1),
-                                    "steps": s["global_step"]}
-        (out / "compact.json").write_text(json.dumps(report, indent=1))
+                                    "steps": s["global_step"], "seed": args.seed,
+                                    "train_losses": _losses(out / f"run_{name}{args.tag}")}
+        report_path.write_text(json.dumps(report, indent=1))
     print(json.dumps(report))
-    (out / "compact.json").write_text(json.dumps(report, indent=1))
+    report_path.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
