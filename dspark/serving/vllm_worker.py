@@ -175,8 +175,8 @@ class Worker:
             os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
             if here not in sys.path:
                 sys.path.insert(0, here)
-            # (prefix caching stays off, as for every engine here: a cached prefix would not be recomputed, and its
-            # tokens' hidden states would never reach the cache-only layer)
+            # (prefix caching stays off, as for every engine here: every prompt token's states are computed by this
+            # request's own forward; the test compares exactly that)
             kwargs["speculative_config"] = {
                 "method": "extract_hidden_states", "num_speculative_tokens": 1,
                 "draft_model_config": {"hf_config": {
