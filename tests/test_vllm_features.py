@@ -80,6 +80,25 @@ def test_checkpoint_identity_is_the_loaded_targets(tiny, tmp_path, dtype):
     assert b == target_identity(load_hf_target(str(other), LAYERS, dtype))
 
 
+def test_checkpoint_identity_reads_sharded_and_bf16_checkpoints(tiny, tmp_path):
+    """An index with several shards, and a bfloat16 checkpoint loaded as float32 (the loader upcasts exactly)."""
+    from transformers import AutoModelForCausalLM
+
+    from dspark.data.feature_cache import target_identity
+    from dspark.data.vllm_features import checkpoint_identity
+    from dspark.targets.hf_target import load_hf_target
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.bfloat16)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / f, tmp_path / f)
+    model.save_pretrained(tmp_path, max_shard_size="200KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
+    for dtype in ("float32", "bfloat16"):
+        assert checkpoint_identity(tmp_path, LAYERS, dtype) == target_identity(load_hf_target(str(tmp_path), LAYERS,
+                                                                                              dtype)), dtype
+
+
 def test_id_mapping_and_final_norm_rebuild_frozen_target_from_vllm_layout(tiny):
     """vLLM's aux id i = the stream entering layer i = transformers' hidden_states[i] (before the final norm for
     i = num_layers); mapping the taps through vllm_aux_ids and applying FinalNorm gives FrozenTarget's features."""
