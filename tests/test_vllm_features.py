@@ -141,6 +141,17 @@ def test_deepseek_v4_is_refused_naming_why(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+def test_unverified_architecture_is_refused(tiny, tmp_path):
+    from dspark.data.vllm_features import build_feature_cache_vllm
+
+    other = tmp_path / "gemma_like"
+    shutil.copytree(tiny, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "model_type": "gemma", "architectures": ["GemmaForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"model_type 'gemma' is not one .*verified: llama"):
+        build_feature_cache_vllm(other, LAYERS, _rows(), tmp_path / "c", python="/nonexistent/python")
+
+
 def test_missing_vllm_is_one_clear_error(tiny, tmp_path):
     from dspark.data.vllm_features import build_feature_cache_vllm
     from dspark.serving.engine import VLLMUnavailable

