@@ -108,6 +108,17 @@ def test_row_dropping_layout_keeps_exactly_the_rows_blocks_read(tmp_path):
             assert torch.equal(a1[p], a0[p] if p < n_ctx else torch.zeros_like(a0[p])), (i, p)
             assert torch.equal(f1[p], f0[p] if p in teach else torch.zeros_like(f0[p])), (i, p)
     assert last_anchor(torch.tensor(masks[0])) == 7 and last_anchor(torch.tensor(masks[3])) == 0
+    # the same rows in fp8 (example 3 keeps no row at all): decoded within the e4m3 bound of the kept rows
+    lay8 = CacheLayout(encoding="fp8_e4m3", teacher_rows="assistant", context_rows="anchored")
+    small8 = FeatureCache(build_feature_cache(target, rows, tmp_path / "small8", dtype=torch.float32, shard_size=3,
+                                              layout=lay8))
+    for i in range(len(masks)):
+        (a1, f1), (a8, f8) = small.get(i), small8.get(i)
+        assert bool((a8[a1 == 0] == 0).all()) and bool((f8[f1 == 0] == 0).all())  # dropped rows stay zero
+        # every row's scale is <= the tensor's amax / 448, so this bound holds row by row
+        for x8, x in ((a8, a1), (f8, f1)):
+            assert bool(((x8 - x).abs() <= 2.0 ** -4 * x.abs() + 2.0 ** -10 * x.abs().amax() / 448 + 1e-12).all())
+    assert small8.get(3)[0].abs().sum() == 0 and small8.get(3)[1].abs().sum() == 0
     # reusing the folder with another layout is refused naming it
     with pytest.raises(ValueError, match="another layout"):
         build_feature_cache(target, rows, tmp_path / "small", dtype=torch.float32, shard_size=3)
