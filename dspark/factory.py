@@ -241,6 +241,47 @@ def build_feature_cache_with_vllm(cfg: DictConfig, target: FrozenTarget, dataset
         layout=layout)
 
 
+def build_feature_cache_offline(cfg: DictConfig) -> Path:
+    """data.feature_producer=vllm as a job of its own (scripts/build_feature_cache.py), before training and without
+    loading the target in this process: the rows and tokenizer as train.py builds them, the cache where train.py
+    looks for it (`auto`: the same key, the identity computed from the checkpoint), so training reuses it."""
+    from dspark.data.dataset import default_cache_dir
+    from dspark.data.feature_cache import CACHE_DTYPES, cache_key, dataset_fingerprint
+    from dspark.data.vllm_features import build_feature_cache_vllm, checkpoint_identity
+    from dspark.preflight import check_training_config
+    from dspark.targets.hf_target import resolve_target_source
+
+    check_training_config(cfg)
+    require(cfg.data.get("feature_cache") not in (None, "", False), "data.feature_cache",
+            "set it (auto or a folder): there is no cache to build")
+    require(str(cfg.data.get("feature_producer", "hf")) == "vllm", "data.feature_producer",
+            "building a cache without training is for the vllm producer (the hf producer builds it in train.py)")
+    from transformers import AutoTokenizer
+
+    source = resolve_target_source(target_folder(cfg))
+    if Path(source).is_dir():
+        folder = Path(source)
+    else:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(source, local_files_only=True))
+    layer_ids = [int(i) for i in (cfg.draft.get("target_layer_ids") or [])]
+    dtype = CACHE_DTYPES[str(cfg.data.get("feature_cache_dtype", "bfloat16"))]
+    layout = cache_layout(cfg)
+    dataset = build_dataset(cfg, AutoTokenizer.from_pretrained(source))
+    where = str(cfg.data.feature_cache)
+    if where == "auto":
+        ident = checkpoint_identity(folder, layer_ids, str(cfg.target.dtype), name_or_path=source)
+        path = default_cache_dir() / "features" / cache_key(ident, dataset_fingerprint(dataset), dtype, layout)
+    else:
+        path = Path(where).expanduser()
+    opts = cfg.data.get("vllm_producer") or {}
+    return build_feature_cache_vllm(
+        folder, layer_ids, dataset, path, target_dtype=str(cfg.target.dtype), dtype=dtype,
+        batch_size=int(opts.get("batch_size", 64)), tensor_parallel_size=int(opts.get("tensor_parallel_size", 1)),
+        python=opts.get("python"), kv_cache_gib=int(opts.get("kv_cache_gib", 2)), name_or_path=source, layout=layout)
+
+
 def prepare_feature_cache(cfg: DictConfig, target: FrozenTarget | None, dataset):
     """Builds (local rank 0; a resumed build skips finished shards) or reuses the feature cache, checks
     that it belongs to this target and dataset, and returns it (None when data.feature_cache is null).

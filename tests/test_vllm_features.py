@@ -336,3 +336,25 @@ def test_vllm_producer_shards_resume_and_reuse(tiny, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="other layer ids"):
         build_feature_cache_vllm(tiny, [1, 3], rows, out, **kw)
     assert FakeExtractWorker.started == 2
+
+
+def test_cache_built_as_its_own_job_is_the_one_training_reuses(tiny, tmp_path, monkeypatch):
+    """scripts/build_feature_cache.py's function (no target loaded) writes the cache under the key train.py computes
+    for data.feature_cache=auto, so the training run reuses it without starting vLLM again."""
+    import dspark.serving.engine as engine
+    from test_feature_cache import NoTargetForward
+
+    from dspark.data.feature_cache import FeatureCache
+    from dspark.factory import build_feature_cache_offline
+    from dspark.training.run import run_training
+
+    monkeypatch.setattr(engine, "VLLMWorker", FakeExtractWorker)
+    FakeExtractWorker.started = 0
+    cfg = _train_cfg(tiny, tmp_path / "run", "auto", "vllm", "/nonexistent/python")
+    path = build_feature_cache_offline(cfg)
+    assert FakeExtractWorker.started == 1 and FeatureCache(path).meta["producer"] == "vllm"
+    run_training(_train_cfg(tiny, tmp_path / "run", "auto", "vllm", "/nonexistent/python"),
+                 callbacks=(NoTargetForward(),))
+    assert FakeExtractWorker.started == 1  # reused: the same key, found where training looks
+    with pytest.raises(ValueError, match="feature_producer"):
+        build_feature_cache_offline(_train_cfg(tiny, tmp_path / "run2", "auto", "hf", "/nonexistent/python"))
