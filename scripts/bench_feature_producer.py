@@ -17,6 +17,9 @@ import time
 from pathlib import Path
 
 import torch
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 
 def main() -> None:

@@ -12,6 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
 
 def main(argv: list[str]) -> int:
     from hydra import compose, initialize_config_dir

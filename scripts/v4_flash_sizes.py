@@ -16,6 +16,9 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 
 def main() -> None:
