@@ -224,12 +224,16 @@ def speculative_generate_batch(
     eos_token_id: int | Sequence[int] | None = None,
     generators: Sequence[torch.Generator | None] | torch.Generator | None = None,
     draft_sample_method: str = "probabilistic",
+    draft_cache: bool = True,
 ) -> Decoded:
     """Speculative decoding of a batch of prompts ([P_i] each). At T=0 every request's tokens equal
     `target_generate`'s; at T>0 they follow the same distribution. num_drafts is vLLM's num_speculative_tokens;
     draft_sample_method as vLLM's (module docstring). The draft proposes through its eval interface
     (`draft.propose_batch(feats, tokens, num_drafts=, temperature=, generators=, caches=)`, `draft.new_cache()`:
-    dspark.models.block_draft.BlockDraft, dspark.models.proposal.RequestProposer)."""
+    dspark.models.block_draft.BlockDraft, dspark.models.proposal.RequestProposer). draft_cache: each request keeps
+    its draft-side cache across rounds (block drafts: the context KV of the verified positions, MTP: the chain's
+    step-0 rows), as vLLM's drafters do; False recomputes the draft's whole context every round (same proposals
+    up to float rounding: tests/test_draft_cache.py)."""
     g = int(num_drafts)
     if g < 1:
         raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
@@ -238,7 +242,9 @@ def speculative_generate_batch(
     draft_temperature = temperature if draft_sample_method == "probabilistic" else 0.0
     session, outs, x0, gens, timing = _start(target, prompts, max_new_tokens, temperature, eos_token_id, generators)
     steps: list[list[StepStats]] = [[] for _ in outs]
-    caches = [draft.new_cache() for _ in outs]  # per request, across rounds (MTP: the chain's step-0 rows)
+    # per request, across rounds (block drafts: context KV of verified positions; MTP: the chain's step-0 rows);
+    # finished requests' caches are no longer passed (session.requests), a rejected draft never enters a cache
+    caches = [draft.new_cache() if draft_cache else None for _ in outs]
     forwards = 1
     x0 = _drop_finished(session, outs, x0)
     while x0:
