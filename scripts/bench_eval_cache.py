@@ -12,6 +12,10 @@ shipped configs' (configs/draft/*.yaml against their target configs).
 
   python scripts/bench_eval_cache.py                                    # all drafts, contexts 128 512 2048
   python scripts/bench_eval_cache.py --drafts dspark_v4 --contexts 128 2048 --batch 4 --out /tmp/bench.json
+
+An untrained draft as a run folder eval.py reads (cost per round does not depend on training; AL does):
+  python scripts/bench_eval_cache.py --save-untrained dflash_smollm2 /tmp/untrained_dflash
+  python eval.py target=smollm2 run_dir=/tmp/untrained_dflash [+draft_cache=false]
 """
 from __future__ import annotations
 
@@ -116,6 +120,22 @@ def bench(name: str, contexts: list[int], rounds: int, batch: int, accept: int, 
     return rows
 
 
+def save_untrained(experiment: str, run_dir: str) -> None:
+    """RUN/draft/ of a freshly initialised draft of `experiment=<experiment>` (what a finished run leaves, untrained)."""
+    from hydra import compose, initialize_config_dir
+
+    from dspark import factory
+    from dspark.training.run import export_draft
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"experiment={experiment}"])
+    torch.manual_seed(0)
+    target = factory.build_target(cfg)
+    draft = factory.build_draft(cfg, target)
+    export_draft(draft, cfg, Path(run_dir) / "draft", target.fingerprint())
+    print(f"untrained {experiment} draft written to {run_dir}/draft")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafts", default="dspark_v4,dflash_smollm2,dsv4_mtp,hyv4_mtp",
@@ -127,7 +147,12 @@ def main() -> None:
     p.add_argument("--num-drafts", type=int, default=None, help="default: the draft's block size / num_steps")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--save-untrained", nargs=2, metavar=("EXPERIMENT", "RUN_DIR"), default=None,
+                   help="only write an untrained draft of configs/experiment/EXPERIMENT.yaml to RUN_DIR/draft")
     a = p.parse_args()
+    if a.save_untrained:
+        save_untrained(*a.save_untrained)
+        return
     if a.threads:
         torch.set_num_threads(a.threads)
     rows = []

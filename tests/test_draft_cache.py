@@ -165,6 +165,9 @@ def _run_rounds(draft, feats_of):
         else:  # MTP: per request, its new step-0 rows (the row of x0's predecessor is rebuilt: vLLM's bonus row)
             step0 = counted.rows[::g]
             assert step0 == [a[i] if last[i] is None else last[i] for i in live]
+            w = draft.attention_window  # windowed: rows no later query sees are dropped
+            assert [caches[i].start for i in live] == [0 if w is None else max(a[i] - w + 1, 0) for i in live]
+            assert [caches[i].n for i in live] == [a[i] for i in live]
         for i in live:
             n = SCRIPTS[i][r]
             last[i] = 1 + n
@@ -237,6 +240,19 @@ def test_block_cache_rolls_back_to_the_common_prefix(kind):
         lo = max(a - window, 0) if window else 0
         assert (cache.start, cache.end) == (lo, a) and torch.equal(cache.ids, t[:a])
         assert counted.rows == rows, (a, counted.rows)
+
+
+def test_mtp_cache_going_back_past_its_window_is_rebuilt():
+    """A ChainCache whose request goes back (same tokens, anchor earlier) past the rows its window dropped rebuilds
+    them; proposals still equal the uncached ones."""
+    draft = MTP_DRAFTS["dsv4"](5)  # window 3
+    feats = mtp_feats(draft, 20, seed=1)
+    toks = torch.randint(0, draft.config.vocab_size - 1, (21,), generator=torch.Generator().manual_seed(2))
+    cache = draft.new_cache()
+    for a in (15, 9, 12):
+        cached = draft.propose(feats.prefix(a), toks[: a + 1], num_drafts=3, cache=cache)
+        assert_same([cached], [draft.propose(feats.prefix(a), toks[: a + 1], num_drafts=3)])
+        assert cache.start == a - 2 and cache.n == a
 
 
 # ---- greedy speculative decoding with the caches == plain greedy decoding == the uncached run -----------------------
