@@ -15,6 +15,9 @@ padding). One round, for every unfinished request:
     3. verify (greedy at T=0, rejection sampling at T>0): n accepted + one next token
     4. keep x0, y_0..y_{n-1} in the cache (their features are the next context: the target is causal, so
        they do not depend on the rejected drafts); next becomes x0.
+Each request also keeps a draft-side cache across its rounds (`draft.new_cache()`; block drafts: the draft's context
+KV of the verified positions, MTP: the chain's step-0 rows), so step 1 projects only the 1 + n positions verified
+in the last round, as vLLM's drafters do (`draft_cache=False`: the whole context every round, the reference).
 Stops after an eos token (kept in the output) or exactly at max_new_tokens. Each request draws its random
 numbers from its own generator, so its output does not depend on what it is batched with.
 
@@ -271,6 +274,8 @@ def speculative_generate_batch(
             x0[r] = nxt
         session.commit(keep)
         x0 = _drop_finished(session, outs, x0)
+        for req in set(range(len(outs))) - set(session.requests):
+            caches[req] = None  # finished: its draft-side cache goes with its target rows
         timing.rounds += 1
         timing.total_s += time.perf_counter() - t_round
     return Decoded([torch.tensor(o.tokens, dtype=torch.long) for o in outs], steps, timing, forwards)

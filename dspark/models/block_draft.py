@@ -242,7 +242,7 @@ class BlockDraft:
                 out[i : i + 1].narrow(dim, 0, x.shape[dim]).copy_(x)
             return out
 
-        ctx = _ctx_zip(padded, [c.ctx for c in caches])
+        ctx = caches[0].ctx if bsz == 1 else _ctx_zip(padded, [c.ctx for c in caches])
         block_len, pred_offset = block_layout(cfg.layout, g)
         anchors = torch.tensor([t.numel() - 1 for t in tokens], dtype=torch.long, device=dev).unsqueeze(1)  # [B, 1]
         block_ids = torch.full((bsz, block_len), int(cfg.mask_token_id), dtype=torch.long, device=dev)  # [B, L]
