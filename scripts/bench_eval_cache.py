@@ -15,7 +15,9 @@ shipped configs' (configs/draft/*.yaml against their target configs).
 
 An untrained draft as a run folder eval.py reads (cost per round does not depend on training; AL does):
   python scripts/bench_eval_cache.py --save-untrained dflash_smollm2 /tmp/untrained_dflash
-  python eval.py target=smollm2 run_dir=/tmp/untrained_dflash [+draft_cache=false]
+  python eval.py target=smollm2 run_dir=/tmp/untrained_dflash out=/tmp/e_cache                  # cache (default)
+  python eval.py target=smollm2 run_dir=/tmp/untrained_dflash out=/tmp/e_nocache +draft_cache=false
+  python scripts/bench_eval_cache.py --eval-summary /tmp/e_cache /tmp/e_nocache   # table of the eval.py reports
 """
 from __future__ import annotations
 
@@ -136,6 +138,29 @@ def save_untrained(experiment: str, run_dir: str) -> None:
     print(f"untrained {experiment} draft written to {run_dir}/draft")
 
 
+def eval_summary(folders: list[str]) -> None:
+    """One markdown row per eval.py report folder (summary.*.json): draft time, spec / plain wall time, ratio."""
+    print("| run | draft cache | rounds | draft s | target s | spec wall s | plain wall s | speedup vs plain | AL |"
+          " greedy == plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for folder in folders:
+        for path in sorted(Path(folder).glob("summary.*.json")):
+            reports = json.loads(path.read_text())["reports"].values()
+            h = [r["harness"] for r in reports]
+            tot = lambda key: sum(x[key] for x in h)  # noqa: E731
+            spec = sum(r["wall_time_s"]["speculative"] for r in reports)
+            plain = sum(r["wall_time_s"].get("target") or 0.0 for r in reports)
+            n_spec = sum(r["generated_tokens"] for r in reports)
+            n_plain = sum(r["tokens_per_s"].get("target", 0) * r["wall_time_s"].get("target", 0) for r in reports)
+            speed = (n_spec / spec) / (n_plain / plain) if plain and n_plain else None
+            al = sum(r["mean_acceptance_length"] * r["num_drafts"] for r in reports) / sum(r["num_drafts"] for r in reports)
+            same = [r.get("greedy_outputs_equal_target") for r in reports]
+            cache = next(iter(reports)).get("draft_cache", True)
+            print(f"| {folder} | {cache} | {tot('rounds')} | {tot('draft_forward_s'):.2f} | {tot('target_forward_s'):.2f} |"
+                  f" {spec:.2f} | {plain:.2f} | {'-' if speed is None else f'{speed:.2f}x'} | {al:.2f} |"
+                  f" {', '.join(str(x) for x in same)} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafts", default="dspark_v4,dflash_smollm2,dsv4_mtp,hyv4_mtp",
@@ -149,7 +174,12 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--save-untrained", nargs=2, metavar=("EXPERIMENT", "RUN_DIR"), default=None,
                    help="only write an untrained draft of configs/experiment/EXPERIMENT.yaml to RUN_DIR/draft")
+    p.add_argument("--eval-summary", nargs="+", metavar="EVAL_OUT", default=None,
+                   help="only print a table of eval.py report folders (out=...)")
     a = p.parse_args()
+    if a.eval_summary:
+        eval_summary(a.eval_summary)
+        return
     if a.save_untrained:
         save_untrained(*a.save_untrained)
         return
