@@ -357,10 +357,11 @@ def run_eval(cfg: DictConfig) -> dict[str, dict]:
     max_new, bs, seed = int(cfg.max_new_tokens), int(cfg.batch_size), int(cfg.seed)
     out_dir = resolve_path(cfg.out) if cfg.out else run_dir / "eval"
     sample_method = str(cfg.get("draft_sample_method", "greedy"))
+    draft_cache = bool(cfg.get("draft_cache", True))  # `+draft_cache=false`: recompute the draft's context per round
     tag = f"T{temperature:g}.g{g}" + ("" if sample_method == "greedy" or temperature == 0 else ".prob")
     common = {
         "engine": ENGINE, "temperature": temperature, "gamma": g, "layout": layout, "window": window,
-        "vllm_settings": vllm_settings(draft, g, sample_method),
+        "vllm_settings": vllm_settings(draft, g, sample_method), "draft_cache": draft_cache,
         "max_new_tokens": max_new, "batch_size": bs, "turns": str(cfg.turns), "seed": seed,
         "draft_kind": str(draft_group.kind), "draft_weights": str(weights),
         "target": OmegaConf.to_container(cfg.target, resolve=True), "eos_token_id": eos, "mask_token_id": mask_id,
@@ -370,7 +371,7 @@ def run_eval(cfg: DictConfig) -> dict[str, dict]:
     def spec_decode(prompts, gens) -> Decoded:
         return speculative_generate_batch(target, draft, prompts, max_new_tokens=max_new, num_drafts=g,
                                           temperature=temperature, eos_token_id=eos, generators=gens,
-                                          draft_sample_method=sample_method)
+                                          draft_sample_method=sample_method, draft_cache=draft_cache)
 
     def plain_decode(prompts, gens) -> Decoded:
         return plain_generate(target, prompts, max_new, temperature, eos, gens)

@@ -15,6 +15,9 @@ padding). One round, for every unfinished request:
     3. verify (greedy at T=0, rejection sampling at T>0): n accepted + one next token
     4. keep x0, y_0..y_{n-1} in the cache (their features are the next context: the target is causal, so
        they do not depend on the rejected drafts); next becomes x0.
+Each request also keeps a draft-side cache across its rounds (`draft.new_cache()`; block drafts: the draft's context
+KV of the verified positions, MTP: the chain's step-0 rows), so step 1 projects only the 1 + n positions verified
+in the last round, as vLLM's drafters do (`draft_cache=False`: the whole context every round, the reference).
 Stops after an eos token (kept in the output) or exactly at max_new_tokens. Each request draws its random
 numbers from its own generator, so its output does not depend on what it is batched with.
 
@@ -224,12 +227,16 @@ def speculative_generate_batch(
     eos_token_id: int | Sequence[int] | None = None,
     generators: Sequence[torch.Generator | None] | torch.Generator | None = None,
     draft_sample_method: str = "probabilistic",
+    draft_cache: bool = True,
 ) -> Decoded:
     """Speculative decoding of a batch of prompts ([P_i] each). At T=0 every request's tokens equal
     `target_generate`'s; at T>0 they follow the same distribution. num_drafts is vLLM's num_speculative_tokens;
     draft_sample_method as vLLM's (module docstring). The draft proposes through its eval interface
     (`draft.propose_batch(feats, tokens, num_drafts=, temperature=, generators=, caches=)`, `draft.new_cache()`:
-    dspark.models.block_draft.BlockDraft, dspark.models.proposal.RequestProposer)."""
+    dspark.models.block_draft.BlockDraft, dspark.models.proposal.RequestProposer). draft_cache: each request keeps
+    its draft-side cache across rounds (block drafts: the context KV of the verified positions, MTP: the chain's
+    step-0 rows), as vLLM's drafters do; False recomputes the draft's whole context every round (same proposals
+    up to float rounding: tests/test_draft_cache.py)."""
     g = int(num_drafts)
     if g < 1:
         raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
@@ -238,7 +245,9 @@ def speculative_generate_batch(
     draft_temperature = temperature if draft_sample_method == "probabilistic" else 0.0
     session, outs, x0, gens, timing = _start(target, prompts, max_new_tokens, temperature, eos_token_id, generators)
     steps: list[list[StepStats]] = [[] for _ in outs]
-    caches = [draft.new_cache() for _ in outs]  # per request, across rounds (MTP: the chain's step-0 rows)
+    # per request, across rounds (block drafts: context KV of verified positions; MTP: the chain's step-0 rows);
+    # finished requests' caches are no longer passed (session.requests), a rejected draft never enters a cache
+    caches = [draft.new_cache() if draft_cache else None for _ in outs]
     forwards = 1
     x0 = _drop_finished(session, outs, x0)
     while x0:
@@ -265,6 +274,8 @@ def speculative_generate_batch(
             x0[r] = nxt
         session.commit(keep)
         x0 = _drop_finished(session, outs, x0)
+        for req in set(range(len(outs))) - set(session.requests):
+            caches[req] = None  # finished: its draft-side cache goes with its target rows
         timing.rounds += 1
         timing.total_s += time.perf_counter() - t_round
     return Decoded([torch.tensor(o.tokens, dtype=torch.long) for o in outs], steps, timing, forwards)

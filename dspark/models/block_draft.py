@@ -15,6 +15,17 @@ given tokens instead: teacher forcing). A draft without a Markov head (DFlash) s
 The layout, the mask token and the attention window are the draft's config (`layout`, `mask_token_id`,
 `sliding_window`): nothing travels down the call.
 
+Draft-side context cache (eval; `new_cache()` -> BlockContextCache, one per request, kept by the decoding loop):
+vLLM's DSpark / DFlash speculators store the context KV of every verified position once
+(`precompute_and_store_context_kv`, v1/worker/gpu/spec_decode/dflash/speculator.py: the kept rows of the last verify
+step, `ctx_end - num_rejected`) and the block of the next round attends to it. With caches, a round computes
+`combine` + `context_kv` only for the positions verified since the last round (x0 and the accepted drafts of the
+previous round) and keeps the rest: the cache holds the context KV of positions [max(a - W, 0), a) (W =
+`sliding_window`; all of 0..a-1 without a window), exactly the keys the uncached mask lets the block see, so the
+block attends to the same keys. Rejected drafts never enter it (only committed positions are context), so there is
+nothing to roll back after a rejection; a cache that is ahead of the request or holds other tokens is truncated to
+the longest common prefix of token ids (rows depend only on positions 0..p), and recomputed where it lacks rows.
+
 Layouts (per block at anchor position a, g = number of drafted tokens):
 - "anchor" (DSpark, `sample_from_anchor=True`): inputs [x_a, m, ..., m] of length g at positions a..a+g-1;
   output row k (position a+k) predicts x_{a+k+1}.
@@ -22,6 +33,9 @@ Layouts (per block at anchor position a, g = number of drafted tokens):
   output row k+1 (a mask at position a+k+1) predicts x_{a+k+1}.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -95,21 +109,150 @@ def _check_context(aux: torch.Tensor, anchor_pos: int, num_drafts: int) -> None:
         )
 
 
+def _ctx_map(fn, ctx):
+    """Apply fn to every tensor of a per-layer context (a list of tensors or of tuples of tensors)."""
+    return [tuple(fn(t) for t in layer) if isinstance(layer, (tuple, list)) else fn(layer) for layer in ctx]
+
+
+def _ctx_zip(fn, ctxs: list):
+    """fn(list of the i-th tensors of every context) -> tensor, layer by layer (contexts of one structure)."""
+    out = []
+    for layers in zip(*ctxs):
+        if isinstance(layers[0], (tuple, list)):
+            out.append(tuple(fn(list(ts)) for ts in zip(*layers)))
+        else:
+            out.append(fn(list(layers)))
+    return out
+
+
+@dataclass
+class BlockContextCache:
+    """One request's draft-side context KV across verify rounds (module docstring): `ctx` = the draft's
+    `context_kv` (batch 1, rows on the draft's `context_seq_dim`) of positions start..end-1, `ids` = the tokens
+    of positions 0..end-1 they were computed from (guard and rollback point)."""
+
+    ctx: Any = None
+    start: int = 0
+    ids: torch.Tensor | None = None
+
+    @property
+    def end(self) -> int:
+        return 0 if self.ids is None else int(self.ids.numel())
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+    def reusable(self, tokens: torch.Tensor, a: int) -> int:
+        """How many leading positions of the cache hold the rows of `tokens` (the longest common prefix of the
+        cached ids and tokens[:a]; rows depend only on the tokens at and before their position)."""
+        n = min(self.end, a)
+        if n == 0:
+            return 0
+        same = self.ids[:n] == tokens[:n].to(self.ids.device)
+        return n if bool(same.all()) else int((~same).nonzero()[0, 0])
+
+
 class BlockDraft:
     """Mixin of the block-draft families: their eval interface (propose_batch, new_cache) over the draft interface
     combine / context_kv / backbone / base_logits / markov_head / confidence_logit (docs/CONTRACTS.md)."""
 
-    def new_cache(self):
-        return None  # block drafts keep no state across rounds
+    # dim of the position rows in each tensor of context_kv's output (V4: [B, S, D]; dense: [B, nkv, S, hd])
+    context_seq_dim = 1
+
+    def new_cache(self) -> BlockContextCache:
+        """A request's draft-side context cache (propose_batch's `caches`; module docstring)."""
+        return BlockContextCache()
 
     @torch.no_grad()
     def propose_batch(self, feats: list, tokens: list[torch.Tensor], *, num_drafts: int, temperature: float,
                       generators: list, caches: list | None = None) -> list[Proposal]:
         """One block per request i after x0 = tokens[i][-1] at position a_i = len(tokens[i]) - 1; feats[i]
-        (TargetFeatures) covers positions 0..a_i-1 at least."""
+        (TargetFeatures) covers positions 0..a_i-1 at least. caches: one BlockContextCache per request (kept by
+        the caller across rounds; only the positions new since its last round are projected), or None: every
+        round recomputes the whole context (propose_blocks, the uncached reference)."""
+        if caches is not None and any(c is not None for c in caches):
+            if len(caches) != len(tokens) or not all(isinstance(c, BlockContextCache) for c in caches):
+                raise ValueError("propose_batch: caches must hold one BlockContextCache per request (draft.new_cache())")
+            return self._propose_cached(feats, tokens, caches, num_drafts=num_drafts, temperature=temperature,
+                                        generators=generators)
         anchors = [t.numel() - 1 for t in tokens]
         return self.propose_blocks([f.aux[:, :a] for f, a in zip(feats, anchors)], [int(t[-1]) for t in tokens],
                                    num_drafts=num_drafts, temperature=temperature, generators=generators)
+
+    def _extend_caches(self, feats: list, tokens: list[torch.Tensor], caches: list[BlockContextCache]) -> list[int]:
+        """Bring every cache to the context of its request: rows of positions [lo_i, a_i), lo_i = max(a_i - W, 0)
+        (0 without a window). Reused rows are kept, the others are projected in ONE combine + context_kv over the
+        new positions of every request (packed along the positions). -> lo_i per request."""
+        window = self.config.sliding_window
+        dim = self.context_seq_dim
+        plans, aux_parts, pos_parts = [], [], []
+        for f, t, c in zip(feats, tokens, caches):
+            a = t.numel() - 1
+            if a < 1 or f.aux.shape[1] < a:
+                raise ValueError(f"propose_batch: x0 at position {a} needs context features of positions 0..{a - 1}, "
+                                 f"got {f.aux.shape[1]}")
+            lo = max(a - window, 0) if window is not None else 0
+            hi = c.reusable(t, a)  # cached rows of positions < hi are this request's
+            reuse = c.ctx is not None and c.start <= lo < hi  # the cache holds rows lo..hi-1
+            first = hi if reuse else lo  # first position to project
+            plans.append((a, lo, first, reuse))
+            if first < a:
+                aux_parts.append(f.aux[0, first:a])  # [a - first, n*H]
+                pos_parts.append(torch.arange(first, a, device=f.aux.device))
+        new = None
+        if aux_parts:
+            aux = torch.cat(aux_parts).unsqueeze(0)  # [1, N, n*H]
+            new = self.context_kv(self.combine(aux), torch.cat(pos_parts).unsqueeze(0))  # per layer, N rows
+        offset = 0
+        for (a, lo, first, reuse), t, c in zip(plans, tokens, caches):
+            parts = []
+            if reuse:
+                parts.append(_ctx_map(lambda x, c=c, lo=lo, first=first: x.narrow(dim, lo - c.start, first - lo), c.ctx))
+            if first < a:
+                parts.append(_ctx_map(lambda x, o=offset, n=a - first: x.narrow(dim, o, n), new))
+                offset += a - first
+            c.ctx = parts[0] if len(parts) == 1 else _ctx_zip(lambda ts: torch.cat(ts, dim=dim), parts)
+            c.start, c.ids = lo, t[:a].detach().clone()
+        return [lo for _, lo, _, _ in plans]
+
+    @torch.no_grad()
+    def _propose_cached(self, feats: list, tokens: list[torch.Tensor], caches: list[BlockContextCache], *,
+                        num_drafts: int, temperature: float, generators: list | None) -> list[Proposal]:
+        """propose_batch with draft-side context caches: the same blocks, masks and sampling as propose_blocks;
+        the context keys are the cached rows [lo_i, a_i) of each request, right-padded to the longest."""
+        cfg = self.config
+        g, bsz = int(num_drafts), len(tokens)
+        if g < 1:
+            raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
+        if bsz == 0 or len(feats) != bsz:
+            raise ValueError(f"need one TargetFeatures per request, got {len(feats)} for {bsz}")
+        gens = [None] * bsz if generators is None else list(generators)
+        dim = self.context_seq_dim
+        self._extend_caches(feats, tokens, caches)
+        lens = [c.rows for c in caches]
+        width = max(lens)
+        dev = feats[0].aux.device
+
+        def padded(ts: list) -> torch.Tensor:  # per request [1, .., rows_i, ..] -> [B, .., width, ..]
+            shape = list(ts[0].shape)
+            shape[0], shape[dim] = bsz, width
+            out = ts[0].new_zeros(shape)
+            for i, x in enumerate(ts):
+                out[i : i + 1].narrow(dim, 0, x.shape[dim]).copy_(x)
+            return out
+
+        ctx = caches[0].ctx if bsz == 1 else _ctx_zip(padded, [c.ctx for c in caches])
+        block_len, pred_offset = block_layout(cfg.layout, g)
+        anchors = torch.tensor([t.numel() - 1 for t in tokens], dtype=torch.long, device=dev).unsqueeze(1)  # [B, 1]
+        block_ids = torch.full((bsz, block_len), int(cfg.mask_token_id), dtype=torch.long, device=dev)  # [B, L]
+        block_ids[:, 0] = torch.tensor([int(t[-1]) for t in tokens], dtype=torch.long, device=dev)
+        block_pos = anchors + torch.arange(block_len, device=dev)  # [B, L]
+        valid = torch.arange(width, device=dev) < torch.tensor(lens, device=dev).unsqueeze(1)  # [B, S] cached rows
+        mask = torch.cat([valid.unsqueeze(1).expand(bsz, block_len, width),
+                          torch.ones(bsz, block_len, block_len, dtype=torch.bool, device=dev)], dim=-1)  # [B, L, S+L]
+        h = self.backbone(block_ids, block_pos, ctx, mask)[:, pred_offset : pred_offset + g]  # [B, g, H]
+        return self._sample_blocks(h, block_ids[:, 0], temperature, gens, None)
 
     @torch.no_grad()
     def propose_blocks(self, contexts: list[torch.Tensor], anchor_tokens: list[int], *, num_drafts: int,
@@ -146,12 +289,17 @@ class BlockDraft:
         block_pos = anchors + torch.arange(block_len, device=dev)  # [B, L]
         mask = block_attention_mask(anchors, block_len, width, cfg.sliding_window)  # [B, L, A + L]
         h = self.backbone(block_ids, block_pos, ctx, mask)[:, pred_offset : pred_offset + g]  # [B, g, H]
-        base = self.base_logits(h)  # [B, g, V]
+        return self._sample_blocks(h, block_ids[:, 0], temperature, gens, forced_tokens)
 
-        # ---- sequential stage: Markov-corrected sampling, left to right -----------------------------
+    def _sample_blocks(self, h: torch.Tensor, x0: torch.Tensor, temperature: float, gens: list,
+                       forced_tokens: torch.Tensor | None) -> list[Proposal]:
+        """Sequential stage: Markov-corrected sampling, left to right. h [B, g, H] (pre-norm), x0 [B]."""
+        bsz, g = h.shape[:2]
+        dev = h.device
+        base = self.base_logits(h)  # [B, g, V]
         markov = self.markov_head
         has_conf = self.confidence_head is not None
-        prev = block_ids[:, 0].clone()  # [B]
+        prev = x0.clone()  # [B]
         state = None
         tokens, q_rows, logit_rows, conf = [], [], [], []
         for k in range(g):
@@ -198,4 +346,4 @@ def propose(draft: BlockDraft, target_feats_aux: torch.Tensor, anchor_token: int
                                 forced_tokens=None if forced_tokens is None else forced_tokens.view(1, g))[0]
 
 
-__all__ = ["LAYOUTS", "BlockDraft", "block_attention_mask", "block_layout", "propose"]
+__all__ = ["LAYOUTS", "BlockContextCache", "BlockDraft", "block_attention_mask", "block_layout", "propose"]

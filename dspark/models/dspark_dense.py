@@ -195,6 +195,8 @@ class DenseDraftLayer(nn.Module):
 
 @register("dspark_dense", config=DSparkDenseConfig, objective="block")
 class DSparkDenseDraft(BlockDraft, SharedTargetWeights, nn.Module):
+    context_seq_dim = 2  # context_kv rows (eval's draft-side cache, block_draft.BlockContextCache): k, v [B, nkv, S, hd]
+
     def __init__(self, cfg: DSparkDenseConfig):
         super().__init__()
         cfg.validate()

@@ -441,6 +441,8 @@ class DSparkV4Layer(nn.Module):
 class DSparkV4Draft(BlockDraft, SharedTargetWeights, nn.Module):
     """DeepSeek-V4 DSpark draft; interface in docs/CONTRACTS.md."""
 
+    context_seq_dim = 1  # context_kv rows (eval's draft-side cache, block_draft.BlockContextCache): [B, S, D]
+
     def __init__(self, cfg: DSparkV4Config):
         super().__init__()
         cfg.validate()

@@ -58,11 +58,16 @@ def concat_kv(a: Any, b: Any) -> Any:
 
 def take_kv(kv: Any, n: int) -> Any:
     """The first n rows of a per-row kv value (None when n == 0)."""
-    if kv is None or n == 0:
+    return slice_kv(kv, 0, n)
+
+
+def slice_kv(kv: Any, start: int, stop: int) -> Any:
+    """Rows start..stop-1 of a per-row kv value (None when empty)."""
+    if kv is None or stop <= start:
         return None
     if isinstance(kv, torch.Tensor):
-        return kv[:, :n]
-    return tuple(None if x is None else x[:, :n] for x in kv)
+        return kv[:, start:stop]
+    return tuple(None if x is None else x[:, start:stop] for x in kv)
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -74,11 +79,14 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> tor
 
 @dataclass
 class ChainCache:
-    """One request's step-0 rows across verify rounds (the draft-side KV cache): rows 0..n-1, row p built from
-    (t_{p+1}, h_p) at position p; `ids` [n] = t_1..t_n guards against reuse on another sequence."""
+    """One request's step-0 rows across verify rounds (the draft-side KV cache): row p built from (t_{p+1}, h_p) at
+    position p, for p in start..n-1; `ids` [n] = t_1..t_n guards against reuse on another sequence. A windowed
+    draft (attention_window W) drops the rows no later query can see (p <= a - W after the round at anchor a), as
+    vLLM's sliding-window draft cache does, so a round's cost stops growing with the context."""
 
     kv: Any = None
     ids: torch.Tensor | None = None
+    start: int = 0
 
     @property
     def n(self) -> int:
@@ -111,21 +119,26 @@ def chain_propose(draft: nn.Module, feats, tokens: torch.Tensor, *, num_drafts: 
     if keep and not torch.equal(cache.ids[:keep].to(dev), ids[1 : keep + 1]):
         raise ValueError("chain_propose: the cache holds rows of another sequence (its tokens differ)")
     window = draft.attention_window
+    lo = 0 if window is None else max(keep - window + 1, 0)  # the oldest row a query of this round can see
+    if lo < keep and cache.start > lo:  # rows it needs were dropped (the request went back past the window)
+        keep, lo, cache.kv, cache.start = 0, 0, None, 0
 
-    # step 0: rows keep..a-1, input t_{p+1} and h_p at position p, attending to rows 0..p
+    # step 0: rows keep..a-1, input t_{p+1} and h_p at position p, attending to rows lo..p (within the window)
+    past = slice_kv(cache.kv, lo - cache.start, keep - cache.start)  # cached rows lo..keep-1
     q_pos = torch.arange(keep, a, device=dev).unsqueeze(0)  # [1, a-keep]
-    mask = visible(q_pos, torch.arange(a, device=dev).unsqueeze(0), window)  # [1, a-keep, a]
-    out, kv = draft.step_rows(ids[keep + 1 : a + 1].unsqueeze(0), ctx_hidden[:, keep:a], q_pos, 0,
-                              take_kv(cache.kv, keep), mask)
-    cache.kv, cache.ids = concat_kv(take_kv(cache.kv, keep), kv), ids[1 : a + 1].clone()
+    mask = visible(q_pos, torch.arange(lo, a, device=dev).unsqueeze(0), window)  # [1, a-keep, a-lo]
+    out, kv = draft.step_rows(ids[keep + 1 : a + 1].unsqueeze(0), ctx_hidden[:, keep:a], q_pos, 0, past, mask)
+    rows = concat_kv(past, kv)  # step-0 rows lo..a-1
+    nxt = lo if window is None else max(a - window + 1, lo)  # no later round sees rows before nxt
+    cache.kv, cache.start, cache.ids = slice_kv(rows, nxt - lo, a - lo), nxt, ids[1 : a + 1].clone()
 
     h = out[:, -1:]  # [1, 1, ...] out_0 of row a-1
-    chain_kv = cache.kv  # step-0 rows 0..a-1, then one row per chain step
+    chain_kv = rows  # step-0 rows lo..a-1, then one row per chain step
     ys, q_rows, logit_rows = [], [], []
     for k in range(int(num_drafts)):
         if k:
             q = torch.tensor([[a - 1 + k]], device=dev)  # [1, 1]
-            mask = visible(q, torch.arange(a + k, device=dev).unsqueeze(0), window)  # [1, 1, a+k]
+            mask = visible(q, torch.arange(lo, a + k, device=dev).unsqueeze(0), window)  # [1, 1, a+k-lo]
             h, kv = draft.step_rows(ys[-1].view(1, 1).to(dev), h, q, k, chain_kv, mask)
             chain_kv = concat_kv(chain_kv, kv)
         logits = draft.logits(h, k)[0, 0].float()  # [V]
@@ -190,4 +203,5 @@ class ChainDraft(RequestProposer):
 
 
 __all__ = ["ChainCache", "ChainDraft", "chain_propose", "teacher_forced_chain", "check_chain", "concat_kv", "take_kv",
+           "slice_kv",
            "visible"]
