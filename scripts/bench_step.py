@@ -188,9 +188,11 @@ def run_child(case: dict, mem_limit_gb: float) -> dict:
            "--mem-limit-gb", str(mem_limit_gb)]
     env = dict(os.environ, OMP_NUM_THREADS=str(case["threads"]))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
+    lines = proc.stdout.splitlines()
+    if lines and lines[-1].startswith("{"):
+        if len(lines) > 1:  # the profiler's tables
+            print("\n".join(lines[:-1]), flush=True)
+        return json.loads(lines[-1])
     return dict(case, error=(proc.stderr.strip().splitlines() or ["no output"])[-1], rc=proc.returncode)
 
 
