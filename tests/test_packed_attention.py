@@ -140,3 +140,19 @@ def test_module_losses_equal_with_the_dense_mask(kind):
     for name, p in packed_m.draft.named_parameters():
         if grads[name].grad is not None:
             torch.testing.assert_close(p.grad, grads[name].grad, atol=TOL, rtol=1e-4, msg=name)
+
+
+def test_recomputed_groups_give_the_same_gradients(monkeypatch):
+    """Long contexts recompute each block group's scores in the backward (RECOMPUTE_BYTES): same numbers."""
+    import dspark.ops.attention as attention
+
+    monkeypatch.setattr(attention, "RECOMPUTE_BYTES", 0)
+    pm = PackedBlockMask(ANCHORS, K, S, 4)
+    _, t, length = pm.shape
+    q, k, v, sink = _qkv(4, 2, t, length)
+    ref = masked_attention(q, k, v, pm.dense(), 0.35, sink)
+    got = masked_attention(q, k, v, pm, 0.35, sink, query_chunk=6)
+    torch.testing.assert_close(got, ref, atol=TOL, rtol=TOL)
+    for a, b in zip(torch.autograd.grad(got.square().sum(), [q, k, v, sink]),
+                    torch.autograd.grad(ref.square().sum(), [q, k, v, sink])):
+        torch.testing.assert_close(a, b, atol=TOL, rtol=TOL)

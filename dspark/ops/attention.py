@@ -182,12 +182,24 @@ def _packed_attention(q, k, v, mask: "PackedBlockMask", scale: float, sink, quer
     lo, hi = (x.to(q.device) for x in mask.context_bounds())  # [B, A]
     sink_g = None if sink is None else sink.float().reshape(hk, g)
     per = max(1, query_chunk // kb)  # blocks per group
-    outs = [_attend_blocks(qf[:, :, :, i:i + per], kf[:, :, :s], vf[:, :, :s], k_blk[:, :, i:i + per],
-                           v_blk[:, :, i:i + per], lo[:, i:i + per], hi[:, i:i + per], mask.window, scale, sink_g)
+    attend = _attend_blocks
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        seen = (hi - lo).clamp(min=0).amax(dim=0)  # [A] keys each block (column) sees at most
+        saved = 3 * 4 * b * hq * kb * int((seen + kb).sum())  # ~3 fp32 score-sized tensors autograd keeps
+        if saved > RECOMPUTE_BYTES:  # keep one group's scores at a time: recomputed in the backward
+            from torch.utils.checkpoint import checkpoint
+
+            attend = lambda *xs: checkpoint(_attend_blocks, *xs, use_reentrant=False)  # noqa: E731
+    outs = [attend(qf[:, :, :, i:i + per], kf[:, :, :s], vf[:, :, :s], k_blk[:, :, i:i + per],
+                   v_blk[:, :, i:i + per], lo[:, i:i + per], hi[:, i:i + per], mask.window, scale, sink_g)
             for i in range(0, a, per)]
     out = torch.cat(outs, dim=3) if outs else qf.new_zeros(b, hk, g, 0, kb, dv)
     return out.reshape(b, hq, t, dv).to(q.dtype)
 
+
+# Above this estimate of the scores autograd would keep for the backward, the packed path recomputes each block
+# group's scores in the backward instead (torch.utils.checkpoint): memory of one group, one more forward's time.
+RECOMPUTE_BYTES = 512 * 2**20
 
 BACKENDS = ("auto", "reference", "flex")
 
