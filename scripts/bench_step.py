@@ -18,8 +18,10 @@ Variants (each in its own subprocess, so that its peak memory is its own):
   fused/cached     the same, target features given in the batch (data.feature_cache)
   unfused/online   the materialised reference: [A*g, V] logits + autograd (train.fused_loss=false)
   dense-mask/...   (--variants) the old dense [A*g, S + A*g] attention mask instead of the packed one
-Memory: peak RSS = the process's VmHWM over the whole run; growth = max over the timed steps of (VmHWM during
-the step - VmRSS just before it; VmHWM reset through /proc/self/clear_refs). The unfused path is skipped, with
+Memory: peak RSS = the process's VmHWM over the whole run; growth = that peak minus VmRSS once the target, draft
+and batch exist (VmHWM reset then through /proc/self/clear_refs): gradients, AdamW state and the steps' own peak.
+(Not per-step VmHWM - VmRSS: the allocator keeps freed warm-up memory mapped, which hides a step's peak.)
+The unfused path is skipped, with
 the reason printed, when its predicted extra memory (8 x A*g*V*4 bytes) exceeds --max-unfused-gb.
 
   python scripts/bench_step.py                      # the table of docs/benchmarks.md (V x anchors x dtype)
@@ -156,16 +158,15 @@ def measure(case: dict) -> dict:
     module, opt, sched, batch = build(case)
     step = make_step(module, opt, sched, batch, case["dtype"])
     out = dict(case, build_s=time.perf_counter() - t0)
-    losses = [step(i) for i in range(case["warmup"])]
-    times, growth = [], 0
+    built = _status("VmRSS")  # target, draft, batch (and cached features) exist; no optimizer state yet
     can_reset = _reset_hwm()
+    losses = [step(i) for i in range(case["warmup"])]
+    times = []
     for i in range(case["reps"]):
-        before = _status("VmRSS")
-        _reset_hwm()
         t = time.perf_counter()
         losses.append(step(case["warmup"] + i))
         times.append(time.perf_counter() - t)
-        growth = max(growth, _status("VmHWM") - before)
+    growth = _status("VmHWM") - built  # what training steps add at their peak: grads, AdamW state, activations
     if case.get("profile"):
         from torch.profiler import ProfilerActivity, profile
 
