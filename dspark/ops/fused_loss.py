@@ -11,7 +11,7 @@ Gradient w.r.t. the draft logits (s = sign(q - p), c_n = sum_v q s):
 and from there grad x = dD W, grad e = dD W2, grad W2 = dD^T E.
 
 Because the loss is a weighted sum with coefficients known in the forward, the forward computes the
-gradients too (row chunk by row chunk, every [n, V] temporary freed before the next chunk) and the
+gradients too (row chunk by row chunk, in a few [chunk, V] buffers allocated once and reused by every chunk) and the
 backward only scales them by the incoming scalar gradient: no second pass over the vocabulary.
 The teacher side (y, W) is frozen and gets no gradient.
 
