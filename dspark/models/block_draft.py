@@ -42,6 +42,7 @@ import torch
 from dspark.models.common import field_error
 from dspark.models.heads import MARKOV_HEAD_KINDS
 from dspark.models.proposal import Proposal, sample_from_logits
+from dspark.ops.attention import PackedBlockMask
 
 LAYOUTS = ("anchor", "mask")
 
@@ -95,6 +96,16 @@ def block_attention_mask(
     blk_of = torch.arange(T, device=dev) // block_len  # [T]
     own = (blk_of.unsqueeze(1) == blk_of.unsqueeze(0)).expand(B, T, T)  # [B, T, T]
     return torch.cat([ctx, own], dim=-1)
+
+
+def packed_block_attention_mask(
+    anchors: torch.Tensor, block_len: int, context_len: int, window: int | None
+) -> PackedBlockMask:
+    """block_attention_mask's rule without its dense [B, A*block_len, context_len + A*block_len] tensor: a
+    dspark.ops.attention.PackedBlockMask (same shape, `.dense()` is block_attention_mask's result), which
+    masked_attention computes block group by block group over only the keys each block sees. The training forward
+    uses it (its cost grows with anchors x context seen, not with the dense mask)."""
+    return PackedBlockMask(anchors, int(block_len), int(context_len), window)
 
 
 def _check_context(aux: torch.Tensor, anchor_pos: int, num_drafts: int) -> None:
@@ -346,4 +357,5 @@ def propose(draft: BlockDraft, target_feats_aux: torch.Tensor, anchor_token: int
                                 forced_tokens=None if forced_tokens is None else forced_tokens.view(1, g))[0]
 
 
-__all__ = ["LAYOUTS", "BlockContextCache", "BlockDraft", "block_attention_mask", "block_layout", "propose"]
+__all__ = ["LAYOUTS", "BlockContextCache", "BlockDraft", "block_attention_mask", "block_layout",
+           "packed_block_attention_mask", "propose"]

@@ -11,7 +11,7 @@ Gradient w.r.t. the draft logits (s = sign(q - p), c_n = sum_v q s):
 and from there grad x = dD W, grad e = dD W2, grad W2 = dD^T E.
 
 Because the loss is a weighted sum with coefficients known in the forward, the forward computes the
-gradients too (row chunk by row chunk, every [n, V] temporary freed before the next chunk) and the
+gradients too (row chunk by row chunk, in a few [chunk, V] buffers allocated once and reused by every chunk) and the
 backward only scales them by the incoming scalar gradient: no second pass over the vocabulary.
 The teacher side (y, W) is frozen and gets no gradient.
 
@@ -79,6 +79,24 @@ def draft_logits_rows(x, w, latent=None, w2=None) -> torch.Tensor:
     return d
 
 
+def _gemm_into(out: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, low: torch.Tensor | None,
+               accumulate: bool = False) -> None:
+    """out (acc dtype) = / += a @ b_t, the product taken in b_t's dtype; `low` is a scratch buffer of out's shape in
+    b_t's dtype when that differs from out's (bf16 LM head: bf16 GEMM, fp32 result), else None."""
+    a = a.to(b_t.dtype)
+    if low is None:
+        if accumulate:
+            out.addmm_(a, b_t)
+        else:
+            torch.mm(a, b_t, out=out)
+        return
+    torch.mm(a, b_t, out=low)
+    if accumulate:
+        out.add_(low)
+    else:
+        out.copy_(low)
+
+
 def lm_loss_reference(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -92,14 +110,23 @@ def lm_loss_reference(
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     need_grads: bool = True,
 ) -> LMLossParts:
-    """Chunked torch reference: rows in chunks of `chunk_rows`, peak extra memory ~4 x chunk_rows x V fp32.
+    """Chunked torch reference: rows in chunks of `chunk_rows`, peak extra memory ~3 x chunk_rows x V in the
+    accumulation dtype (+ 1 in the LM head's dtype when that is lower), allocated once and reused by every chunk
+    (a fresh [chunk, V] tensor per step costs page faults on CPU: about a third of the GEMM's time at V = 152 K).
 
     x, y [N, H]; w [V, H]; latent [N, r] | None; w2 [V, r] | None; labels [N]; coef_ce, coef_l1 [N].
+    The LM-head GEMMs (and the Markov ones) run in w's dtype, everything else in float32 (float64 for float64
+    inputs). Autocast is off inside: the dtypes here are explicit.
     """
     _check_inputs(x, y, w, latent, w2, labels, coef_ce, coef_l1)
     if chunk_rows < 1:
         raise ValueError(f"lm_loss: chunk_rows must be >= 1, got {chunk_rows}")
-    n = x.shape[0]
+    with torch.autocast(x.device.type, enabled=False), torch.no_grad():
+        return _lm_loss_chunks(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows, need_grads)
+
+
+def _lm_loss_chunks(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows, need_grads) -> LMLossParts:
+    n, v = x.shape[0], w.shape[0]
     dev = x.device
     acc = _acc(w)
     ce = torch.empty(n, device=dev, dtype=acc)
@@ -107,39 +134,62 @@ def lm_loss_reference(
     d_arg = torch.empty(n, dtype=torch.long, device=dev)
     t_arg = torch.empty(n, dtype=torch.long, device=dev)
     gx = torch.empty(n, x.shape[1], device=dev, dtype=acc) if need_grads else None
-    ge = torch.empty(n, latent.shape[1], device=dev, dtype=acc) if (need_grads and latent is not None) else None
-    gw2 = torch.zeros(w2.shape, device=dev, dtype=acc) if (need_grads and latent is not None) else None
+    markov = latent is not None
+    ge = torch.empty(n, latent.shape[1], device=dev, dtype=acc) if (need_grads and markov) else None
+    gw2 = torch.zeros(w2.shape, device=dev, dtype=acc) if (need_grads and markov) else None
     a_all, b_all = coef_ce.to(acc), coef_l1.to(acc)
-    with torch.no_grad():
-        for lo in range(0, n, chunk_rows):
-            hi = min(n, lo + chunk_rows)
-            lab = labels[lo:hi].long().unsqueeze(1)  # [n, 1]
-            e = None if latent is None else latent[lo:hi]
-            d = draft_logits_rows(x[lo:hi], w, e, w2)  # [n, V]
-            d_arg[lo:hi] = d.argmax(-1)
-            q = torch.log_softmax(d, -1)  # log q
-            del d
-            ce[lo:hi] = -q.gather(1, lab).squeeze(1)
-            q.exp_()  # q
-            p = F.linear(y[lo:hi].to(w.dtype), w).to(acc)  # teacher logits [n, V]
-            t_arg[lo:hi] = p.argmax(-1)
-            p = torch.softmax(p, -1)
-            s = p.neg_().add_(q)  # q - p (in p's storage)
-            l1[lo:hi] = torch.linalg.vector_norm(s, 1, dim=-1)
-            s.sign_()  # s = sign(q - p)
-            if not need_grads:
-                continue
-            a = a_all[lo:hi].unsqueeze(1)  # [n, 1]
-            b = b_all[lo:hi].unsqueeze(1)
-            c = torch.linalg.vecdot(q, s).unsqueeze(1)  # sum_v q s  [n, 1]
-            dd = s.sub_(c).mul_(b).add_(a).mul_(q)  # a q + b q (s - c)
-            dd.scatter_add_(1, lab, -a)  # - a onehot(label)
-            del q
-            gx[lo:hi] = dd.to(w.dtype) @ w  # [n, H]
-            if latent is not None:
-                ge[lo:hi] = dd.to(w2.dtype) @ w2  # [n, r]
+    rows = min(n, chunk_rows)
+    # reused [rows, V] buffers: Q (draft logits -> q), S (teacher logits -> p -> q - p -> sign -> dD), T (q * sign)
+    Q = torch.empty(rows, v, device=dev, dtype=acc)
+    S = torch.empty(rows, v, device=dev, dtype=acc)
+    T = torch.empty(rows, v, device=dev, dtype=acc) if need_grads else None
+    low_dtype = w.dtype if w.dtype != acc else None
+    low = None if low_dtype is None else torch.empty(rows, v, device=dev, dtype=low_dtype)
+    w_t = w.t()  # [H, V]
+    w2_low = None if not markov else w2.to(w.dtype)  # Markov GEMMs in the LM head's dtype too
+    for lo in range(0, n, chunk_rows):
+        hi = min(n, lo + chunk_rows)
+        m = hi - lo
+        q, s = Q[:m], S[:m]
+        lab = labels[lo:hi].long().unsqueeze(1)  # [m, 1]
+        e = None if not markov else latent[lo:hi]
+        # draft: logits -> q = softmax, ce = lse - logit[label]
+        _gemm_into(q, x[lo:hi], w_t, None if low is None else low[:m])
+        if markov:
+            _gemm_into(q, e, w2_low.t(), None if low is None else low[:m], accumulate=True)
+        d_max, d_arg[lo:hi] = q.max(-1)  # one pass: the row max and the first argmax
+        d_lab = q.gather(1, lab).squeeze(1)
+        q.sub_(d_max.unsqueeze(1)).exp_()
+        z = q.sum(-1)  # [m]
+        ce[lo:hi] = z.log() + d_max - d_lab
+        q.mul_(z.reciprocal().unsqueeze(1))
+        # teacher: p = softmax(y W^T)
+        _gemm_into(s, y[lo:hi], w_t, None if low is None else low[:m])
+        p_max, t_arg[lo:hi] = s.max(-1)
+        s.sub_(p_max.unsqueeze(1)).exp_()
+        s.mul_(s.sum(-1).reciprocal().unsqueeze(1))
+        torch.sub(q, s, out=s)  # q - p
+        l1[lo:hi] = torch.linalg.vector_norm(s, 1, dim=-1)
+        s.sign_()  # sign(q - p)
+        if not need_grads:
+            continue
+        a = a_all[lo:hi].unsqueeze(1)  # [m, 1]
+        b = b_all[lo:hi].unsqueeze(1)
+        c = torch.mul(q, s, out=T[:m]).sum(-1, keepdim=True)  # sum_v q sign(q - p)   [m, 1]
+        dd = torch.addcmul(a - b * c, s, b, out=s).mul_(q)  # q (a + b (sign - c)) = a q + b q (s - c)
+        dd.scatter_add_(1, lab, -a)  # - a onehot(label)
+        if low is None:
+            torch.mm(dd, w, out=gx[lo:hi])  # [m, H]
+            if markov:
+                torch.mm(dd, w2_low, out=ge[lo:hi])  # [m, r]
                 gw2.addmm_(dd.t(), e.to(acc))  # [V, r]
-            del dd, s
+        else:
+            dl = low[:m]
+            dl.copy_(dd)
+            gx[lo:hi] = torch.mm(dl, w)
+            if markov:
+                ge[lo:hi] = torch.mm(dl, w2_low)
+                gw2.add_(torch.mm(dl.t(), e.to(low_dtype)))
     return LMLossParts(ce, l1, d_arg, t_arg, gx, ge, gw2)
 
 

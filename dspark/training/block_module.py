@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from dspark.models.block_draft import block_attention_mask
+from dspark.models.block_draft import block_attention_mask, packed_block_attention_mask
 from dspark.targets.hf_target import FrozenTarget
 from dspark.training.blocks import Blocks, build_blocks
 from dspark.training.module import DraftLightningModule, OptimConfig, is_distributed
@@ -47,6 +47,9 @@ class BlockDraftModule(DraftLightningModule):
         super().__init__(draft, target, optim)
         self.decay_gamma, self.loss_weights = decay_gamma, loss_weights
         self.fused_loss = fused_loss  # losses from hidden rows (dspark.ops.fused_loss), no [B, A, g, V] logits
+        # the block mask as its rule (PackedBlockMask: each block scores only the keys it sees); False: the dense
+        # [B, A*Lb, S + A*Lb] bool mask (the reference; scripts/bench_step.py compares the two)
+        self.packed_attention_mask = True
 
     @classmethod
     def from_config(cls, train: DictConfig, draft, target: FrozenTarget, optim: OptimConfig) -> "BlockDraftModule":
@@ -70,7 +73,8 @@ class BlockDraftModule(DraftLightningModule):
         draft = self.draft
         main_x = draft.combine(feats.aux)  # [B, S, H]
         ctx = draft.context_kv(main_x, torch.arange(S, device=ids.device).expand(B, S))
-        mask = block_attention_mask(batch["anchors"], Lb, S, cfg.sliding_window)  # [B, A*Lb, S + A*Lb]
+        build_mask = packed_block_attention_mask if self.packed_attention_mask else block_attention_mask
+        mask = build_mask(batch["anchors"], Lb, S, cfg.sliding_window)  # [B, A*Lb, S + A*Lb] (packed: its rule)
         h = draft.backbone(blocks.input_ids.flatten(1), blocks.positions.flatten(1), ctx, mask)  # [B, A*Lb, H]
         return h.view(B, A, Lb, -1)[:, :, blocks.pred_offset : blocks.pred_offset + g], blocks, feats.final
 
