@@ -209,19 +209,26 @@ def _wait_for_meta(path: Path, poll_s: float = 2.0) -> None:
 FEATURE_PRODUCERS = ("hf", "vllm")
 
 
-def loaded_target_folder(target: FrozenTarget) -> tuple[str, Path]:
-    """(what from_pretrained was given, the local folder holding its files): a Hub id resolves to its snapshot in
-    the Hugging Face cache (nothing is downloaded)."""
-    source = str(getattr(target.model.config, "_name_or_path", "") or "")
+def local_model_folder(source: str) -> Path:
+    """A model folder, or a Hub id's snapshot in the Hugging Face cache (nothing is downloaded)."""
     if Path(source).is_dir():
-        return source, Path(source)
+        return Path(source)
     from huggingface_hub import snapshot_download
 
     try:
-        return source, Path(snapshot_download(source, local_files_only=True))
+        return Path(snapshot_download(source, local_files_only=True))
     except Exception as e:  # noqa: BLE001 (named below)
         raise ConfigError(f"data.feature_producer=vllm: the target {source!r} is neither a folder nor a model in the "
                           f"Hugging Face cache ({e})") from e
+
+
+def vllm_producer_settings(cfg: DictConfig) -> dict:
+    """data.vllm_producer -> build_feature_cache_vllm's engine keywords."""
+    opts = cfg.data.get("vllm_producer") or {}
+    tp = int(opts.get("tensor_parallel_size", 1))
+    require(tp >= 1, "data.vllm_producer.tensor_parallel_size", f"must be >= 1, got {tp}")
+    return {"batch_size": int(opts.get("batch_size", 64)), "tensor_parallel_size": tp, "python": opts.get("python"),
+            "kv_cache_gib": int(opts.get("kv_cache_gib", 2))}
 
 
 def build_feature_cache_with_vllm(cfg: DictConfig, target: FrozenTarget, dataset, path: Path, dtype,
@@ -230,15 +237,11 @@ def build_feature_cache_with_vllm(cfg: DictConfig, target: FrozenTarget, dataset
     settings under data.vllm_producer (tensor_parallel_size, batch_size, kv_cache_gib, python)."""
     from dspark.data.vllm_features import build_feature_cache_vllm
 
-    name_or_path, folder = loaded_target_folder(target)
-    opts = cfg.data.get("vllm_producer") or {}
-    tp = int(opts.get("tensor_parallel_size", 1))
-    require(tp >= 1, "data.vllm_producer.tensor_parallel_size", f"must be >= 1, got {tp}")
+    name_or_path = str(getattr(target.model.config, "_name_or_path", "") or "")
     return build_feature_cache_vllm(
-        folder, list(target.layer_ids), dataset, path, target_dtype=str(target.embed_weight.dtype).removeprefix("torch."),
-        dtype=dtype, batch_size=int(opts.get("batch_size", 64)), tensor_parallel_size=tp,
-        python=opts.get("python"), kv_cache_gib=int(opts.get("kv_cache_gib", 2)), name_or_path=name_or_path,
-        layout=layout)
+        local_model_folder(name_or_path), list(target.layer_ids), dataset, path,
+        target_dtype=str(target.embed_weight.dtype).removeprefix("torch."), dtype=dtype, name_or_path=name_or_path,
+        layout=layout, **vllm_producer_settings(cfg))
 
 
 def build_feature_cache_offline(cfg: DictConfig) -> Path:
@@ -259,12 +262,7 @@ def build_feature_cache_offline(cfg: DictConfig) -> Path:
     from transformers import AutoTokenizer
 
     source = resolve_target_source(target_folder(cfg))
-    if Path(source).is_dir():
-        folder = Path(source)
-    else:
-        from huggingface_hub import snapshot_download
-
-        folder = Path(snapshot_download(source, local_files_only=True))
+    folder = local_model_folder(source)
     layer_ids = [int(i) for i in (cfg.draft.get("target_layer_ids") or [])]
     dtype = CACHE_DTYPES[str(cfg.data.get("feature_cache_dtype", "bfloat16"))]
     layout = cache_layout(cfg)
@@ -275,11 +273,8 @@ def build_feature_cache_offline(cfg: DictConfig) -> Path:
         path = default_cache_dir() / "features" / cache_key(ident, dataset_fingerprint(dataset), dtype, layout)
     else:
         path = Path(where).expanduser()
-    opts = cfg.data.get("vllm_producer") or {}
-    return build_feature_cache_vllm(
-        folder, layer_ids, dataset, path, target_dtype=str(cfg.target.dtype), dtype=dtype,
-        batch_size=int(opts.get("batch_size", 64)), tensor_parallel_size=int(opts.get("tensor_parallel_size", 1)),
-        python=opts.get("python"), kv_cache_gib=int(opts.get("kv_cache_gib", 2)), name_or_path=source, layout=layout)
+    return build_feature_cache_vllm(folder, layer_ids, dataset, path, target_dtype=str(cfg.target.dtype), dtype=dtype,
+                                    name_or_path=source, layout=layout, **vllm_producer_settings(cfg))
 
 
 def prepare_feature_cache(cfg: DictConfig, target: FrozenTarget | None, dataset):
