@@ -66,13 +66,18 @@ def _reference_chain(draft, hidden: torch.Tensor, ids: torch.Tensor, a: int, cha
     return outs  # depth 0..K-1, each [1, ...]
 
 
+def _chain_case(kind: str, num_layers: int, a: int, g: int, seed: int):
+    """-> (draft, tokens [a+1], target features of a positions, chain_propose's proposal of g drafts)."""
+    draft = DRAFTS[kind](num_layers)
+    tokens = torch.randint(0, draft.config.vocab_size, (a + 1,), generator=torch.Generator().manual_seed(seed))
+    feats = _feats(draft, a, seed=seed + 1)
+    return draft, tokens, feats, chain_propose(draft, feats, tokens, num_drafts=g)
+
+
 @pytest.mark.parametrize("kind", list(DRAFTS))
 def test_eval_chain_is_the_served_recursion(kind):
-    draft = DRAFTS[kind](1)
     a, g = 9, 4
-    tokens = torch.randint(0, draft.config.vocab_size, (a + 1,), generator=torch.Generator().manual_seed(2))
-    feats = _feats(draft, a, seed=3)
-    prop = chain_propose(draft, feats, tokens, num_drafts=g)
+    draft, tokens, feats, prop = _chain_case(kind, 1, a, g, seed=2)
     ref = _reference_chain(draft, draft.context_hidden(feats), tokens, a, prop.tokens[:-1].tolist())
     for k in range(g):
         logits = draft.logits(ref[k].unsqueeze(1), k)[0, 0].float()
@@ -83,11 +88,8 @@ def test_eval_chain_is_the_served_recursion(kind):
 @pytest.mark.parametrize("kind", list(DRAFTS))
 def test_served_chain_differs_from_the_old_full_prefix_recursion_after_step_0(kind):
     """The old recursion recomputed every row at depth k from depth k-1 outputs: same y_0, different later rows."""
-    draft = DRAFTS[kind](4)
     a, g = 9, 3
-    tokens = torch.randint(0, draft.config.vocab_size, (a + 1,), generator=torch.Generator().manual_seed(5))
-    feats = _feats(draft, a, seed=6)
-    prop = chain_propose(draft, feats, tokens, num_drafts=g)
+    draft, tokens, feats, prop = _chain_case(kind, 4, a, g, seed=5)
     hidden, ids = draft.context_hidden(feats), tokens[1:].unsqueeze(0)
     with torch.no_grad():
         for k in range(g):  # the old chain: step k over all rows, ids shifted once more, positions + k
