@@ -232,7 +232,6 @@ class BlockDraft:
                         num_drafts: int, temperature: float, generators: list | None) -> list[Proposal]:
         """propose_batch with draft-side context caches: the same blocks, masks and sampling as propose_blocks;
         the context keys are the cached rows [lo_i, a_i) of each request, right-padded to the longest."""
-        cfg = self.config
         g, bsz = int(num_drafts), len(tokens)
         if g < 1:
             raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
@@ -254,11 +253,8 @@ class BlockDraft:
             return out
 
         ctx = caches[0].ctx if bsz == 1 else _ctx_zip(padded, [c.ctx for c in caches])
-        block_len, pred_offset = block_layout(cfg.layout, g)
         anchors = torch.tensor([t.numel() - 1 for t in tokens], dtype=torch.long, device=dev).unsqueeze(1)  # [B, 1]
-        block_ids = torch.full((bsz, block_len), int(cfg.mask_token_id), dtype=torch.long, device=dev)  # [B, L]
-        block_ids[:, 0] = torch.tensor([int(t[-1]) for t in tokens], dtype=torch.long, device=dev)
-        block_pos = anchors + torch.arange(block_len, device=dev)  # [B, L]
+        block_ids, block_pos, block_len, pred_offset = self._block_inputs(anchors, [int(t[-1]) for t in tokens], g)
         valid = torch.arange(width, device=dev) < torch.tensor(lens, device=dev).unsqueeze(1)  # [B, S] cached rows
         mask = torch.cat([valid.unsqueeze(1).expand(bsz, block_len, width),
                           torch.ones(bsz, block_len, block_len, dtype=torch.bool, device=dev)], dim=-1)  # [B, L, S+L]
@@ -293,14 +289,21 @@ class BlockDraft:
         # ---- parallel stage: one non-causal forward over every block ----------------------------------
         main_x = self.combine(aux)  # [B, A, H]
         ctx = self.context_kv(main_x, torch.arange(width, device=dev).expand(bsz, width))
-        block_len, pred_offset = block_layout(cfg.layout, g)
         anchors = torch.tensor(lens, dtype=torch.long, device=dev).unsqueeze(1)  # [B, 1] = a_i
-        block_ids = torch.full((bsz, block_len), int(cfg.mask_token_id), dtype=torch.long, device=dev)  # [B, L]
-        block_ids[:, 0] = torch.tensor([int(t) for t in anchor_tokens], dtype=torch.long, device=dev)
-        block_pos = anchors + torch.arange(block_len, device=dev)  # [B, L]
+        block_ids, block_pos, block_len, pred_offset = self._block_inputs(anchors, anchor_tokens, g)
         mask = block_attention_mask(anchors, block_len, width, cfg.sliding_window)  # [B, L, A + L]
         h = self.backbone(block_ids, block_pos, ctx, mask)[:, pred_offset : pred_offset + g]  # [B, g, H]
         return self._sample_blocks(h, block_ids[:, 0], temperature, gens, forced_tokens)
+
+    def _block_inputs(self, anchors: torch.Tensor, x0: list[int], g: int):
+        """anchors [B, 1] (a_i), x0 the anchor tokens -> (block ids [B, L] = [x0, m, ..., m], positions [B, L] from
+        a_i, L, offset of the first prediction row) in the draft's layout."""
+        block_len, pred_offset = block_layout(self.config.layout, g)
+        dev = anchors.device
+        block_ids = torch.full((anchors.shape[0], block_len), int(self.config.mask_token_id), dtype=torch.long,
+                               device=dev)  # [B, L]
+        block_ids[:, 0] = torch.tensor([int(t) for t in x0], dtype=torch.long, device=dev)
+        return block_ids, anchors + torch.arange(block_len, device=dev), block_len, pred_offset
 
     def _sample_blocks(self, h: torch.Tensor, x0: torch.Tensor, temperature: float, gens: list,
                        forced_tokens: torch.Tensor | None) -> list[Proposal]:
