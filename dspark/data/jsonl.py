@@ -3,7 +3,7 @@
 Accepted line shapes (one JSON object per line, blank lines ignored):
 
 - ``{"turns": ["first user turn", "second user turn", ...]}`` (MT-Bench / eval prompt files such as
-  ``/work/shared/data/eval/*.jsonl``): every turn becomes a ``user`` message, in order. The
+  ``dspark/assets/eval/*.jsonl``): every turn becomes a ``user`` message, in order. The
   assistant answers between them are not part of the file; whoever consumes a multi-turn
   record generates them turn by turn.
 - ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``: copied as is.
