@@ -12,12 +12,26 @@ from omegaconf import DictConfig  # noqa: E402
 
 @hydra.main(config_path="configs", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from dspark.errors import one_line_errors
-    from dspark.evaluation.run_eval import run_eval
+    from hydra.core.hydra_config import HydraConfig
 
-    with one_line_errors("eval.py"):
-        run_eval(cfg)
+    from dspark.console import quiet_console
+    from dspark.errors import one_line_errors
+    from dspark.evaluation.run_eval import run_eval, target_given
+
+    quiet_console()
+
+    with one_line_errors("eval.py"):  # the run's own target (draft/target.json) unless the command line names one
+        run_eval(cfg, target_from_run=not target_given(HydraConfig.get().overrides.task))
+
+
+def _check(cfg, overrides) -> None:
+    from dspark.schema import check_eval_keys
+
+    check_eval_keys(cfg)
 
 
 if __name__ == "__main__":
+    from dspark.cli import precheck
+
+    precheck("eval", "eval.py", _check)  # --help; a bad command line or key: one line, exit 2, nothing loaded
     main()

@@ -14,6 +14,12 @@ class ConfigError(UserError):
     """A config value is wrong; the message names the key."""
 
 
+def require(cond: bool, key: str, msg: str) -> None:
+    """ConfigError "<key>: <msg>" unless cond."""
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
 class IntegrityError(UserError):
     """A file dspark wrote is truncated, altered or incomplete; the message names it."""
 

@@ -40,20 +40,21 @@ def digest_file(path: Path) -> dict:
     return {"sha256": h.hexdigest(), "size": size}
 
 
-def _mismatch(path: Path, expected: list[dict], *, hint: str) -> IntegrityError | None:
-    """None when `path` matches one of the `expected` digests, else the error naming what is wrong."""
+def _mismatch(path: Path, expected: list[dict], *, hint: str, since: str = "it was written") -> IntegrityError | None:
+    """None when `path` matches one of the `expected` digests, else the error naming what is wrong.
+
+    Any size or sha256 difference reads "changed since <since> (N bytes now, M recorded)": a checksum cannot tell a
+    truncation from an edit (a hand-edited config can be shorter), so the message states what is known, the sizes."""
     if not path.is_file():
         return IntegrityError(f"{path}: missing (listed in its checksum file); {hint}")
     size = path.stat().st_size
-    sizes = sorted({int(e["size"]) for e in expected})
-    if size not in sizes:
-        what = "truncated" if size < min(sizes) else "longer than written"
-        return IntegrityError(f"{path}: {what} ({size} bytes, checksum file says {' or '.join(map(str, sizes))}); "
-                              f"{hint}")
+    recorded = " or ".join(map(str, sorted({int(e["size"]) for e in expected})))
+    if all(size != int(e["size"]) for e in expected):
+        return IntegrityError(f"{path}: changed since {since} ({size} bytes now, {recorded} recorded); {hint}")
     got = digest_file(path)["sha256"]
     if all(got != e["sha256"] for e in expected):
-        return IntegrityError(f"{path}: content altered (sha256 {got[:12]}... does not match its checksum file); "
-                              f"{hint}")
+        return IntegrityError(f"{path}: changed since {since} ({size} bytes now, {recorded} recorded; sha256 "
+                              f"{got[:12]}... does not match its checksum file); {hint}")
     return None
 
 
@@ -91,7 +92,7 @@ def write_checked(path: Path, data: bytes | memoryview) -> None:
         atomic_write_json(sidecar_path(path), {"file": path.name, "accept": [new]})
 
 
-def check_file(path: Path, *, hint: str) -> None:
+def check_file(path: Path, *, hint: str, since: str = "it was written") -> None:
     """Raises IntegrityError (one line naming the file and `hint`, what to do) unless `path` matches its
     sidecar. A file without a sidecar is refused too: nothing says it is what was written."""
     path = Path(path)
@@ -101,7 +102,7 @@ def check_file(path: Path, *, hint: str) -> None:
     if not expected:
         raise IntegrityError(f"{path}: no checksum file {sidecar_path(path).name} (written with every file dspark "
                              f"saves); if you trust the file, `python -m dspark.integrity seal {path}`; otherwise {hint}")
-    err = _mismatch(path, expected, hint=hint)
+    err = _mismatch(path, expected, hint=hint, since=since)
     if err is not None:
         raise err
 
@@ -135,8 +136,10 @@ def read_manifest(folder: Path) -> dict[str, dict] | None:
         raise IntegrityError(f"{path}: unreadable manifest ({e}); re-create the folder") from e
 
 
-def check_manifest(folder: Path, *, hint: str, required: bool = True, names: list[str] | None = None) -> bool:
-    """Checks the folder's files (or only `names`, which must be listed) against its manifest.
+def check_manifest(folder: Path, *, hint: str, required: bool = True, names: list[str] | None = None,
+                   since: str = "it was written") -> bool:
+    """Checks the folder's files (or only `names`, which must be listed) against its manifest; a differing file
+    is "changed since <since>" (e.g. "export").
 
     Returns False when there is no manifest and `required` is False (a folder dspark did not write, e.g. a
     released checkpoint); raises IntegrityError, one line naming the file and `hint`, otherwise."""
@@ -151,7 +154,7 @@ def check_manifest(folder: Path, *, hint: str, required: bool = True, names: lis
     for name in names if names is not None else sorted(files):
         if name not in files:
             raise IntegrityError(f"{folder / name}: not in {MANIFEST_NAME}; {hint}")
-        err = _mismatch(folder / name, [files[name]], hint=hint)
+        err = _mismatch(folder / name, [files[name]], hint=hint, since=since)
         if err is not None:
             raise err
     return True

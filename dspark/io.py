@@ -33,6 +33,19 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def unwritable(folder: Path) -> str | None:
+    """Why files cannot be created in `folder` (made when missing), in words, or None when they can: the folder,
+    or else its nearest existing parent, must be a directory this process may write."""
+    p = Path(folder).expanduser().absolute()
+    while not p.exists() and not p.is_symlink() and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} is a file, not a folder"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"{p} is not writable"
+    return None
+
+
 def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,94 +1,89 @@
-"""Every check of a training config that needs no model weights, run before anything heavy loads: a bad value
-fails in about a second with one line naming the key, not after the target has loaded."""
+"""Every check of a training config that needs no model weights, in one place, run before anything heavy loads:
+a bad value fails in about a second with one line naming the key, not after the target has loaded.
+
+First the schema (dspark.schema: every key known, typed, in range), then the rules between keys and against the
+target's config.json: anchors vs sequence length, drafts per step vs sequence length, the data file, the feature
+cache vs the objective, the trainer settings the run depends on, the draft group against the target."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from dspark.errors import ConfigError
-from dspark.factory import DATA_SOURCES, drafts_per_step, require, target_folder, training_steps
+from dspark import schema
+from dspark.errors import ConfigError, require
 from dspark.models import registry
+from dspark.targets.source import target_folder
 
-_POSITIVE_INTS = ("batch_size", "val_batch_size", "num_anchors")
 
-
-def _number(node: DictConfig, key: str, prefix: str) -> float:
-    value = node.get(key)
+def _overrides() -> list[str]:
+    """The command line's overrides when running under Hydra (else none)."""
     try:
-        x = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{prefix}.{key}: must be a number, got {value!r}") from None
-    require(math.isfinite(x), f"{prefix}.{key}", f"must be finite, got {value!r}")
-    return x
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    except Exception:  # noqa: BLE001 (no Hydra run: nothing to read)
+        return []
 
 
-def check_train(cfg: DictConfig) -> None:
-    tr = cfg.train
-    for key in _POSITIVE_INTS:
-        if key in tr:
-            require(_number(tr, key, "train") >= 1 and float(tr[key]).is_integer(), f"train.{key}",
-                    f"must be an integer >= 1, got {tr[key]!r}")
-    require(_number(tr, "lr", "train") > 0, "train.lr", f"must be > 0, got {tr.lr!r}")
-    require(_number(tr, "weight_decay", "train") >= 0, "train.weight_decay", f"must be >= 0, got {tr.weight_decay!r}")
-    betas = list(tr.betas)
-    require(len(betas) == 2 and all(0 <= float(b) < 1 for b in betas), "train.betas",
-            f"must be two numbers in [0, 1), got {betas}")
-    for key in ("warmup_ratio", "min_lr_ratio"):
-        require(0 <= _number(tr, key, "train") <= 1, f"train.{key}", f"must be in [0, 1], got {tr[key]!r}")
-    require(_number(tr, "decay_gamma", "train") > 0, "train.decay_gamma", f"must be > 0, got {tr.decay_gamma!r}")
-    weights = OmegaConf.to_container(tr.loss_weights, resolve=True)
-    unknown = sorted(set(weights) - {"ce", "l1", "conf"})
-    require(not unknown, "train.loss_weights", f"unknown keys {unknown} (ce, l1, conf)")
-    require(all(float(v) >= 0 for v in weights.values()) and sum(map(float, weights.values())) > 0,
-            "train.loss_weights", f"weights must be >= 0 and not all 0, got {weights}")
-    max_length = int(_number(cfg.data, "max_length", "data"))
-    require(int(tr.num_anchors) < max_length, "train.num_anchors",
-            f"{tr.num_anchors} anchors cannot fit in a sequence of data.max_length={max_length} (an anchor a needs "
-            f"a loss-masked token a+1): use fewer than {max_length}")
+def check_train(values: dict) -> None:
+    tr, data = values["train"], values["data"]
+    require(tr["num_anchors"] < data["max_length"], "train.num_anchors",
+            f"{tr['num_anchors']} anchors cannot fit in a sequence of data.max_length={data['max_length']} (an anchor "
+            f"a needs a loss-masked token a+1): use fewer than {data['max_length']}")
 
 
-def check_trainer(cfg: DictConfig) -> None:
+def check_trainer(values: dict) -> None:
     """The Trainer keys the run depends on (the rest Lightning checks when the Trainer is built)."""
-    training_steps(cfg)
-    acc = cfg.trainer.get("accumulate_grad_batches")
+    t = values["trainer"]
+    steps = t.get("max_steps")
+    require(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1, "trainer.max_steps",
+            f"must be an int >= 1 (runs are bounded by steps: the data and the LR schedule follow it), got {steps!r}")
+    acc = t.get("accumulate_grad_batches")
     require(isinstance(acc, int) and acc >= 1, "trainer.accumulate_grad_batches", f"must be an int >= 1, got {acc!r}")
-    require(not cfg.trainer.get("use_distributed_sampler"), "trainer.use_distributed_sampler",
+    require(not t.get("use_distributed_sampler"), "trainer.use_distributed_sampler",
             "must stay false: ChatDataModule shards, shuffles and resumes its own batches")
+    if str(t.get("strategy", "")).startswith("deepspeed"):
+        import importlib.util
+
+        require(importlib.util.find_spec("deepspeed") is not None, "trainer.strategy",
+                "DeepSpeed needs `pip install dspark[deepspeed]`")
+    for name, spec in (values.get("logger") or {}).items():
+        if spec is not None and str(spec["_target_"]).endswith("WandbLogger"):
+            import importlib.util
+
+            require(importlib.util.find_spec("wandb") is not None, f"logger.{name}",
+                    "W&B needs `pip install dspark[wandb]`")
 
 
-def check_data(cfg: DictConfig) -> None:
-    data = cfg.data
-    require(data.source in DATA_SOURCES, "data.source", f"{data.source!r} is not one of {DATA_SOURCES}")
-    depth_key, _ = drafts_per_step(cfg)
-    depth = int(_number(cfg.draft, depth_key, "draft"))
-    require(int(_number(data, "max_length", "data")) > depth + 1, "data.max_length",
-            f"{data.max_length} is too short for draft.{depth_key} {depth}")
-    require(int(_number(data, "val_examples", "data")) >= 1, "data.val_examples",
-            f"must be >= 1 (the held-out metrics need examples), got {data.val_examples!r}")
-    require(int(_number(data, "min_loss_tokens", "data")) >= 0, "data.min_loss_tokens",
-            f"must be >= 0, got {data.min_loss_tokens!r}")
-    if data.limit is not None:
-        require(int(_number(data, "limit", "data")) >= 1, "data.limit", f"must be >= 1 or null, got {data.limit!r}")
-    if data.source != "sharegpt":
-        require(data.path is not None and Path(str(data.path)).is_file(), "data.path",
-                f"{data.path!r} is not a file")
-        if data.strict:  # refuse a malformed line now, naming it, not after the target has loaded
+def check_data(values: dict) -> None:
+    data, draft = values["data"], values["draft"]
+    fam = registry.family(str(draft["kind"]))
+    depth_key = fam.config.DRAFTS_KEY
+    depth = draft.get(depth_key)
+    require(isinstance(depth, int) and depth >= 1, f"draft.{depth_key}", f"must be an int >= 1, got {depth!r}")
+    require(data["max_length"] > depth + 1, "data.max_length",
+            f"{data['max_length']} is too short for draft.{depth_key} {depth}")
+    if data["source"] != "sharegpt":
+        require(data["path"] is not None and Path(str(data["path"])).is_file(), "data.path",
+                f"{data['path']!r} is not a file")
+        if data["strict"]:  # refuse a malformed line now, naming it, not after the target has loaded
             from itertools import islice
 
             from dspark.data.jsonl import iter_jsonl_records
 
-            limit = None if data.limit is None else int(data.limit)
-            for _ in islice(iter_jsonl_records(str(data.path), strict=True), limit):
+            for _ in islice(iter_jsonl_records(str(data["path"]), strict=True), data["limit"]):
                 pass
-    if data.get("feature_cache") not in (None, "", False):
-        from dspark.factory import FEATURE_PRODUCERS, cache_layout
-
-        producer = str(data.get("feature_producer", "hf"))
-        require(producer in FEATURE_PRODUCERS, "data.feature_producer",
-                f"{producer!r} is not one of {FEATURE_PRODUCERS}")
-        cache_layout(cfg)  # the layout's values, and row-dropping layouts only for block objectives
+    if data["feature_cache"] in (None, "", False):
+        return
+    require(not getattr(fam.draft, "needs_pre_head", False), "data.feature_cache",
+            f"the cache stores no pre-hc_head stream, which draft.kind={fam.kind} reads; set it to null")
+    layout = data["feature_cache_layout"]
+    drops = layout["teacher_rows"] != "all" or layout["context_rows"] != "all"
+    require(not drops or fam.objective == "block", "data.feature_cache_layout",
+            f"teacher_rows={layout['teacher_rows']} / context_rows={layout['context_rows']} drop rows only a block "
+            f"objective never reads; draft.kind={fam.kind} trains the {fam.objective!r} objective, which reads the "
+            "final hidden of every context position: use teacher_rows=all, context_rows=all")
 
 
 def _target_hf_config(cfg: DictConfig):
@@ -123,19 +118,27 @@ def _tokenizer(cfg: DictConfig):
         return None
 
 
-def check_draft(cfg: DictConfig) -> None:
-    """The draft group built into its family's config against the target's config.json (dspark.models.registry)."""
-    registry.family(str(cfg.draft.kind))  # draft.kind first, even for a target this check cannot read
+def check_draft(cfg: DictConfig) -> dict | None:
+    """The draft group built into its family's config against the target's config.json (dspark.models.registry):
+    taps inside the target, hidden size, mask token, the family's own rules. -> the resolved draft group (as
+    draft/draft_config.json and the checkpoints hold it), None for a target this check cannot read (a Hub id)."""
     hf_config = _target_hf_config(cfg)
     if hf_config is None:
-        return
+        return None
     tokenizer = _tokenizer(cfg) if cfg.draft.get("mask_token_id", 0) is None else None
-    registry.build_config(cfg.draft, hf_config, tokenizer)
+    config = registry.build_config(cfg.draft, hf_config, tokenizer)
+    return registry.resolved_group(config, str(cfg.draft.kind), cfg.draft)
 
 
-def check_training_config(cfg: DictConfig) -> None:
-    """Raises ConfigError naming the first bad key; loads no model weights."""
-    check_train(cfg)
-    check_trainer(cfg)
-    check_data(cfg)
-    check_draft(cfg)
+def check_training_config(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
+    """Raises ConfigError naming the first bad key; loads no model weights. Returns the resolved plain config, its
+    draft group resolved against the target when the target's config.json is readable here (`draft_resolved`)."""
+    values = schema.check_run_keys(cfg, _overrides() if overrides is None else overrides)
+    check_train(values)
+    check_trainer(values)
+    check_data(values)
+    resolved = check_draft(cfg)
+    if resolved is not None:
+        values["draft"] = resolved
+    values["draft_resolved"] = resolved is not None
+    return values

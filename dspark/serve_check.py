@@ -29,7 +29,7 @@ from omegaconf import DictConfig  # noqa: E402
 from dspark.errors import ConfigError  # noqa: E402
 
 log = logging.getLogger("dspark.serve_check")
-_METHODS = {"DFlashDraftModel": "dflash", "Qwen3DSparkModel": "dspark"}
+_METHODS = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash", "Qwen3DSparkModel": "dspark"}
 
 
 def speculative_method(export_dir: Path) -> str:
@@ -64,13 +64,14 @@ def export_run(cfg: DictConfig, run_dir: Path, kind: str, target_dir: str, out: 
     folder; DeepSeek-V4 DSpark and MTP drafts merged into a copy of the target (how vLLM loads them)."""
     from dspark.export.__main__ import main as export_main
 
-    fmt = {"dspark_dense": "dense", "dspark_v4": "v4", "dsv4_mtp": "mtp", "hyv4_mtp": "mtp"}.get(kind)
-    if fmt is None:
-        raise ValueError(f"draft kind {kind!r}: no vLLM export format")
+    from dspark.export.adapter import primary_adapter
+
+    adapter = primary_adapter(kind)
+    fmt = adapter.cli
     args = [fmt, "--run-dir", str(run_dir), "--target", str(cfg.target.kind), "--out", str(out), "--dtype", "float32"]
     if cfg.target.get("path"):
         args += ["--target-path", str(cfg.target.path)]
-    if fmt != "dense":
+    if adapter.vllm_reads_merged:
         args += ["--merge-into", str(target_dir)]
     code = export_main(args)
     if code:
@@ -116,12 +117,15 @@ def project_decode(cfg: DictConfig, target, draft, draft_group, convs: list[list
 
 def run_serve_check(cfg: DictConfig) -> dict:
     """Both engines on every benchmark; writes and returns the report (module docstring)."""
-    from dspark import factory
     from dspark.evaluation import run_eval as ev
     from dspark.io import atomic_write_json
     from dspark.serving.engine import vllm_python
     from dspark.serving.parity import compare
+    from dspark.targets.source import target_folder
 
+    from dspark.schema import ServeCheckKeys, check_eval_keys
+
+    check_eval_keys(cfg, ServeCheckKeys)
     ev._validate(cfg)
     vllm_python(cfg.get("vllm_python"))  # fail before any decoding when vLLM is missing
     temperature = float(cfg.temperature)
@@ -130,7 +134,7 @@ def run_serve_check(cfg: DictConfig) -> dict:
                     cfg.target.dtype)
     benchmarks = ev.read_benchmarks(cfg)  # checked before any model loads
     target, draft, draft_group, weights, run_dir = ev.build(cfg)
-    tpath = factory.target_folder(cfg)
+    tpath = target_folder(cfg)
     out_dir = ev.resolve_path(cfg.out) if cfg.out else run_dir / "serve_check"
     export_dir = (ev.resolve_path(cfg.export) if cfg.get("export")
                   else export_run(cfg, run_dir, str(draft_group.kind), tpath, out_dir / "export"))

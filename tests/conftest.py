@@ -78,3 +78,37 @@ def reseal(folder) -> None:
     from dspark.integrity import write_manifest
 
     write_manifest(folder)
+
+
+# ---- the end of a test run: how many tests skipped, and why ------------------------------------------------
+def skip_reasons(reports) -> list[tuple[str, int]]:
+    """(reason, count) of skipped test reports, most frequent first (`-ra` lists them one by one)."""
+    from collections import Counter
+
+    counts: Counter = Counter()
+    for rep in reports:
+        longrepr = getattr(rep, "longrepr", None)
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        counts[str(reason).removeprefix("Skipped: ")] += 1
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """After the `-ra` list (printed when the terminal reporter's own summary ends), before the `N passed` line."""
+    try:
+        return (yield)
+    finally:
+        _print_skip_counts(terminalreporter)
+
+
+def _print_skip_counts(terminalreporter) -> None:
+    reasons = skip_reasons(terminalreporter.stats.get("skipped", []))
+    if not reasons:
+        return
+    total = sum(n for _, n in reasons)
+    terminalreporter.section(f"{total} skipped, by reason", sep="-")
+    for reason, n in reasons:
+        terminalreporter.line(f"{n:4d} x {reason}")
+    if any("vllm" in reason.lower() for reason, _ in reasons):
+        terminalreporter.line("what CI runs (vLLM and its sources installed, nothing vLLM skipped): bash .ci/run")

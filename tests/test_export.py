@@ -219,7 +219,7 @@ def test_dense_round_trip_identical_logits(tmp_path, markov_rank, arch):
 
 
 # ---- real size on the meta device --------------------------------------------------------------------
-def test_flash_export_plan_on_meta():
+def test_flash_export_plan_on_meta(tmp_path):
     values = draft_fields(OmegaConf.load(REPO / "configs" / "draft" / "dspark_v4_flash.yaml"))
     with torch.device("meta"):
         draft = DSparkV4Draft(DSparkV4Config.from_dict(values).validate())
@@ -240,7 +240,8 @@ def test_flash_export_plan_on_meta():
     assert not any(n.startswith(("mtp.0.norm", "mtp.1.markov", "mtp.0.hc_head")) for n in plan)
     assert len(plan) == 3 * (12 + 6 + 3 * 257) + 2 + 4 + 2 + 1
     with pytest.raises(ValueError, match="meta"):
-        export_v4_sidecar(draft, "/nonexistent")
+        export_v4_sidecar(draft, tmp_path / "meta")
+    assert list(tmp_path.iterdir()) == [] and not [p for p in tmp_path.parent.iterdir() if p.name.startswith(".meta.")]
 
 
 def test_flash_plan_matches_the_independent_verifier_rules():

@@ -123,7 +123,7 @@ def test_round_trip_bfloat16_keeps_the_fp32_set_and_re_exports_bit_identically(t
         back = _import(out, src)
         # the imported fp32 draft holds exactly the stored values
         serving = dict(stored)
-        again = export_mtp(back, tmp_path / "again", dtype=torch.bfloat16)
+        again = export_mtp(back, tmp_path / f"again-{type(src).__name__}", dtype=torch.bfloat16)  # a new folder
         for n, t in load_file(str(again / "model.safetensors")).items():
             assert t.dtype == serving[n].dtype and torch.equal(t, serving[n]), n
         a, b = _chain_logits(src), _chain_logits(back)
@@ -260,9 +260,12 @@ def test_cli_exports_verifies_and_reimports_a_tiny_mtp_run(tmp_path, experiment,
     res = _cli("mtp", "--run-dir", str(run), "--out", str(out), "--dtype", "float32", *extra)  # target by kind
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.strip().splitlines()
-    assert lines[-2].startswith(f"OK {out}: {fmt}")
+    notes = 2 if experiment == "hyv4_mtp" else 1  # HY: the indexed MTP layer's index_share_for_mtp_iteration note
+    assert lines[-1 - notes].startswith(f"OK {out}: {fmt}")
     # 2 MTP layers: vLLM runs its multi-module speculator for >= 2 speculative tokens (config/speculative.py:2188)
-    assert lines[-1].startswith("  note: num_nextn_predict_layers=2")
+    assert lines[-notes].startswith("  note: num_nextn_predict_layers=2")
+    if experiment == "hyv4_mtp":
+        assert lines[-1].startswith("  note: indexed MTP layer: serve with speculative_config.index_share_for")
     back = import_mtp(out)
     back.share_target_weights(target.embed_weight, target.lm_head_weight)
     assert torch.equal(_chain_logits(draft), _chain_logits(back))
@@ -272,7 +275,7 @@ def test_cli_exports_verifies_and_reimports_a_tiny_mtp_run(tmp_path, experiment,
         merged = tmp_path / "merged"
         res = _cli("mtp", "--run-dir", str(run), "--out", str(merged), "--merge-into", str(TINY_HY_V4_DIR))
         assert res.returncode == 0, res.stdout + res.stderr
-        assert res.stdout.strip().splitlines()[-2].startswith(f"OK {merged}: {fmt}")
+        assert res.stdout.strip().splitlines()[-3].startswith(f"OK {merged}: {fmt}")
         assert (merged / "model-mtp-draft.safetensors").is_file()
     if experiment == "dsv4_mtp":  # HY-only options are refused for a DeepSeek-V4 draft
         res = _cli("mtp", "--run-dir", str(run), "--out", str(tmp_path / "x"), "--layer-names", "layers")

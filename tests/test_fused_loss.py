@@ -204,11 +204,12 @@ def test_markov_latent_reproduces_the_head(markov):
 def test_ops_backend_config_key_is_validated():
     from conftest import compose
 
-    from dspark.factory import ConfigError, build_module
+    from dspark.errors import ConfigError
     from dspark.ops import backend
+    from dspark.schema import check_run_keys
 
-    with pytest.raises(ConfigError, match="ops_backend"):
-        build_module(compose(["ops_backend=cuda"]), None, None)
+    with pytest.raises(ConfigError, match="ops_backend: must be one of auto, torch, tilelang"):
+        check_run_keys(compose(["ops_backend=cuda"]))
     with pytest.raises(ValueError, match="ops_backend must be one of"):
         backend.set_ops_backend("triton")
     assert compose([]).ops_backend == "auto" and compose([]).train.fused_loss is True

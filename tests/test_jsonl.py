@@ -94,3 +94,30 @@ def test_gitignore_covers_the_readme_outputs_and_not_the_sources():
     sources = ["dspark/export/dense.py", "dspark/assets/eval/gsm8k.jsonl", "dspark/data/jsonl.py", "configs/config.yaml"]
     r = subprocess.run(["git", "check-ignore", "--no-index", *outputs, *sources], cwd=repo, capture_output=True, text=True)
     assert sorted(r.stdout.split()) == sorted(outputs)
+
+
+def test_an_invalid_utf8_byte_is_a_malformed_line(tmp_path, caplog):
+    """Before: UnicodeDecodeError out of the file iterator, naming neither the file nor the line, in both modes."""
+    path = tmp_path / "bytes.jsonl"
+    path.write_bytes(b'{"turns": ["ok 1"]}\n{"turns": ["caf\xe9"]}\n{"turns": ["ok 2"]}\n')  # latin-1 byte, line 2
+    stats = JsonlStats()
+    with caplog.at_level(logging.WARNING, logger="dspark.data.jsonl"):
+        recs = read_jsonl_records(path, stats=stats)
+    assert [r["messages"][0]["content"] for r in recs] == ["ok 1", "ok 2"]
+    assert recs[1]["id"] == "bytes-3"  # line numbers unchanged after the bad line
+    assert stats.skipped == 1 and stats.bad_lines == [2]
+    assert "skipped 1 malformed line(s) (lines 2;" in caplog.text and "not valid UTF-8" in caplog.text
+    with pytest.raises(JsonlFormatError, match=r"bytes\.jsonl:2: malformed prompt line: not valid UTF-8 \(byte 0xe9 "
+                                               r"at column 16\)"):
+        read_jsonl_records(path, strict=True)
+
+
+def test_strict_refusal_is_a_one_line_user_error(tmp_path):
+    """JsonlFormatError is a UserError: the CLIs' one_line_errors print it as one line and exit 2."""
+    from dspark.errors import UserError, one_line_errors
+
+    path = _write(tmp_path / "bad.jsonl", BAD_LINES[:2])
+    with pytest.raises(SystemExit) as exit_info:
+        with one_line_errors("train.py"):
+            read_jsonl_records(path, strict=True)
+    assert exit_info.value.code == 2 and issubclass(JsonlFormatError, (UserError, ValueError))

@@ -1,4 +1,4 @@
-"""No leakage through the packed training forward (SPEC.md 2-3), for the DeepSeek-V4 and dense drafts:
+"""No leakage through the packed training forward (docs/CONTRACTS.md §2-3), for the DeepSeek-V4 and dense drafts:
 a block's draft logits depend on the context before its anchor and on x_a only, never on later tokens or
 on other blocks packed into the same sequence."""
 import pytest

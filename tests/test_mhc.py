@@ -1,4 +1,4 @@
-"""mHC reference math vs a loop-by-loop transcription of SPEC.md 4 and vs transformers' modules."""
+"""mHC reference math vs a loop-by-loop transcription of docs/CONTRACTS.md §4 and vs transformers' modules."""
 
 import math
 
@@ -20,7 +20,7 @@ def _params(seed: int, hc: int = HC, hidden: int = H):
     return fn, base, scale
 
 
-# ---- SPEC.md 4 written out with Python loops, one token x [hc][H] at a time -------------------------
+# ---- docs/CONTRACTS.md §4 written out with Python loops, one token x [hc][H] at a time -------------------------
 def _spec_mix(x_tok, fn):
     f = [x_tok[j][d].item() for j in range(len(x_tok)) for d in range(len(x_tok[0]))]
     inv = 1.0 / math.sqrt(sum(v * v for v in f) / len(f) + NORM_EPS)

@@ -56,15 +56,12 @@ def test_dsv4_mtp_tiny_run_trains_and_evaluates(tmp_path):
 
 
 def test_mtp_config_errors_name_the_key(tmp_path):
-    from dspark import factory
+    from dspark.preflight import check_training_config
 
-    with pytest.raises(ConfigError, match="train.mtp_loss_weights"):
-        cfg = compose(["experiment=dsv4_mtp", "+train.mtp_loss_weights.l1=1.0"])
-        target = factory.build_target(cfg)
-        factory.build_module(cfg, factory.build_draft(cfg, target), target)
+    with pytest.raises(ConfigError, match="train.mtp_loss_weights"):  # before any model loads (dspark.preflight)
+        check_training_config(compose(["experiment=dsv4_mtp", "+train.mtp_loss_weights.l1=1.0"]), [])
     with pytest.raises(ConfigError, match="draft.num_steps"):
-        cfg = compose(["experiment=dsv4_mtp", "draft.num_steps=0"])
-        factory.build_draft(cfg, factory.build_target(cfg))
+        check_training_config(compose(["experiment=dsv4_mtp", "draft.num_steps=0"]), [])
     with pytest.raises(ConfigError, match="data.feature_cache"):
         run_training(compose(["experiment=dsv4_mtp"] + TINY_RUN + [f"run_dir={tmp_path}", "data.feature_cache=auto"]))
 

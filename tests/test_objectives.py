@@ -1,4 +1,4 @@
-"""Every loss part and metric against a naive per-row loop (SPEC.md 3)."""
+"""Every loss part and metric against a naive per-row loop (docs/CONTRACTS.md §3)."""
 import math
 
 import torch

@@ -210,6 +210,80 @@ def test_generator_unavailable_aborts_instead_of_failing_records(tmp_path):
     assert out.read_text() == "" and failed_path_for(out).read_text() == ""
 
 
+class TokenEcho(EchoGenerator):
+    """EchoGenerator whose answers say how many tokens they are (len of the text) and tick a fake clock."""
+
+    def __init__(self, clock, seconds_per_call=30.0, **kw):
+        super().__init__(**kw)
+        self.clock, self.seconds_per_call = clock, seconds_per_call
+
+    def generate(self, batch, sampling=None):
+        self.clock.now += self.seconds_per_call
+        return [Completion(str(a), a.finish_reason, len(a)) for a in super().generate(batch, sampling)]
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_progress_lines_give_rate_tokens_and_eta(tmp_path, caplog):
+    """Every `progress_every` records: records in the output / limit, records/min, answer tokens/s over this
+    run's generation time, ETA of the records not read yet; resumed runs count only their own work."""
+    clock = FakeClock()
+    out = tmp_path / "regen.jsonl"
+    records = make_records(12)
+    with caplog.at_level("INFO", logger="dspark.data.regenerate"):
+        regenerate(records, TokenEcho(clock), out, batch_size=2, limit=10, progress_every=4, clock=clock)
+    lines = [r.getMessage() for r in caplog.records if "records in the output" in r.getMessage()]
+    # 2 records per 30 s call: 4.0 records/min; reports after 4 and 8 records, and the last at 10
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("regenerate: 4/10 records in the output (this run: done=4 failed=0 skipped=0 total=4)")
+    assert "4.0 records/min" in lines[0] and "ETA 1m30s (6 records not read yet)" in lines[0]
+    tokens = sum(len(f"ans(q{i}.0)#0") for i in range(4))
+    assert f"{tokens / 60:.1f} answer tokens/s" in lines[0]
+    assert lines[-1].startswith("regenerate: 10/10 records in the output") and "ETA 0s" in lines[-1]
+    rows = read_lines(out)
+    assert [r["meta"]["answer_tokens"] for r in rows] == [[len(r["messages"][-1]["content"])] for r in rows]
+
+    caplog.clear()  # resume with a larger limit: the skipped prefix is not generation time
+    clock.now += 5000
+    with caplog.at_level("INFO", logger="dspark.data.regenerate"):
+        stats = regenerate(records, TokenEcho(clock), out, batch_size=2, limit=12, progress_every=100, clock=clock)
+    assert (stats.done, stats.skipped) == (2, 10)
+    lines = [r.getMessage() for r in caplog.records if "records in the output" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("regenerate: 12/12 records in the output")
+    assert "4.0 records/min" in lines[0]
+
+
+def test_progress_without_token_counts_or_limit(tmp_path, caplog):
+    clock = FakeClock()
+
+    class Ticking(EchoGenerator):
+        def generate(self, batch, sampling=None):
+            clock.now += 60.0
+            return super().generate(batch, sampling)
+
+    with caplog.at_level("INFO", logger="dspark.data.regenerate"):
+        regenerate(make_records(3), Ticking(), tmp_path / "o.jsonl", batch_size=3, clock=clock)
+    (line,) = [r.getMessage() for r in caplog.records if "records in the output" in r.getMessage()]
+    assert line.startswith("regenerate: 3 records in the output") and line.endswith("3.0 records/min")
+    assert read_lines(tmp_path / "o.jsonl")[0]["meta"]["answer_tokens"] == [None]
+
+
+def test_source_and_license_of_a_record_reach_its_output_line(tmp_path):
+    records = make_records(2)
+    records[0] = {**records[0], "source": "reasoning-gym/leg_counting", "license": "Apache-2.0", "other": 1}
+    regenerate(records, EchoGenerator(), tmp_path / "o.jsonl")
+    rows = read_lines(tmp_path / "o.jsonl")
+    assert rows[0]["meta"]["source"] == "reasoning-gym/leg_counting" and rows[0]["meta"]["license"] == "Apache-2.0"
+    assert "other" not in rows[0]["meta"] and "source" not in rows[1]["meta"]
+    assert set(rows[0]) == {"id", "messages", "meta"}
+
+
 def test_state_reader_rejects_damage_in_the_middle(tmp_path):
     path = tmp_path / "x.jsonl"
     path.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')

@@ -12,16 +12,109 @@ from dspark.models import registry
 from dspark.training.modules import MODULES
 
 
-def test_every_family_registers_itself_with_an_objective_and_a_serving_adapter():
-    fams = registry.families()
-    assert set(fams) == {"dspark_v4", "dspark_dense", "dsv4_mtp", "hyv4_mtp"}
+def contract_problems(fam) -> list[str]:
+    """What every registered family must meet (docs/design.md, "How to add a family")."""
+    import dataclasses
+
+    from dspark import schema
+
+    problems = []
+    if fam.draft.family_kind != fam.kind:
+        problems.append("draft class does not carry its kind")
+    if fam.objective not in MODULES:
+        problems.append(f"objective {fam.objective!r} is not one of {sorted(MODULES)}")
+    if fam.drafts_key not in fam.group_keys:
+        problems.append(f"DRAFTS_KEY {fam.drafts_key!r} is not a group key")
+    fields = {f.name for f in dataclasses.fields(fam.config)}
+    if not set(fam.group_keys) <= fields:
+        problems.append(f"group keys {sorted(set(fam.group_keys) - fields)} are not config fields")
+    if set(fam.group_keys) & set(registry.NOT_CONFIG_KEYS):
+        problems.append("a group key clashes with kind / init_from_target / arch")
+    if not hasattr(fam.config, "from_target_config") or not ("block_size" in fields or hasattr(fam.config, "block_size")):
+        problems.append("config lacks from_target_config / block_size")
+    if fam.default_target is not None and fam.default_target not in schema.TARGET_KINDS:
+        problems.append(f"DEFAULT_TARGET {fam.default_target!r} is not a target kind")
     served = {cls.kind for cls in adapters()}
+    if fam.kind not in served and not getattr(fam.config, "NOT_SERVED", None):
+        problems.append("no serving adapter in dspark/export/ (and no NOT_SERVED reason)")
+    return problems
+
+
+def test_every_registered_family_meets_the_contract():
+    fams = registry.families()
+    assert fams, "no family registered"
     for kind, fam in fams.items():
-        assert fam.draft.family_kind == kind and fam.objective in MODULES, kind
-        assert kind in served, f"{kind} has no serving adapter"
-        assert fam.config.DRAFTS_KEY in fam.group_keys, kind
+        assert contract_problems(fam) == [], kind
     with pytest.raises(ConfigError, match="draft.kind: 'eagle3' is not one of"):
         registry.family("eagle3")
+
+
+TOY = """
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch.nn as nn
+
+from dspark.models.common import SharedTargetWeights
+from dspark.models.registry import register
+
+
+@dataclass(kw_only=True)
+class ToyConfig:
+    GROUP_KEYS: ClassVar[tuple] = ("num_layers", "num_steps")
+    DRAFTS_KEY: ClassVar[str] = "num_steps"
+    DEFAULT_TARGET: ClassVar = "tiny_v4"
+    NOT_SERVED: ClassVar[str] = "a test family"
+    vllm_method: ClassVar[str] = "mtp"
+    num_layers: int = 1
+    num_steps: int = 2
+    hidden_size: int = 0
+    vocab_size: int = 0
+
+    @property
+    def block_size(self):
+        return self.num_steps
+
+    @classmethod
+    def from_target_config(cls, hf_config, **keys):
+        return cls(hidden_size=hf_config.hidden_size, vocab_size=hf_config.vocab_size, **keys)
+
+
+@register("toy_mtp", config=ToyConfig, objective="mtp")
+class ToyDraft(SharedTargetWeights, nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+"""
+
+
+def test_a_new_family_is_one_file_and_meets_the_contract(tmp_path, monkeypatch):
+    """One new module in a folder of dspark.models' package path: the registry finds it, it meets the contract, and
+    its draft group is checked by the schema (unknown keys refused) and built against a target config, with no other
+    edit."""
+    import dspark.models as models
+    from transformers import AutoConfig
+
+    from conftest import compose
+    from dspark import schema
+    from dspark.targets.tiny_v4 import TINY_V4_DIR
+
+    (tmp_path / "toy_family.py").write_text(TOY)
+    monkeypatch.setattr(models, "__path__", [*models.__path__, str(tmp_path)])
+    monkeypatch.setattr(registry, "_discovered", False)
+    monkeypatch.setattr(registry, "_FAMILIES", dict(registry._FAMILIES))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fam = registry.family("toy_mtp")
+    assert contract_problems(fam) == []
+    cfg = compose(["experiment=dsv4_mtp"])
+    group = {"kind": "toy_mtp", "num_layers": 1, "num_steps": 3, "init_from_target": False, "arch": {}}
+    cfg.draft = group
+    schema.check_run_keys(cfg)
+    built = registry.build_config(group, AutoConfig.from_pretrained(str(TINY_V4_DIR)))
+    assert built.block_size == 3 and built.hidden_size > 0
+    cfg.draft = {**group, "num_step": 3}
+    with pytest.raises(ConfigError, match=r"draft\.num_step: unknown key \(did you mean draft\.num_steps\?\)"):
+        schema.check_run_keys(cfg)
 
 
 @pytest.mark.parametrize("name", ["dspark_v4_flash", "dspark_v4_pro"])

@@ -24,6 +24,8 @@ def train_losses(run_dir) -> dict[int, float]:
     """step -> train/loss from every CSV log version of a run (later versions win)."""
     out = {}
     for version in sorted((run_dir / "logs").glob("version_*")):
+        if not (version / "metrics.csv").is_file():  # a start killed before its logger wrote anything
+            continue
         with open(version / "metrics.csv") as fh:
             for row in csv.DictReader(fh):
                 if row.get("train/loss"):
@@ -34,6 +36,8 @@ def train_losses(run_dir) -> dict[int, float]:
 def val_taus(run_dir) -> list[float]:
     out = []
     for version in sorted((run_dir / "logs").glob("version_*")):
+        if not (version / "metrics.csv").is_file():  # a start killed before its logger wrote anything
+            continue
         with open(version / "metrics.csv") as fh:
             out += [float(r["val/tau_prob"]) for r in csv.DictReader(fh) if r.get("val/tau_prob") and int(r["step"])]
     return out

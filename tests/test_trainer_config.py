@@ -11,7 +11,8 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import OmegaConf
 
 from conftest import REPO, compose
-from dspark.factory import ConfigError, training_steps
+from dspark.errors import ConfigError
+from dspark.preflight import check_training_config
 from dspark.training.callbacks import RichStepProgressBar, TQDMStepProgressBar
 from dspark.training.trainer import build_loggers, make_trainer
 
@@ -34,7 +35,7 @@ def test_trainer_keys_override_as_lightning_users_type_them(tmp_path):
                   "trainer.gradient_clip_val=0.5", "trainer.log_every_n_steps=3", "trainer.limit_val_batches=2")
     assert (tr.max_steps, tr.accumulate_grad_batches, tr.val_check_interval) == (5, 2, 4)
     assert (tr.gradient_clip_val, tr.log_every_n_steps, tr.limit_val_batches) == (0.5, 3, 2)
-    assert training_steps(compose(["trainer.max_steps=5"])) == 5  # the data length and LR schedule follow it
+    assert check_training_config(compose(["trainer.max_steps=5"]), [])["trainer"]["max_steps"] == 5
     for preset in ("gpu", "ddp", "deepspeed_zero2"):  # every preset keeps every key
         assert compose([f"trainer={preset}", "trainer.max_steps=5"]).trainer.max_steps == 5
 
@@ -44,8 +45,7 @@ def test_trainer_keys_override_as_lightning_users_type_them(tmp_path):
 def test_trainer_values_the_run_cannot_honour_are_refused_by_key(tmp_path, override, key):
     cfg = compose([f"run_dir={tmp_path}", override])
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        training_steps(cfg)
-        make_trainer(cfg, [], [])
+        check_training_config(cfg, [])  # refused before any model loads (dspark.preflight)
 
 
 def test_default_callbacks(tmp_path):
@@ -68,7 +68,7 @@ def test_callback_group_options(tmp_path):
                   "trainer.enable_progress_bar=false")
     assert not any(isinstance(c, (LearningRateMonitor, ModelCheckpoint, ProgressBar)) for c in tr.callbacks)
     with pytest.raises(ConfigError, match=r"callbacks\.bad: needs a _target_"):
-        _trainer(tmp_path, "+callbacks.bad={patience: 3}")
+        check_training_config(compose([f"run_dir={tmp_path}", "+callbacks.bad={patience: 3}"]), [])
 
 
 def test_logger_groups(tmp_path):
@@ -83,4 +83,4 @@ def test_logger_groups(tmp_path):
         import wandb as _  # noqa: F401
     except ImportError:
         with pytest.raises(ConfigError, match=r"logger\.wandb: .*pip install dspark\[wandb\]"):
-            build_loggers(compose([f"run_dir={tmp_path}", "logger=wandb"]))
+            check_training_config(compose([f"run_dir={tmp_path}", "logger=wandb"]), [])

@@ -345,16 +345,17 @@ def test_cache_built_as_its_own_job_is_the_one_training_reuses(tiny, tmp_path, m
     from test_feature_cache import NoTargetForward
 
     from dspark.data.feature_cache import FeatureCache
-    from dspark.factory import build_feature_cache_offline
+    from dspark.data.feature_cache_build import build_feature_cache_offline
+    from dspark.factory import build_dataset
     from dspark.training.run import run_training
 
     monkeypatch.setattr(engine, "VLLMWorker", FakeExtractWorker)
     FakeExtractWorker.started = 0
     cfg = _train_cfg(tiny, tmp_path / "run", "auto", "vllm", "/nonexistent/python")
-    path = build_feature_cache_offline(cfg)
+    path = build_feature_cache_offline(cfg, build_dataset)
     assert FakeExtractWorker.started == 1 and FeatureCache(path).meta["producer"] == "vllm"
     run_training(_train_cfg(tiny, tmp_path / "run", "auto", "vllm", "/nonexistent/python"),
                  callbacks=(NoTargetForward(),))
     assert FakeExtractWorker.started == 1  # reused: the same key, found where training looks
     with pytest.raises(ValueError, match="feature_producer"):
-        build_feature_cache_offline(_train_cfg(tiny, tmp_path / "run2", "auto", "hf", "/nonexistent/python"))
+        build_feature_cache_offline(_train_cfg(tiny, tmp_path / "run2", "auto", "hf", "/nonexistent/python"), build_dataset)

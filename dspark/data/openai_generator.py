@@ -166,7 +166,9 @@ class OpenAIChatGenerator:
             content = choice["message"].get("content")
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise GenerationError(f"unexpected response shape from {self.url}: {str(payload)[:300]}") from exc
-        return Completion(content or "", choice.get("finish_reason"))
+        usage = payload.get("usage") if isinstance(payload, dict) else None
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        return Completion(content or "", choice.get("finish_reason"), tokens if isinstance(tokens, int) else None)
 
     def _complete_or_error(self, messages: Sequence[Message], sampling: SamplingParams):
         try:

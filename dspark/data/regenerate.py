@@ -1,4 +1,4 @@
-"""Regenerate the assistant answers of conversation records with the target (SPEC.md section 3): the
+"""Regenerate the assistant answers of conversation records with the target (docs/CONTRACTS.md §3): the
 resumable loop.
 
 A draft is trained on text its target would write, so the original assistant turns of a prompt set
@@ -19,9 +19,11 @@ A draft is trained on text its target would write, so the original assistant tur
 Output and resumption (the file is the state; nothing else is kept):
 
 * ``out_path``: one JSON line per finished record, ``{"id", "messages", "meta"}`` with
-  ``meta = {"generator", "sampling", "finish_reasons"}`` (one finish reason per regenerated turn:
-  "stop", "length" or null when the generator does not say). Lines are appended, flushed and
-  fsynced once per batch.
+  ``meta = {"generator", "sampling", "finish_reasons", "answer_tokens"}`` (per regenerated turn: its
+  finish reason, "stop", "length" or null when the generator does not say, and its answer length in
+  tokens, null when unknown), plus the input record's ``source`` and ``license`` when it carries them
+  (where the prompt came from and under which terms). Lines are appended, flushed and fsynced once per
+  batch.
 * ``<out_path>.failed.jsonl``: one line per record that could not be regenerated (the generator
   raised for it, returned an empty answer, or the record has no user turn), with the error. Failed
   ids are skipped on later runs unless ``retry_failed=True``; the sidecar is compacted at the end of
@@ -30,6 +32,10 @@ Output and resumption (the file is the state; nothing else is kept):
   skipped; a partial last line (a crash mid-write) is truncated away, and its record regenerated.
   Duplicate ids in the input are skipped after the first. So every id ends up exactly once in
   ``out_path`` or in the sidecar: no duplicates, no losses.
+
+Progress: every ``progress_every`` records (and at the end) one INFO line: records in the output / the
+expected total (``limit``), this run's done / failed / skipped, records per minute and answer tokens per
+second over this run's generation time, and the ETA of the records not yet read (:class:`Progress`).
 
 Failure classes: :class:`GenerationError` (and any other ``Exception`` from ``generate``) is
 about one record and ends in the sidecar; :class:`GeneratorUnavailable` means the generator as a
@@ -59,6 +65,8 @@ from dspark.data.generator import (
 )
 
 logger = logging.getLogger(__name__)
+
+PROVENANCE_KEYS = ("source", "license")  # input record fields copied into the output line's meta
 
 # --------------------------------------------------------------------------------------------
 # The resumable regeneration loop
@@ -191,15 +199,18 @@ class _Job:
     turn: int = 0  # answers generated so far
     messages: list[Message] = field(default_factory=list)  # the conversation being rebuilt
     finish_reasons: list[str | None] = field(default_factory=list)
+    answer_tokens: list[int | None] = field(default_factory=list)
     error: str | None = None
+    provenance: dict = field(default_factory=dict)  # the record's "source" / "license", if any
 
     @classmethod
     def start(cls, rid: str, record: dict) -> "_Job":
         """A job for a record; an invalid record gives a job that is failed from the start."""
+        provenance = {k: record[k] for k in PROVENANCE_KEYS if isinstance(record.get(k), str)}
         try:
-            return cls(rid, plan_record(record))
+            return cls(rid, plan_record(record), provenance=provenance)
         except ValueError as exc:
-            return cls(rid, [], error=f"invalid record: {exc}")
+            return cls(rid, [], error=f"invalid record: {exc}", provenance=provenance)
 
     def next_prompt(self) -> list[Message] | None:
         """Advance over kept turns; the prompt for the next answer, or None when finished."""
@@ -211,9 +222,10 @@ class _Job:
             self.cursor += 1
         return None
 
-    def add_answer(self, text: str, finish_reason: str | None) -> None:
+    def add_answer(self, text: str, finish_reason: str | None, num_tokens: int | None = None) -> None:
         self.messages.append({"role": "assistant", "content": text})
         self.finish_reasons.append(finish_reason)
+        self.answer_tokens.append(num_tokens)
         self.cursor += 1
         self.turn += 1
 
@@ -290,7 +302,7 @@ def _process_batch(generator, jobs: list[_Job], sampling: SamplingParams) -> Non
             elif not output.strip():
                 job.error = f"turn {job.turn}: empty output"
             else:
-                job.add_answer(str(output), getattr(output, "finish_reason", None))
+                job.add_answer(str(output), getattr(output, "finish_reason", None), getattr(output, "num_tokens", None))
 
 
 @dataclass
@@ -304,13 +316,71 @@ class _Sink:
 
     def write(self, jobs: list[_Job]) -> tuple[list[str], int]:
         """Append finished jobs to the output, failed ones to the sidecar; (done ids, number failed)."""
-        good = [{"id": j.rid, "messages": j.messages, "meta": {**self.meta, "finish_reasons": j.finish_reasons}}
+        good = [{"id": j.rid, "messages": j.messages,
+                 "meta": {**self.meta, "finish_reasons": j.finish_reasons, "answer_tokens": j.answer_tokens,
+                          **j.provenance}}
                 for j in jobs if j.error is None]
         bad = [{"id": j.rid, "error": j.error, "generator": self.generator_name,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S")} for j in jobs if j.error is not None]
         _append_lines(self.out, good)  # finished records first: a crash between the two loses nothing
         _append_lines(self.failed, bad)
         return [row["id"] for row in good], len(bad)
+
+
+def _duration(seconds: float) -> str:
+    """``3h05m``, ``12m30s`` or ``45s``."""
+    seconds = max(0, int(round(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+@dataclass
+class Progress:
+    """Rate and ETA of one run. Time counts from the first generator call of the run (reading and
+    skipping records done earlier is not generation); ``add`` is called after each batch."""
+
+    expected_total: int | None  # records the run is meant to cover (``limit``), None when unknown
+    every: int = 1  # report after at least this many newly settled records
+    clock: object = time.perf_counter
+    started: float | None = None
+    settled: int = 0  # done + failed in this run
+    tokens: int = 0  # answer tokens of this run's done records (those the generator counted)
+    tokens_known: bool = True  # every answer so far came with a token count
+    last_reported: int = 0
+
+    def start(self) -> None:
+        if self.started is None:
+            self.started = self.clock()
+
+    def add(self, jobs: list[_Job]) -> None:
+        self.settled += len(jobs)
+        for job in jobs:
+            if job.error is None:
+                if any(t is None for t in job.answer_tokens):
+                    self.tokens_known = False
+                self.tokens += sum(t for t in job.answer_tokens if t is not None)
+
+    def due(self) -> bool:
+        return self.settled - self.last_reported >= max(1, self.every)
+
+    def line(self, stats: RegenStats, in_output: int) -> str:
+        """``1234/4000 records in the output (this run: done=.. failed=.. skipped=.. read=..), 15.3
+        records/min, 41.0 answer tokens/s, ETA 3h01m``; ETA counts the records not read yet."""
+        self.last_reported = self.settled
+        elapsed = self.clock() - self.started if self.started is not None else 0.0
+        total = f"/{self.expected_total}" if self.expected_total is not None else ""
+        text = f"{in_output}{total} records in the output (this run: {stats.summary()})"
+        if elapsed <= 0 or self.settled == 0:
+            return text
+        per_min = 60.0 * self.settled / elapsed
+        text += f", {per_min:.1f} records/min"
+        if self.tokens_known:
+            text += f", {self.tokens / elapsed:.1f} answer tokens/s"
+        if self.expected_total is not None:
+            remaining = max(0, self.expected_total - stats.total)
+            text += f", ETA {_duration(60.0 * remaining / per_min)} ({remaining} records not read yet)"
+        return text
 
 
 @dataclass
@@ -321,22 +391,29 @@ class _Run:
     sampling: SamplingParams
     sink: _Sink
     state: ResumeState
+    progress: Progress
     stats: RegenStats = field(default_factory=RegenStats)
-    started: float = field(default_factory=time.perf_counter)
 
     def finish_batch(self, jobs: list[_Job]) -> None:
-        """Generate every turn of a batch, write the results, count them."""
+        """Generate every turn of a batch, write the results, count them, report progress when due."""
+        self.progress.start()
         _process_batch(self.generator, jobs, self.sampling)
         done_ids, n_failed = self.sink.write(jobs)
         self.state.done.update(done_ids)
         self.stats.done += len(done_ids)
         self.stats.failed += n_failed
-        logger.info("regenerate: %s (%.1f s)", self.stats.summary(), time.perf_counter() - self.started)
+        self.progress.add(jobs)
+        if self.progress.due():
+            self.report()
+
+    def report(self) -> None:
+        logger.info("regenerate: %s", self.progress.line(self.stats, len(self.state.done)))
 
 
 def regenerate(records: Iterable[dict], generator: Generator, out_path: str | os.PathLike, *,
                batch_size: int = 8, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int = 0, limit: int | None = None, retry_failed: bool = False) -> RegenStats:
+               seed: int = 0, limit: int | None = None, retry_failed: bool = False,
+               progress_every: int = 1, clock=time.perf_counter) -> RegenStats:
     """Regenerate the assistant turns of ``records`` with ``generator`` into ``out_path`` (resumable).
 
     Args:
@@ -347,6 +424,8 @@ def regenerate(records: Iterable[dict], generator: Generator, out_path: str | os
             :class:`SamplingParams`); recorded in every output line's ``meta``.
         limit: consider only the first ``limit`` input records (the same set again on resume).
         retry_failed: regenerate records that failed in earlier runs instead of skipping them.
+        progress_every: log a progress line (rate, ETA against ``limit``) after at least this many
+            newly settled records, and once at the end; ``clock``: its time source (tests).
 
     Returns the :class:`RegenStats` of this run (also logged). See the module docstring for the
     file formats and the failure policy.
@@ -362,7 +441,7 @@ def regenerate(records: Iterable[dict], generator: Generator, out_path: str | os
 
     with open(out_path, "a", encoding="utf-8") as out, open(failed_path, "a", encoding="utf-8") as failed:
         run = _Run(generator, sampling, _Sink(out, failed, name, {"generator": name, "sampling": asdict(sampling)}),
-                   state)
+                   state, Progress(limit, progress_every, clock))
         stats = run.stats
         try:
             pending: list[_Job] = []
@@ -380,6 +459,8 @@ def regenerate(records: Iterable[dict], generator: Generator, out_path: str | os
                     pending = []
             if pending:
                 run.finish_batch(pending)
+            if run.progress.last_reported != run.progress.settled or run.progress.settled == 0:
+                run.report()
         finally:
             with contextlib.suppress(OSError, ValueError):
                 failed.flush()

@@ -1,4 +1,4 @@
-"""Confidence analysis of a real speculative-decoding run (SPEC.md 3): STS fitted on a held-out split,
+"""Confidence analysis of a real speculative-decoding run (docs/CONTRACTS.md §3): STS fitted on a held-out split,
 calibration before/after, threshold sweep, and the prefix-scheduler simulation against fixed-length
 verification with an SPS(B) curve of the target.
 
@@ -91,7 +91,9 @@ def confidence_report(
     report = {
         "split": {"fit_requests": len(fit), "fit_blocks": int(len(z_fit)), "heldout_requests": len(held),
                   "heldout_blocks": int(len(z_held))},
-        "calibration": cal.calibration_report(z_held, acc_held, temps),
+        "calibration": {**cal.calibration_report(z_held, acc_held, temps),
+                        "fit_bounds": [float(cal.DEFAULT_GRID.min()), float(cal.DEFAULT_GRID.max())],
+                        "temperatures_at_bound": cal.at_fit_bounds(temps)},
         "threshold_sweep": cal.threshold_sweep(cal.survival(z_held, temps), acc_held, thresholds),
     }
     if sps is not None:

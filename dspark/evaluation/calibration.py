@@ -1,6 +1,6 @@
-"""Confidence-head calibration: ECE, ROC-AUC, survival curves, Sequential Temperature Scaling (SPEC.md 3).
+"""Confidence-head calibration: ECE, ROC-AUC, survival curves, Sequential Temperature Scaling (docs/CONTRACTS.md §3).
 
-The confidence head emits one logit per draft position, c_k = sigmoid(logit_k) (SPEC.md 2.7): the
+The confidence head emits one logit per draft position, c_k = sigmoid(logit_k) (docs/CONTRACTS.md §2.7): the
 probability that draft k survives verification given that drafts 1..k-1 did. The survival
 a_k = prod_{j<=k} c_j is then the probability that the first k drafts are all accepted, and the
 observable it is scored against is `accepted_len >= k` (accepted_len = number of drafts accepted in the
@@ -178,7 +178,7 @@ def survival(conf_logits: Any, temperatures: Any | None = None) -> np.ndarray:
 def fit_sequential_temperature_scaling(
     conf_logits: Any, accepted_len: Any, grid: Sequence[float] | None = None, n_bins: int = 15
 ) -> np.ndarray:
-    """Sequential Temperature Scaling (DSpark paper; SPEC.md 3). Returns temperatures [g].
+    """Sequential Temperature Scaling (DSpark paper; docs/CONTRACTS.md §3). Returns temperatures [g].
 
     conf_logits [N, g] raw confidence logits on a held-out split; accepted_len [N] in 0..g.
     For k = 1..g: T_k = argmin over `grid` (default 81 log-spaced values in [0.05, 20], including 1) of
@@ -186,7 +186,7 @@ def fit_sequential_temperature_scaling(
     with T_1..T_{k-1} fixed at their fitted values.
 
     Choice of population: ALL N blocks at every position (not only those whose first k-1 drafts were
-    accepted). SPEC.md 3 and the paper define the objective as the ECE of the cumulative product, an
+    accepted). docs/CONTRACTS.md §3 and the paper define the objective as the ECE of the cumulative product, an
     unconditional quantity (P(first k accepted)) that the scheduler and the threshold rule consume;
     DeepSpec's confidence evaluation (deepspec/eval/dspark/confidence_head.py) likewise scores
     cumprod(sigmoid(logits)) against the accepted-prefix mask on every proposal, per position. (DeepSpec
@@ -215,6 +215,20 @@ def fit_sequential_temperature_scaling(
         temps[k] = t_k
         prefix = prefix * sigmoid(z[:, k] / t_k)
     return temps
+
+
+def at_fit_bounds(temperatures: Any, grid: Sequence[float] | None = None) -> list[dict[str, Any]]:
+    """The positions whose fitted temperature is an end of the fit grid (default DEFAULT_GRID, [0.05, 20]):
+    [{"k": 1-based position, "T": value, "bound": "lower" | "upper"}]. Such a T is where the search stopped, not an
+    optimum (typically a position whose drafts are (almost) never or always accepted in the fit split)."""
+    grid_arr = DEFAULT_GRID if grid is None else _np(grid, "grid")
+    lo, hi = float(grid_arr.min()), float(grid_arr.max())
+    out = []
+    for k, t in enumerate(np.asarray(temperatures, dtype=np.float64).reshape(-1)):
+        for bound, edge in (("lower", lo), ("upper", hi)):
+            if np.isclose(t, edge, rtol=1e-9, atol=0.0):
+                out.append({"k": k + 1, "T": float(t), "bound": bound})
+    return out
 
 
 def calibration_report(

@@ -1,4 +1,4 @@
-"""Acceptance metrics counted exactly as vLLM's spec-decode metrics do (SPEC.md 7).
+"""Acceptance metrics counted exactly as vLLM's spec-decode metrics do (docs/CONTRACTS.md §7).
 
 Per verify step: drafts += 1, draft_tokens += len(draft), accepted += number of accepted drafts (the
 bonus / correction token is NOT counted), accepted_per_pos[i] += 1 for every i < n_accepted.

@@ -1,4 +1,5 @@
-"""PNG plots of eval reports: per-position conditional acceptance per benchmark, reliability diagram.
+"""PNG plots: of eval reports (per-position conditional acceptance per benchmark, reliability diagram) and of a
+training run (train loss, lr and held-out tau_prob by step, from its metrics.csv).
 
 matplotlib is imported lazily (extra `plots`), with the Agg backend (no display needed).
 """
@@ -39,7 +40,32 @@ def plot_conditional_acceptance(reports: dict[str, dict], path: Path) -> Path:
     any_r = next(iter(reports.values()))
     ax.set(xlabel="draft position", ylabel="conditional acceptance", ylim=(0, 1.02),
            title=f"T={any_r['temperature']:g}, gamma={any_r['gamma']}")
+    n = max((len(r["per_position_conditional_rate"]) for r in reports.values()), default=0)
+    ax.set_xticks(range(1, n + 1))  # positions are integers: no ticks at 1.5, 2.5
     return _save(plt, fig, ax, path)
+
+
+def plot_training_curves(series: dict[str, list[tuple[int, float]]], path: Path, title: str = "") -> Path:
+    """One panel per series (name -> [(step, value)], e.g. train/loss, lr-AdamW, val/tau_prob), step on x."""
+    plt = _pyplot()
+    names = [k for k, v in series.items() if v]
+    if not names:
+        raise ValueError("no series to plot")
+    fig, axes = plt.subplots(len(names), 1, figsize=(6, 2.2 * len(names)), sharex=True, squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        steps, values = zip(*sorted(series[name]))
+        ax.plot(steps, values, marker="o" if len(steps) < 30 else None, ms=3, label=name)
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("optimizer step")
+    axes[-1, 0].xaxis.get_major_locator().set_params(integer=True)
+    if title:
+        axes[0, 0].set_title(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def plot_reliability(calibration: dict, path: Path) -> Path:

@@ -14,6 +14,7 @@ ECE/AUC, threshold sweep, scheduler simulation; dspark.evaluation.analysis) + re
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import platform
@@ -21,16 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dspark import factory
-from dspark.evaluation import analysis, plots
+from dspark.errors import require
+from dspark.evaluation import adaptive, analysis, plots
 from dspark.evaluation.metrics import AcceptanceCounter
 from dspark.evaluation.scheduler import SPSTable
+from dspark.evaluation.verify import NOT_REPRODUCED, REJECTION_SAMPLE_METHODS
 from dspark.evaluation.speculative import DRAFT_SAMPLE_METHODS, Decoded, Timing, acceptance_counter, plain_generate, \
     speculative_generate_batch
 from dspark.integrity import check_file
-from dspark.io import atomic_write_json
+from dspark.io import atomic_write_json, unwritable
 from dspark.targets.hf_target import FrozenTarget
 from dspark.training import draft_dir
 
@@ -39,7 +42,6 @@ log = logging.getLogger("dspark.eval")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_BENCHMARKS = Path(__file__).resolve().parents[1] / "assets" / "eval"  # data_dir: null (README there)
 ENGINE = "dspark-reference"
-require = factory.require
 
 
 # ---- inputs -------------------------------------------------------------------------------------------
@@ -117,8 +119,10 @@ def _load_draft_group(path: Path) -> DictConfig:
     node = OmegaConf.load(str(path))
     if "kind" not in node and "draft" in node:
         node = node.draft
-    require("kind" in node and ("block_size" in node or "num_steps" in node), "draft_config",
-            f"{str(path)!r} holds no draft group")
+    from dspark.models import registry
+
+    require("kind" in node and str(node.kind) in registry.kinds()
+            and registry.family(str(node.kind)).drafts_key in node, "draft_config", f"{str(path)!r} holds no draft group")
     return node
 
 
@@ -164,9 +168,11 @@ def load_draft_weights(draft: torch.nn.Module, weights: Path) -> None:
     draft.load_state_dict(state, strict=True)
 
 
-def build(cfg: DictConfig) -> tuple[FrozenTarget, torch.nn.Module, DictConfig, Path, Path]:
-    """-> (target, draft with trained weights, draft group, weights path, run dir)."""
-    draft_group, weights, run_dir = draft_source(cfg)
+def build(cfg: DictConfig, source: tuple[DictConfig, Path, Path] | None = None
+          ) -> tuple[FrozenTarget, torch.nn.Module, DictConfig, Path, Path]:
+    """-> (target, draft with trained weights, draft group, weights path, run dir); `source`: draft_source(cfg)
+    when the caller has it already."""
+    draft_group, weights, run_dir = source if source is not None else draft_source(cfg)
     draft_group = OmegaConf.merge(draft_group, {"init_from_target": False})  # trained weights overwrite it
     build_cfg = OmegaConf.create({"target": OmegaConf.to_container(cfg.target, resolve=True),
                                   "draft": OmegaConf.to_container(draft_group, resolve=True)})
@@ -205,6 +211,119 @@ def _check_training_target(cfg: DictConfig, run_dir: Path, target: FrozenTarget)
                     trained.get("kind"), trained.get("path"), cfg.target.kind, cfg.target.path)
 
 
+# ---- which target: the run's own unless the command line names one ------------------------------------
+def target_given(overrides) -> bool:
+    """Whether Hydra command-line overrides choose the target (`target=...`, `target.path=...`, `+target.x=...`)."""
+    keys = (str(o).lstrip("+~").split("=", 1)[0] for o in overrides)
+    return any(k == "target" or k.startswith("target.") for k in keys)
+
+
+def recorded_target(run_dir: Path) -> dict | None:
+    """The target group a run trained against, read from its files (no model loads): the run's
+    .hydra/config.yaml `target` node (every key, dtype too) when it agrees with draft/target.json (kind, path),
+    else target.json's kind and path on configs/target/<kind>.yaml; None for a run that records neither."""
+    rec_file = run_dir / draft_dir.DRAFT_DIR / draft_dir.TARGET_FILE
+    record = json.loads(rec_file.read_text()) if rec_file.is_file() else None
+    hydra_cfg = run_dir / ".hydra" / "config.yaml"
+    node = OmegaConf.load(str(hydra_cfg)).get("target") if hydra_cfg.is_file() else None
+    node = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_dict(node) else None
+
+    def same(a: dict, b: dict) -> bool:
+        return (str(a.get("kind")), str(a.get("path"))) == (str(b.get("kind")), str(b.get("path")))
+
+    if record is None or (node is not None and same(node, record)):
+        return node
+    group_file = REPO_ROOT / "configs" / "target" / f"{record.get('kind')}.yaml"
+    group = OmegaConf.to_container(OmegaConf.load(str(group_file))) if group_file.is_file() else {}
+    return {**group, "kind": record.get("kind"), "path": record.get("path")}
+
+
+def with_run_target(cfg: DictConfig, run_dir: Path) -> DictConfig:
+    """cfg with `target` replaced by the target the run trained against (recorded_target), when it records one."""
+    trained = recorded_target(run_dir)
+    if trained is None:
+        log.info("target: %s (the run records no target; target=... chooses another)", _target_words(cfg.target))
+        return cfg
+    out = copy.deepcopy(cfg)
+    with open_dict(out):
+        out.target = trained
+    log.info("target: %s, the one the draft was trained against (from %s; target=... evaluates another)",
+             _target_words(out.target), run_dir / draft_dir.DRAFT_DIR / draft_dir.TARGET_FILE)
+    return out
+
+
+def _target_words(t) -> str:
+    return f"kind={t.get('kind')} path={t.get('path')}"
+
+
+def target_config_json(group) -> dict | None:
+    """The config.json of a target group's model, read without loading it; None when it is not at hand without
+    work (a Hub id not in the Hugging Face cache, a SmolLM2 GGUF not converted yet)."""
+    kind, path = group.get("kind"), group.get("path")
+    file: Path | None = None
+    if path in (None, "???"):
+        if kind in ("tiny_v4", "tiny_v41", "tiny_hy_v4"):
+            file = Path(factory.target_folder(OmegaConf.create({"target": dict(group)}))) / "config.json"
+    elif Path(str(path)).expanduser().is_dir():
+        file = Path(str(path)).expanduser() / "config.json"
+    else:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            hit = try_to_load_from_cache(str(path), "config.json")
+        except Exception:  # noqa: BLE001 (not a Hub id: the target load names the problem)
+            hit = None
+        file = Path(hit) if isinstance(hit, str) else None
+    try:
+        return json.loads(file.read_text()) if file is not None and file.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def check_target_fits(cfg: DictConfig, draft_group: DictConfig, run_dir: Path) -> None:
+    """Before any model loads: refuse a target of another architecture than the one the draft was trained against
+    (config.json model_type of the chosen target vs the run's recorded one), and a target the draft's family
+    cannot be built against (its config checks, on the target's config alone)."""
+    chosen = target_config_json(cfg.target)
+    if chosen is None:
+        return
+    now_type, kind = chosen.get("model_type"), str(draft_group.kind)
+    trained = recorded_target(run_dir)
+    trained_json = target_config_json(trained) if trained is not None else None
+    trained_type = None if trained_json is None else trained_json.get("model_type")
+    if trained_type and now_type and trained_type != now_type:
+        raise factory.ConfigError(
+            f"target: the {kind} draft in {run_dir} was trained against a {trained_type} target "
+            f"({_target_words(trained)}); target {_target_words(cfg.target)} is a {now_type} model: drop target= "
+            f"to evaluate against the run's own target, or name a {trained_type} one")
+    if "mask_token_id" in draft_group and draft_group.mask_token_id is None:
+        return  # an older draft config: resolving it needs the target's tokenizer (the build checks it)
+    hf = _hf_config(chosen)
+    if hf is None:
+        return
+    from dspark.models import registry
+
+    try:
+        registry.build_config(OmegaConf.to_container(draft_group, resolve=True), hf)
+    except (AttributeError, KeyError, TypeError, factory.ConfigError) as e:
+        raise factory.ConfigError(f"target: the {kind} draft does not fit target {_target_words(cfg.target)} "
+                                  f"(a {now_type} model; {type(e).__name__}: {e}): evaluate against the target it "
+                                  "was trained with (drop target=)") from e
+
+
+def _hf_config(config_json: dict):
+    """A transformers config object from a config.json dict; None for a model_type transformers does not know."""
+    from transformers import CONFIG_MAPPING, PretrainedConfig
+
+    model_type = config_json.get("model_type")
+    if model_type is None:
+        return PretrainedConfig.from_dict(config_json)
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(config_json)
+    except (KeyError, ValueError):
+        return None
+
+
 def eos_ids(cfg: DictConfig, target: FrozenTarget) -> list[int]:
     if cfg.eos_token_id is not None:
         ids = cfg.eos_token_id
@@ -231,6 +350,10 @@ def _validate(cfg: DictConfig) -> None:
             f"{cfg.sps_table!r} is not a file")
     require(str(cfg.get("draft_sample_method", "greedy")) in DRAFT_SAMPLE_METHODS, "draft_sample_method",
             f"must be one of {DRAFT_SAMPLE_METHODS}, got {cfg.get('draft_sample_method')!r}")
+    method = str(cfg.get("rejection_sample_method", "standard"))
+    require(method not in NOT_REPRODUCED, "rejection_sample_method",
+            f"{method!r} is one of vLLM's lossy methods {NOT_REPRODUCED}, which eval.py does not reproduce; "
+            f"use one of {REJECTION_SAMPLE_METHODS}")
 
 
 def vllm_settings(draft, g: int, draft_sample_method: str) -> dict:
@@ -328,6 +451,26 @@ def benchmark_report(spec: ConversationRuns, plain: ConversationRuns | None, tem
     return report
 
 
+SAMPLES_PER_BENCHMARK = 3  # decoded texts kept in each benchmark report (`+num_samples=N` changes it)
+
+
+def decoded_samples(tokenizer, convs: list[list[str]], spec: ConversationRuns, plain: ConversationRuns | None,
+                    n: int = SAMPLES_PER_BENCHMARK) -> list[dict]:
+    """The first n decoded requests (conversation order, then turn): the user turn, the speculative output text and,
+    when the plain target ran, its output, so a surprising acceptance length can be read against the text."""
+    out: list[dict] = []
+    for c, turns in enumerate(spec.outputs):
+        for t, toks in enumerate(turns):
+            if len(out) >= n:
+                return out
+            sample = {"conversation": c, "turn": t + 1, "prompt": convs[c][t],
+                      "output": tokenizer.decode(toks.tolist(), skip_special_tokens=True), "output_tokens": len(toks)}
+            if plain is not None:
+                sample["target_output"] = tokenizer.decode(plain.outputs[c][t].tolist(), skip_special_tokens=True)
+            out.append(sample)
+    return out
+
+
 def _versions() -> dict:
     import transformers
 
@@ -340,12 +483,25 @@ def _sps(cfg: DictConfig, target: FrozenTarget) -> SPSTable:
     return analysis.profile_target_sps(target, context=int(cfg.sps_context))
 
 
-def run_eval(cfg: DictConfig) -> dict[str, dict]:
-    """Evaluate every benchmark; write the reports and plots (module docstring); return the reports."""
+def run_eval(cfg: DictConfig, target_from_run: bool = False) -> dict[str, dict]:
+    """Evaluate every benchmark; write the reports and plots (module docstring); return the reports.
+    target_from_run: evaluate against the target the run recorded (draft/target.json), not cfg.target (eval.py
+    sets it unless the command line names a target)."""
+    from dspark.schema import check_eval_keys
+
+    check_eval_keys(cfg)
     _validate(cfg)
-    benchmarks = read_benchmarks(cfg)  # inputs first: prompts, then (build) run dir and draft files, then models
+    benchmarks = read_benchmarks(cfg)  # inputs first: prompts, run dir and draft files, report folder, then models
+    source = draft_source(cfg)
+    out_dir = resolve_path(cfg.out) if cfg.out else source[2] / "eval"
+    why = unwritable(out_dir)
+    require(why is None, "out" if cfg.out else "run_dir",
+            f"the reports go to {out_dir}, but {why}: set out=<a writable folder>")
+    if target_from_run:
+        cfg = with_run_target(cfg, source[2])
+    check_target_fits(cfg, source[0], source[2])
     torch.manual_seed(int(cfg.seed))
-    target, draft, draft_group, weights, run_dir = build(cfg)
+    target, draft, draft_group, weights, run_dir = build(cfg, source)
     require(target.tokenizer is not None, "target", "the target has no tokenizer; eval renders chat prompts")
     # gamma defaults to the draft's drafts per verify step (block_size; MTP: num_steps). MTP drafts (chain drafting)
     # have no mask token / layout; the report records what the draft's config says.
@@ -355,13 +511,16 @@ def run_eval(cfg: DictConfig) -> dict[str, dict]:
     layout = str(getattr(dcfg, "layout", "chain"))
     temperature, eos = float(cfg.temperature), eos_ids(cfg, target)
     max_new, bs, seed = int(cfg.max_new_tokens), int(cfg.batch_size), int(cfg.seed)
-    out_dir = resolve_path(cfg.out) if cfg.out else run_dir / "eval"
     sample_method = str(cfg.get("draft_sample_method", "greedy"))
     draft_cache = bool(cfg.get("draft_cache", True))  # `+draft_cache=false`: recompute the draft's context per round
-    tag = f"T{temperature:g}.g{g}" + ("" if sample_method == "greedy" or temperature == 0 else ".prob")
+    n_samples = int(cfg.get("num_samples", SAMPLES_PER_BENCHMARK))
+    reject_method = str(cfg.get("rejection_sample_method", "standard"))
+    tag = f"T{temperature:g}.g{g}" + ("" if sample_method == "greedy" or temperature == 0 else ".prob") + (
+        "" if reject_method == "standard" else f".{reject_method}")
     common = {
         "engine": ENGINE, "temperature": temperature, "gamma": g, "layout": layout, "window": window,
-        "vllm_settings": vllm_settings(draft, g, sample_method), "draft_cache": draft_cache,
+        "vllm_settings": {**vllm_settings(draft, g, sample_method), "rejection_sample_method": reject_method},
+        "draft_cache": draft_cache,
         "max_new_tokens": max_new, "batch_size": bs, "turns": str(cfg.turns), "seed": seed,
         "draft_kind": str(draft_group.kind), "draft_weights": str(weights),
         "target": OmegaConf.to_container(cfg.target, resolve=True), "eos_token_id": eos, "mask_token_id": mask_id,
@@ -371,35 +530,67 @@ def run_eval(cfg: DictConfig) -> dict[str, dict]:
     def spec_decode(prompts, gens) -> Decoded:
         return speculative_generate_batch(target, draft, prompts, max_new_tokens=max_new, num_drafts=g,
                                           temperature=temperature, eos_token_id=eos, generators=gens,
-                                          draft_sample_method=sample_method, draft_cache=draft_cache)
+                                          draft_sample_method=sample_method, draft_cache=draft_cache,
+                                          rejection_sample_method=reject_method)
 
     def plain_decode(prompts, gens) -> Decoded:
         return plain_generate(target, prompts, max_new, temperature, eos, gens)
 
     reports: dict[str, dict] = {}
     spec_batches: list[Decoded] = []
+    sps_cache: list[SPSTable] = []
+
+    def sps() -> SPSTable:  # profiled (or read) once, when first needed
+        if not sps_cache:
+            sps_cache.append(_sps(cfg, target))
+        return sps_cache[0]
     for name, convs in benchmarks.items():
         run = dict(batch_size=bs, all_turns=str(cfg.turns) == "all", seed=seed)
         spec = decode_conversations(target.tokenizer, convs, spec_decode, **run)
         plain = decode_conversations(target.tokenizer, convs, plain_decode, **run) if cfg.compare_target else None
         spec_batches += spec.batches
-        reports[name] = {"benchmark": name, **common, **benchmark_report(spec, plain, temperature)}
+        reports[name] = {"benchmark": name, **common, **benchmark_report(spec, plain, temperature),
+                         "samples": decoded_samples(target.tokenizer, convs, spec, plain, n_samples)}
+        if cfg.get("adaptive_verification", False) and any(d.steps and any(d.steps) for d in spec.batches):
+            reports[name]["adaptive_verification"] = {
+                **adaptive.simulate([d.steps for d in spec.batches], sps()),
+                "vllm_method": draft.config.vllm_method,  # the estimator lives in every DraftModelSpeculator
+                "sps_table": sps().to_dict()}
+            print(format_adaptive(name, reports[name]["adaptive_verification"]))
         atomic_write_json(out_dir / f"{name}.{tag}.json", reports[name])
-        log.info("%s: AL %s", name, reports[name]["mean_acceptance_length"])
+        al = reports[name]["mean_acceptance_length"]
+        log.info("%s: AL %s", name, "-" if al is None else f"{al:.3f}")
     atomic_write_json(out_dir / f"summary.{tag}.json", {"engine": ENGINE, "reports": reports})
+    pictures: list[tuple[Path, str]] = []
     if cfg.plots:
-        plots.plot_conditional_acceptance(reports, out_dir / f"acceptance.{tag}.png")
+        pictures.append((plots.plot_conditional_acceptance(reports, out_dir / f"acceptance.{tag}.png"),
+                         "conditional acceptance per draft position"))
     n_requests = sum(len(d.steps) for d in spec_batches)
     if getattr(draft, "confidence_head", None) is not None and cfg.confidence and n_requests < 2:
         log.warning("confidence analysis skipped: it needs at least 2 requests (fit / held-out), got %d", n_requests)
     elif getattr(draft, "confidence_head", None) is not None and cfg.confidence:
-        conf = analysis.confidence_report([d.steps for d in spec_batches], _sps(cfg, target))
+        conf = analysis.confidence_report([d.steps for d in spec_batches], sps())
         atomic_write_json(out_dir / f"confidence.{tag}.json", {**common, **conf})
         if cfg.plots:
-            plots.plot_reliability(conf["calibration"], out_dir / f"reliability.{tag}.png")
+            pictures.append((plots.plot_reliability(conf["calibration"], out_dir / f"reliability.{tag}.png"),
+                             "reliability of the confidence head, before / after STS"))
         print(format_confidence(conf))
-    print(format_summary(reports, out_dir))
+    print(format_summary(reports, out_dir, pictures, tiny_cpu=str(cfg.target.kind).startswith("tiny")
+                         and str(cfg.device) == "cpu"))
     return reports
+
+
+def format_adaptive(name: str, av: dict) -> str:
+    """One line: realised tokens/s of vLLM's adaptive verification with the head / the estimator vs verifying all."""
+    def tps(p):
+        return "-" if p is None or p["tokens_per_s"] is None else f"{p['tokens_per_s']:.1f}"
+
+    head = av.get("head")
+    verdict = "" if head is None else (f"; head/estimator x{av['head_vs_estimator']:.3f}: the head "
+                                       + ("pays" if av["head_pays"] else "does not pay"))
+    return (f"{name}: adaptive verification (simulated, {av['engine_steps']} steps, estimator refits "
+            f"{av['estimator']['refits']}): head {tps(head) if head else 'n/a'} tok/s, estimator "
+            f"{tps(av['estimator'])} tok/s, verify all {tps(av['verify_all'])} tok/s{verdict}")
 
 
 def format_confidence(conf: dict) -> str:
@@ -412,10 +603,23 @@ def format_confidence(conf: dict) -> str:
         best = sim["best_fixed_length"]
         lines.append(f"scheduler: {sim['scheduler']['tokens_per_s']:.1f} tok/s expected vs best fixed length {best}: "
                      f"{sim['fixed'][str(best)]['tokens_per_s']:.1f} tok/s (x{sim['speedup_vs_best_fixed']:.3f})")
+    at_bound = cal.get("temperatures_at_bound") or []
+    if at_bound:
+        lo, hi = cal.get("fit_bounds", (None, None))
+        where = ", ".join(f"{b['k']} (T = {b['T']:g}, {b['bound']})" for b in at_bound)
+        lines.append(f"STS: the temperature of position{'s' if len(at_bound) > 1 else ''} {where} hit the end of the fit range [{lo:g}, {hi:g}]: "
+                     "a bound, not a fitted optimum (usually drafts there are almost never, or always, accepted "
+                     "in the fit split; more prompts give a real fit)")
     return "\n".join(lines)
 
 
-def format_summary(reports: dict[str, dict], out_dir: Path) -> str:
+LEGEND = ("AL: mean acceptance length, tokens per verify step incl. the bonus token (vLLM's); accept: share of "
+          "drafted tokens accepted; speedup: speculative vs plain-target tokens/s; overhead: share of the speculative "
+          "wall time outside model forwards (Python harness)")
+
+
+def format_summary(reports: dict[str, dict], out_dir: Path, pictures: list[tuple[Path, str]] | tuple = (),
+                   tiny_cpu: bool = False) -> str:
     lines = [f"{'benchmark':<12} {'AL':>6} {'accept':>7} {'speedup':>8} {'overhead':>8}  per-position rate (cumulative)"]
     for name, r in reports.items():
         al = r["mean_acceptance_length"]
@@ -423,13 +627,24 @@ def format_summary(reports: dict[str, dict], out_dir: Path) -> str:
         sp = r.get("speedup_vs_target")
         ov = r["harness"]["overhead_share"]
         pos = " ".join(f"{x:.2f}" for x in r["per_position_rate"] if x is not None)
-        lines.append(f"{name:<12} {al if al is None else f'{al:6.3f}':>6} "
-                     f"{rate if rate is None else f'{rate:7.3f}':>7} {'-' if sp is None else f'{sp:7.2f}x':>8} "
+        lines.append(f"{name:<12} {'-' if al is None else f'{al:6.3f}':>6} "
+                     f"{'-' if rate is None else f'{rate:7.3f}':>7} {'-' if sp is None else f'{sp:7.2f}x':>8} "
                      f"{'-' if ov is None else f'{100 * ov:7.1f}%':>8}  {pos}")
+    lines.append(LEGEND)
+    if any(r.get("speedup_vs_target") is not None and r["speedup_vs_target"] < 1 for r in reports.values()):
+        lines.append("speedup < 1" + (
+            " is expected here: on a tiny target on CPU a draft forward costs about as much as a target forward, so "
+            "speculative decoding cannot win time; AL is the measure that carries over to a large target"
+            if tiny_cpu else ": the draft and verify rounds cost more than they save on this target and device; AL is "
+            "the hardware-independent measure"))
     any_r = next(iter(reports.values()))
     v = any_r.get("vllm_settings") or {}
-    lines.append(f"T={any_r['temperature']} gamma={any_r['gamma']} engine={ENGINE}; reports in {out_dir}")
+    lines.append(f"T={any_r['temperature']} gamma={any_r['gamma']} engine={ENGINE}; reports in {out_dir} "
+                 f"(each with its first decoded texts under \"samples\")")
     if v:
         lines.append(f"vLLM equivalent: speculative_config method={v['method']} num_speculative_tokens="
-                     f"{v['num_speculative_tokens']} draft_sample_method={v['draft_sample_method']}")
+                     f"{v['num_speculative_tokens']} draft_sample_method={v['draft_sample_method']}"
+                     + (f" rejection_sample_method={v['rejection_sample_method']}"
+                        if v.get("rejection_sample_method", "standard") != "standard" else ""))
+    lines += [f"picture: {path} ({what})" for path, what in pictures]
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Hardware-aware prefix scheduler simulation (DSpark paper Alg. 1; SPEC.md 3).
+"""Hardware-aware prefix scheduler simulation (DSpark paper Alg. 1; docs/CONTRACTS.md §3).
 
 Each of R requests in a decode step has g drafts with survival a[r, j] = prod_{i<=j} c[r, i] (estimated
 P(first j+1 drafts of request r accepted), e.g. `calibration.survival(conf_logits, temperatures)`).

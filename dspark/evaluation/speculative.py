@@ -12,7 +12,9 @@ padding). One round, for every unfinished request:
        the full q; "greedy" (vLLM's default) takes the draft argmax and verifies with a one-hot q
        (v1/worker/gpu/spec_decode/speculator.py:444-482, rejection_sampler_utils.py:191-194). Both are lossless.
     2. ONE batched target forward over [x0, y_0..y_{g-1}] of every request: rows 0..g are p_0..p_g
-    3. verify (greedy at T=0, rejection sampling at T>0): n accepted + one next token
+    3. verify (greedy at T=0, rejection sampling at T>0): n accepted + one next token; rejection_sample_method
+       (vLLM's speculative_config.rejection_sample_method): "standard" (token by token) or "block" (Sun et al.'s
+       block verification, dspark.evaluation.verify.verify_block); both greedy at T=0, as vLLM
     4. keep x0, y_0..y_{n-1} in the cache (their features are the next context: the target is causal, so
        they do not depend on the rejected drafts); next becomes x0.
 Each request also keeps a draft-side cache across its rounds (`draft.new_cache()`; block drafts: the draft's context
@@ -32,9 +34,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark.evaluation.adaptive import estimator_features
 from dspark.evaluation.metrics import AcceptanceCounter
 from dspark.evaluation.target_session import TargetSession
-from dspark.evaluation.verify import verify_greedy, verify_rejection
+from dspark.evaluation.verify import REJECTION_SAMPLE_METHODS, verify_block, verify_greedy, verify_rejection
 from dspark.models.proposal import Proposal, sample_from_logits
 from dspark.targets.hf_target import FrozenTarget, TargetFeatures
 
@@ -49,6 +52,7 @@ class StepStats:
     next_token: int  # correction (n < g) or bonus (n == g) token from the target
     conf: list[float] | None  # draft confidences c_k, None without a confidence head
     conf_logits: list[float] | None = None  # raw confidence logits (calibration / STS)
+    est_feature: list[float] | None = None  # vLLM's online acceptance estimator's feature per draft (adaptive.py)
 
     @property
     def num_drafts(self) -> int:
@@ -128,11 +132,13 @@ def target_generate(
     return torch.tensor(out.tokens, dtype=torch.long)
 
 
-def _verify(prop: Proposal, rows: torch.Tensor, temperature: float, generator) -> tuple[int, int]:
+def _verify(prop: Proposal, rows: torch.Tensor, temperature: float, generator,
+            method: str = "standard") -> tuple[int, int]:
     """rows [g+1, V] target logits -> (n_accepted, next_token)."""
     if temperature == 0:
         return verify_greedy(prop.tokens, rows)
-    return verify_rejection(prop.tokens, prop.q_probs, torch.softmax(rows / temperature, dim=-1), generator)
+    verify = verify_block if method == "block" else verify_rejection
+    return verify(prop.tokens, prop.q_probs, torch.softmax(rows / temperature, dim=-1), generator)
 
 
 @dataclass
@@ -228,6 +234,7 @@ def speculative_generate_batch(
     generators: Sequence[torch.Generator | None] | torch.Generator | None = None,
     draft_sample_method: str = "probabilistic",
     draft_cache: bool = True,
+    rejection_sample_method: str = "standard",
 ) -> Decoded:
     """Speculative decoding of a batch of prompts ([P_i] each). At T=0 every request's tokens equal
     `target_generate`'s; at T>0 they follow the same distribution. num_drafts is vLLM's num_speculative_tokens;
@@ -236,12 +243,16 @@ def speculative_generate_batch(
     dspark.models.block_draft.BlockDraft, dspark.models.proposal.RequestProposer). draft_cache: each request keeps
     its draft-side cache across rounds (block drafts: the context KV of the verified positions, MTP: the chain's
     step-0 rows), as vLLM's drafters do; False recomputes the draft's whole context every round (same proposals
-    up to float rounding: tests/test_draft_cache.py)."""
+    up to float rounding: tests/test_draft_cache.py). rejection_sample_method: "standard" | "block" (module
+    docstring)."""
     g = int(num_drafts)
     if g < 1:
         raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
     if draft_sample_method not in DRAFT_SAMPLE_METHODS:
         raise ValueError(f"draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, got {draft_sample_method!r}")
+    if rejection_sample_method not in REJECTION_SAMPLE_METHODS:
+        raise ValueError(f"rejection_sample_method must be one of {REJECTION_SAMPLE_METHODS}, "
+                         f"got {rejection_sample_method!r}")
     draft_temperature = temperature if draft_sample_method == "probabilistic" else 0.0
     session, outs, x0, gens, timing = _start(target, prompts, max_new_tokens, temperature, eos_token_id, generators)
     steps: list[list[StepStats]] = [[] for _ in outs]
@@ -264,11 +275,12 @@ def speculative_generate_batch(
         forwards += 1
         keep = []
         for r, (req, prop) in enumerate(zip(session.requests, props)):
-            n, nxt = _verify(prop, logits[r], temperature, gens[req])
+            n, nxt = _verify(prop, logits[r], temperature, gens[req], rejection_sample_method)
             steps[req].append(StepStats(
                 anchor_pos=session.lengths[r], draft_tokens=prop.tokens.tolist(), num_accepted=n, next_token=nxt,
                 conf=None if prop.conf is None else prop.conf.tolist(),
-                conf_logits=None if prop.conf_logits is None else prop.conf_logits.tolist()))
+                conf_logits=None if prop.conf_logits is None else prop.conf_logits.tolist(),
+                est_feature=estimator_features(prop.logits, temperature).tolist()))
             outs[req].extend(prop.tokens[:n].tolist() + [nxt])
             keep.append(1 + n)
             x0[r] = nxt

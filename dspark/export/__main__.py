@@ -1,8 +1,11 @@
 """python -m dspark.export verify PATH | v4 --run-dir RUN --out OUT | dense --run-dir RUN --out OUT
+                       | dflash2 --run-dir RUN --out OUT (vLLM DFlash2DraftModel)
                        | mtp --run-dir RUN --out OUT (HY V4 / DeepSeek-V4 MTP drafts)
 
 Each export format is one `_add_<format>` (its options) + one `_run_<format>` (target, draft, args -> writes
-args.out) registered in FORMATS; every export ends with the independent verifier unless --no-verify.
+args.out) registered in FORMATS; every export ends with the independent verifier unless --no-verify. OUT must be new
+or empty unless --overwrite (checked before any model loads); the folder is written whole or not at all
+(dspark.export._io.sealed).
 """
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from dspark.errors import UserError
 
 _DTYPES = ("bfloat16", "float16", "float32")
 
@@ -85,10 +90,12 @@ def _run_v4(target, draft, cfg, args, dtype, shard: int) -> None:
     try:
         if args.merge_into is not None:
             merge_v4_into_target(draft, args.merge_into, args.out, dtype=dtype, quant=args.quant,
-                                 for_vllm=not args.not_for_vllm)
+                                 for_vllm=not args.not_for_vllm, overwrite=args.overwrite)
         else:
             export_v4_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=shard, quant=args.quant,
-                              for_vllm=not args.not_for_vllm)
+                              for_vllm=not args.not_for_vllm, overwrite=args.overwrite)
+    except UserError:
+        raise
     except ValueError as err:
         raise SystemExit(str(err))
     if args.quant is not None:
@@ -96,6 +103,12 @@ def _run_v4(target, draft, cfg, args, dtype, shard: int) -> None:
 
         _print_quant_report(draft, args.out)
         write_manifest(args.out)  # quant_report.json joins the sealed files
+
+
+def _run_v41(target, draft, cfg, args, dtype, shard: int) -> None:
+    from dspark.export.dspark_v41 import run_cli
+
+    run_cli(draft, args, dtype, shard)
 
 
 def _add_dense(p: argparse.ArgumentParser) -> None:
@@ -138,7 +151,20 @@ def _run_dense(target, draft, cfg, args, dtype, shard: int) -> None:
         draft = reduce_dense_vocab(draft, d2t, t2d)
     try:
         export_dense(draft, args.out, dtype=dtype, num_target_layers=len(target.layers), max_shard_bytes=shard,
-                     fmt=args.format, verifier=args.verifier, for_vllm=not args.not_for_vllm)
+                     fmt=args.format, verifier=args.verifier, for_vllm=not args.not_for_vllm, overwrite=args.overwrite)
+    except UserError:
+        raise
+    except ValueError as err:
+        raise SystemExit(str(err))
+
+
+def _run_dflash2(target, draft, cfg, args, dtype, shard: int) -> None:
+    from dspark.export.dflash2 import DFlash2Adapter, export_dflash2
+
+    _require(draft, DFlash2Adapter, args.run_dir, "DFlash2")
+    try:
+        export_dflash2(draft, args.out, dtype=dtype, num_target_layers=len(target.layers), max_shard_bytes=shard,
+                       for_vllm=not args.not_for_vllm)
     except ValueError as err:
         raise SystemExit(str(err))
 
@@ -163,16 +189,14 @@ def _run_mtp(target, draft, cfg, args, dtype, shard: int) -> None:
     try:
         if args.merge_into is not None:
             merge_mtp_into_target(draft, args.merge_into, args.out, dtype=dtype, layer_names=args.layer_names,
-                                  split_experts=args.split_experts)
+                                  split_experts=args.split_experts, overwrite=args.overwrite)
         else:
             export_mtp(draft, args.out, dtype=dtype, max_shard_bytes=shard, layer_names=args.layer_names,
-                       split_experts=args.split_experts)
+                       split_experts=args.split_experts, overwrite=args.overwrite)
+    except UserError:
+        raise
     except ValueError as err:
         raise SystemExit(str(err))
-
-
-# draft kind -> default target kind when --target is not given (format default None)
-_MTP_TARGETS = {"hyv4_mtp": "tiny_hy_v4", "dsv4_mtp": "tiny_v4"}
 
 
 def _recorded_target(run_dir: Path) -> tuple[str, str | None] | None:
@@ -198,18 +222,25 @@ def resolve_target(args: argparse.Namespace) -> tuple[str, str | None]:
 
 def _default_target(run_dir: Path) -> str:
     path = run_dir / "draft" / "draft_config.json"
+    from dspark.models import registry
+
     kind = json.loads(path.read_text()).get("kind") if path.is_file() else None
-    if kind not in _MTP_TARGETS:
+    default = registry.families()[kind].default_target if kind in registry.kinds() else None
+    if default is None:
         raise SystemExit(f"{path}: draft kind {kind!r} has no default target; pass --target")
-    return _MTP_TARGETS[kind]
+    return default
 
 
 # name -> (help, default target kind, add options, run)
 FORMATS = {
     "v4": ("export a training run's draft as a DeepSeek-V4 mtp.* sidecar (or merged into a target checkpoint)",
            "tiny_v4", _add_v4, _run_v4),
+    "v41": ("export a training run's draft as a DeepSeek-V4.1 mtp.* sidecar (or merged into a V4.1 target checkpoint)",
+            "tiny_v41", _add_v4, _run_v41),
     "dense": ("export a training run's dense draft as a vLLM Qwen3DSparkModel / DFlash folder", "smollm2",
               _add_dense, _run_dense),
+    "dflash2": ("export a training run's DFlash2 draft as a vLLM DFlash2DraftModel folder", None,
+                _add_not_for_vllm, _run_dflash2),
     "mtp": ("export a training run's MTP draft (HY V4 model.mtp_layers.{i}.* / DeepSeek-V4 mtp.{i}.*) as a sidecar",
             None, _add_mtp, _run_mtp),
 }
@@ -230,7 +261,10 @@ def main(argv: list[str] | None = None) -> int:
                             + ("by draft kind" if default_target is None else default_target))
         p.add_argument("--target-path", default=None,
                        help="HF folder or Hub id of the target (target kind hf); default: RUN/draft/target.json's")
-        p.add_argument("--out", required=True, type=Path)
+        p.add_argument("--out", required=True, type=Path,
+                       help="the folder to write, new or empty (written beside it, then renamed into place)")
+        p.add_argument("--overwrite", action="store_true",
+                       help="OUT may hold files (e.g. an earlier export): replace it whole, nothing of it survives")
         p.add_argument("--dtype", default="bfloat16", choices=_DTYPES)
         p.add_argument("--max-shard-gb", type=float, default=5.0)
         p.add_argument("--no-verify", action="store_true", help="skip the verifier run after writing")
@@ -244,8 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from dspark.errors import one_line_errors
+    from dspark.export._io import check_out_dir
 
     with one_line_errors("python -m dspark.export"):
+        check_out_dir(args.out, args.overwrite, source=getattr(args, "merge_into", None))  # before any model loads
         target, draft, cfg = _load_run_draft(args.run_dir, *resolve_target(args))
         FORMATS[args.cmd][3](target, draft, cfg, args, getattr(torch, args.dtype), int(args.max_shard_gb * 2**30))
     print(f"wrote {args.out}")

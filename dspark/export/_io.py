@@ -1,16 +1,23 @@
-"""Shared folder I/O for the exporters: sharded safetensors writing and reading (names, tensors)."""
+"""Shared folder I/O for the exporters: the export folder written whole (`sealed`), sharded safetensors writing and
+reading (names, tensors)."""
 from __future__ import annotations
 
 import functools
+import glob
 import inspect
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 
-from dspark.io import atomic_write_json, save_safetensors_atomic
+from dspark.errors import UserError
+from dspark.io import (TMP_SUFFIX, _umask, atomic_write_json, fsync_dir, remove_stale_tmp,
+                       save_safetensors_atomic, unwritable)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -19,20 +26,121 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 NOT_FOR_VLLM = "dspark_not_for_vllm"
 
 
+# an export is written into `.<out name>.export-<pid>-<random>.tmp` beside its folder, then renamed into place; a
+# replaced folder is moved to `.<out name>.replaced-<pid>-<random>.tmp` first (both removed once their process is gone)
+_STAGING = ("export", "replaced")
+
+
+def _staging_name(out_dir: Path, what: str) -> str:
+    return f".{out_dir.name}.{what}-{os.getpid()}-"
+
+
+def stale_staging(out_dir: Path) -> list[Path]:
+    """The staging folders beside `out_dir` whose process is gone (an export killed before its rename)."""
+    out_dir = Path(out_dir)
+    parent = out_dir.parent
+    if not parent.is_dir():
+        return []
+    found = []
+    for what in _STAGING:
+        for p in parent.glob(f".{glob.escape(out_dir.name)}.{what}-*-*{TMP_SUFFIX}"):
+            pid = p.name[len(f".{out_dir.name}.{what}-"):].split("-", 1)[0]
+            if p.is_dir() and pid.isdigit() and not _alive(int(pid)):
+                found.append(p)
+    return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _held_files(out_dir: Path) -> list[str]:
+    """What `out_dir` holds, besides the temp files of interrupted atomic writes (dspark.io)."""
+    return sorted(p.name for p in out_dir.iterdir() if not (p.is_file() and p.name.startswith(".")
+                                                            and p.name.endswith(TMP_SUFFIX)))
+
+
+def check_out_dir(out_dir: Path, overwrite: bool, *, source: Path | None = None) -> None:
+    """An export's folder must be new or empty, unless `overwrite` (which replaces it whole); `source`, the target
+    checkpoint a merge copies, must survive that. UserError naming the folder otherwise; call it before any model
+    loads (the CLI does) -- the exporters call it again."""
+    out_dir = Path(out_dir)
+    if source is not None:
+        src, out = Path(source).resolve(), out_dir.resolve()
+        if src == out:
+            raise UserError(f"{out_dir}: the export folder must differ from the target checkpoint it copies "
+                            "(the target stays untouched)")
+        if overwrite and out in src.parents:
+            raise UserError(f"{out_dir}: holds the target checkpoint {source}; replacing it would delete the target")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir}: is a file, not a folder")
+    why = unwritable(out_dir.parent)
+    if why is not None:
+        raise UserError(f"{out_dir}: cannot write the export beside it ({why})")
+    if overwrite or not out_dir.is_dir():
+        return
+    held = _held_files(out_dir)
+    if held:
+        shown = ", ".join(held[:3]) + (f", ... ({len(held)} entries)" if len(held) > 3 else "")
+        raise UserError(f"{out_dir}: the folder already holds files ({shown}); an export needs a new or empty "
+                        "folder: choose another, or pass --overwrite (overwrite=True) to replace it whole")
+
+
+def _publish(staged: Path, out_dir: Path) -> None:
+    """Renames the finished `staged` folder to `out_dir`, replacing whatever `out_dir` held."""
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=_staging_name(out_dir, "replaced"),
+                                    suffix=TMP_SUFFIX))
+        os.replace(out_dir, old)  # rename(2) onto the empty folder mkdtemp made
+        os.replace(staged, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staged, out_dir)  # onto nothing, or onto an empty folder
+    fsync_dir(out_dir.parent)
+
+
 def sealed(export_fn):
-    """Decorates an exporter whose `out_dir` argument is the folder it writes: once it returns, the folder gets
-    its checksum manifest (dspark.integrity), which `verify` and the importers check."""
+    """Decorates an exporter whose `out_dir` argument is the folder it writes (and `target_dir`, if any, the target
+    checkpoint a merge copies). The folder is written whole or not at all: the exporter writes into a fresh staging
+    folder beside it, which gets its checksum manifest (dspark.integrity, checked by `verify` and the importers)
+    and is then renamed to `out_dir`. So the manifest covers exactly what this export wrote, and a killed export
+    leaves `out_dir` as it was (plus a staging folder, removed by the next export to the same folder).
+
+    `out_dir` must be new or empty (UserError naming it otherwise) unless the decorated function is called with
+    `overwrite=True`, which replaces the folder whole: no file of the old one survives beside the new export."""
     sig = inspect.signature(export_fn)
 
     @functools.wraps(export_fn)
-    def wrapper(*args, **kwargs):
-        from dspark.integrity import MANIFEST_NAME, write_manifest
+    def wrapper(*args, overwrite: bool = False, **kwargs):
+        from dspark.integrity import write_manifest
 
-        out_dir = Path(sig.bind(*args, **kwargs).arguments["out_dir"])
-        (out_dir / MANIFEST_NAME).unlink(missing_ok=True)  # a re-export is unsealed until it is complete
-        result = export_fn(*args, **kwargs)
-        write_manifest(out_dir)
-        return result
+        bound = sig.bind(*args, **kwargs)
+        out_dir = Path(bound.arguments["out_dir"])
+        source = bound.arguments.get("target_dir")
+        check_out_dir(out_dir, overwrite, source=None if source is None else Path(source))
+        for stale in stale_staging(out_dir):
+            shutil.rmtree(stale, ignore_errors=True)
+        if out_dir.is_dir() and not overwrite:
+            remove_stale_tmp(out_dir)  # only interrupted-write temp files remain in it (check_out_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staged = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=_staging_name(out_dir, "export"),
+                                       suffix=TMP_SUFFIX))
+        try:
+            os.chmod(staged, 0o777 & ~_umask())  # mkdtemp makes 0700: a serving process must read the folder
+            bound.arguments["out_dir"] = staged
+            export_fn(*bound.args, **bound.kwargs)
+            write_manifest(staged)
+            _publish(staged, out_dir)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
+        return out_dir
 
     return wrapper
 
@@ -42,7 +150,7 @@ def check_if_sealed(folder: Path) -> None:
     checkpoint, is read as is)."""
     from dspark.integrity import check_manifest
 
-    check_manifest(Path(folder), required=False, hint="re-export it from the run's draft/")
+    check_manifest(Path(folder), required=False, hint="re-export it from the run's draft/", since="export")
 
 
 def write_tensors(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,

@@ -47,6 +47,8 @@ def read_json(path: Path) -> dict | None:
 class ServingAdapter:
     kind: ClassVar[str]  # the draft kind it serves (dspark.models.registry)
     format: ClassVar[str]  # the format's name (Report.kind of a verified folder)
+    cli: ClassVar[str]  # the `python -m dspark.export <cli>` command that writes it
+    vllm_reads_merged: ClassVar[bool] = False  # vLLM reads the draft from a copy of the target (merge for serving)
 
     # ---- folder ----------------------------------------------------------------------------------
     @classmethod
@@ -117,6 +119,14 @@ def adapter_for_folder(folder: Path) -> tuple[ServingAdapter, dict] | None:
         if config is not None:
             return cls(), config
     return None
+
+
+def primary_adapter(kind: str) -> type[ServingAdapter]:
+    """The first adapter registered for a draft kind (its vLLM-native format); ValueError naming the kind if none."""
+    for cls in adapters():
+        if cls.kind == kind:
+            return cls
+    raise ValueError(f"draft kind {kind!r}: no serving adapter (dspark/export/)")
 
 
 def adapter_formats() -> tuple[str, ...]:

@@ -369,6 +369,7 @@ class DenseAdapter(ServingAdapter):
     """vLLM's own draft-model format: config.json with architectures Qwen3DSparkModel / DFlashDraftModel."""
 
     kind = "dspark_dense"
+    cli = "dense"
     format = "vllm"
 
     @classmethod

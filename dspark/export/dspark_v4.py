@@ -1,5 +1,5 @@
-"""The DeepSeek-V4 DSpark serving adapter: draft <-> `mtp.{i}.*` tensors (SPEC.md 4, vLLM `_remap_dspark_name`), the
-sidecar's dspark_config.json / a merged target's config.json, the tensor set vLLM 0.33.0 loads and its serving rules.
+"""The DeepSeek-V4 DSpark serving adapter: draft <-> `mtp.{i}.*` tensors (docs/CONTRACTS.md §4, vLLM
+`_remap_dspark_name`), the sidecar's dspark_config.json / a merged target's config.json, the tensor set vLLM 0.33.0 loads and its serving rules.
 
 The draft's parameter names already are the serving names below the stage prefix:
     layers.{i}.<rest>                                   -> mtp.{i}.<rest>      (decoder layer i)
@@ -286,7 +286,7 @@ MERGED_SHARD = "model-dspark-mtp.safetensors"
 @sealed
 def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch.dtype = torch.bfloat16,
                          quant: str | None = None, for_vllm: bool = True) -> Path:
-    """A copy of a target checkpoint folder with the draft's `mtp.{i}.*` tensors added (SPEC.md 4).
+    """A copy of a target checkpoint folder with the draft's `mtp.{i}.*` tensors added (docs/CONTRACTS.md §4).
 
     Files are hard-linked when possible (copied otherwise); the draft goes into its own shard
     `model-dspark-mtp.safetensors`; the index gains its names (a single-file target gets an index);
@@ -531,6 +531,8 @@ class V4DSparkAdapter(ServingAdapter):
     carries the dspark_* keys (merge_v4_into_target, a released DeepSeek-V4-*-DSpark)."""
 
     kind = "dspark_v4"
+    cli = "v4"
+    vllm_reads_merged = True
     format = "deepseek_v4 dspark (mtp.*)"
 
     @classmethod
@@ -539,9 +541,11 @@ class V4DSparkAdapter(ServingAdapter):
             return None
         sidecar = read_json(folder / CONFIG_NAME)
         if sidecar is not None:
-            return sidecar
+            return None if sidecar.get("dspark_format") == "deepseek_v41_mtp" else sidecar  # V4.1: dspark_v41.py
         config = read_json(folder / "config.json")
-        return config if config is not None and "dspark_block_size" in config else None
+        if config is None or config.get("model_type") == "deepseek_v41":  # vLLM serves V4.1 targets' mtp.* as V4.1
+            return None
+        return config if "dspark_block_size" in config else None
 
     def is_draft_tensor(self, config: dict, name: str) -> bool:
         return name.startswith("mtp.")  # a merged target checkpoint also holds the target's own tensors

@@ -124,7 +124,7 @@ def from_serving_names(serving: Mapping[str, torch.Tensor], *, mtp_start_layer: 
 
 # ---- what vLLM 0.33.0 loads from a folder (verify) --------------------------------------------------------
 def hy_mtp_expected(c: dict) -> Expected:
-    """HY V4 MTP: model.mtp_layers.{i}.* (or model.layers.{N+i}.*), flat block names (SPEC.md 6)."""
+    """HY V4 MTP: model.mtp_layers.{i}.* (or model.layers.{N+i}.*), flat block names (docs/CONTRACTS.md §6)."""
     H, nh, ql, kvl, nope, rope, vd, dt = need(
         c, "hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
         "qk_rope_head_dim", "v_head_dim", "torch_dtype")
@@ -214,6 +214,21 @@ def swiglu_expected(p: str, H: int, inter: int, dt: str) -> Expected:
 
 
 
+INDEX_SHARE_KEY = "index_share_for_mtp_iteration"
+
+
+def index_share_problem(config: Mapping, sparse: bool) -> str | None:
+    """vLLM's index_share_for_mtp_iteration with a sparse (indexed) MTP layer: refused, dspark does not model it."""
+    if not sparse or config.get(INDEX_SHARE_KEY) is not True:
+        return None
+    return (f"{INDEX_SHARE_KEY}: true with an indexed (DSA) MTP layer: vLLM 0.33.0 then reuses draft step 0's indexer "
+            "top-k for chain steps k >= 1 (v1/worker/gpu/spec_decode/mtp/speculator.py:27-59, "
+            "models/hy_v4/nvidia/mtp.py:468-490), while dspark trains and evaluates the chain re-running the indexer "
+            f"every step (dspark/models/mtp_common.py), so vLLM would accept differently; set {INDEX_SHARE_KEY} false "
+            "(or drop it) in the target's config.json and leave speculative_config."
+            f"{INDEX_SHARE_KEY} unset or false (config/speculative.py:463-465, :1704-1711)")
+
+
 # config key -> draft config field: the target-config keys (HF hy_v4 names) vLLM builds the MTP layer from
 CONFIG_KEYS = {"num_hidden_layers": "mtp_start_layer", "num_nextn_predict_layers": "num_layers",
                **{k: k for k in ("hidden_size", "vocab_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
@@ -227,6 +242,8 @@ CONFIG_KEYS = {"num_hidden_layers": "mtp_start_layer", "num_nextn_predict_layers
 @serving_adapter
 class HYV4MTPAdapter(MTPAdapter):
     kind = "hyv4_mtp"
+    cli = "mtp"
+    vllm_reads_merged = True
     format = "hy_v4_mtp"
     target_model_type = "hy_v4"
 
@@ -278,6 +295,21 @@ class HYV4MTPAdapter(MTPAdapter):
         return HYV4MTPConfig.from_target_config(hf, config_json=target_config, num_layers=draft.config.num_layers,
                                                 num_steps=draft.config.num_steps)
 
+    def merged_target_config(self, target_config: dict, draft: HYV4MTPDraft) -> dict:
+        """The merge's config.json; a target that sets index_share_for_mtp_iteration for an indexed draft is refused."""
+        why = index_share_problem(target_config, draft.config.use_indexer)
+        if why:
+            raise ValueError(f"merge: {why}")
+        return super().merged_target_config(target_config, draft)
+
+    def notes(self, config: dict) -> list[str]:
+        out = super().notes(config)
+        if config.get("mtp_layer_type") in SPARSE_ATTENTION_TYPES and config.get(INDEX_SHARE_KEY) is not True:
+            out.append(f"indexed MTP layer: serve with speculative_config.{INDEX_SHARE_KEY} unset or false (vLLM "
+                       "would reuse step 0's indexer top-k at chain steps >= 1, which dspark does not model; "
+                       "config/speculative.py:463-465)")
+        return out
+
     def is_draft_tensor(self, config: dict, name: str) -> bool:
         """model.mtp_layers.* or model.layers.{>=N}.* (N = num_hidden_layers)."""
         if name.startswith("model.mtp_layers."):
@@ -296,6 +328,9 @@ class HYV4MTPAdapter(MTPAdapter):
             problems.append(f"mtp_layer_names 'layers' with num_nextn_predict_layers={n}: vLLM maps model.layers.{{N+i}} "
                             f"only for i < max(num_nextn_predict_layers - 1, 1) = {max(n - 1, 1)} (hy_v4/nvidia/"
                             "mtp.py:57-72) and serves the other layers' random init; write model.mtp_layers.{i}")
+        why = index_share_problem(config, config.get("mtp_layer_type") in SPARSE_ATTENTION_TYPES)
+        if why:
+            problems.append(why)
         rope = config.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default":
             problems.append(f"rope_parameters.rope_type {rope.get('rope_type')!r}: vLLM's MTP layer uses the target's "
@@ -303,5 +338,5 @@ class HYV4MTPAdapter(MTPAdapter):
         return problems
 
 
-__all__ = ["CONFIG_KEYS", "HYV4MTPAdapter", "from_serving_names", "hy_mtp_expected", "hy_mtp_layer_sparse",
+__all__ = ["CONFIG_KEYS", "INDEX_SHARE_KEY", "HYV4MTPAdapter", "index_share_problem", "from_serving_names", "hy_mtp_expected", "hy_mtp_layer_sparse",
            "to_serving_names"]

@@ -156,6 +156,7 @@ def _check_merge(adapter: MTPAdapter, config: dict, draft, target_dir: Path) -> 
         served = adapter.served_config(config, draft)
     except (TypeError, ValueError) as err:
         raise ValueError(f"merge: {target_dir}/config.json does not describe the draft's target: {err}") from err
+    adapter.merged_target_config(config, draft)  # a family's refusals of the target config, before any file is written
     own = draft.config
     diff = [f"{f.name}: draft {getattr(own, f.name)!r} vs target {getattr(served, f.name)!r}"
             for f in dataclasses.fields(own) if f.name not in _NOT_SERVED and getattr(own, f.name) != getattr(served, f.name)]

@@ -6,8 +6,8 @@ The folder's format is found by asking each serving adapter (dspark.export.adapt
 every rule to the test that breaks it). The expected set never comes from a draft or from the exporter's name map, so
 this check of an export stays independent of how it was written. Tensors are read from the safetensors headers only
 (no tensor data). A folder written with `dspark_not_for_vllm` (CLI --not-for-vllm, or a speculators config with a head
-vLLM does not have) gets the serving rules as notes, not problems. Besides the layout, a dspark-written folder must
-match its checksum manifest.
+vLLM does not have) gets the serving rules as notes, not problems. Besides the layout, the folder must match its
+checksum manifest: one without a manifest (an export killed before it was sealed, a hand-made folder) is not OK.
 """
 from __future__ import annotations
 
@@ -67,23 +67,49 @@ def _headers(folder: Path) -> tuple[dict[str, tuple[tuple[int, ...], str]], list
 
 def verify_folder(path) -> Report:
     """The folder's layout against its config (names, shapes, dtypes, serving rules), plus its checksum manifest."""
-    report = _verify_layout(Path(path))
-    report.problems += _integrity_problems(Path(path))
+    folder = Path(path)
+    if not folder.is_dir():
+        return Report("missing", problems=[_missing_folder(folder)])
+    report = _verify_layout(folder)
+    report.problems += _integrity_problems(folder)
+    report.notes += _stale_tmp_notes(folder)
     return report
 
 
+def _missing_folder(folder: Path) -> str:
+    from dspark.export._io import stale_staging
+
+    staged = stale_staging(folder)
+    if staged:
+        return (f"{folder}: no such folder; {staged[0].name} beside it is an unfinished export (its process is gone, "
+                "e.g. killed): re-run the export (it removes the leftover)")
+    return f"{folder}: no such folder"
+
+
 def _integrity_problems(folder: Path) -> list[str]:
-    """A dspark-written folder must match its manifest and hold nothing unlisted; a folder without a manifest
-    (a released checkpoint, an older export) is judged by its layout only."""
+    """A dspark-written folder must match its manifest and hold nothing unlisted. The manifest is written last, so a
+    folder without one is an unfinished export (killed before it was sealed) or one dspark did not write (by hand, an
+    older dspark, a released checkpoint): never OK on its layout alone; `python -m dspark.integrity seal` records the
+    checksums of one the user trusts."""
     from dspark.errors import IntegrityError
     from dspark.integrity import MANIFEST_NAME, check_manifest, unlisted_files
 
     try:
-        if not check_manifest(folder, required=False, hint="re-export it"):
-            return []
+        if not check_manifest(folder, required=False, hint="re-export it", since="export"):
+            return [f"integrity: no {MANIFEST_NAME}: an unfinished export (killed before it was sealed) or a folder "
+                    "dspark did not write; re-export it, or if you trust it, "
+                    f"`python -m dspark.integrity seal {folder}`"]
     except IntegrityError as err:
         return [f"integrity: {err}"]
     return [f"integrity: {name} is not in {MANIFEST_NAME} (added after the export?)" for name in unlisted_files(folder)]
+
+
+def _stale_tmp_notes(folder: Path) -> list[str]:
+    """Temp files of interrupted atomic writes (dspark.io) inside the folder: vLLM reads none of them."""
+    from dspark.io import TMP_SUFFIX
+
+    return [f"{p.relative_to(folder)}: temp file of an interrupted write (not part of the export, vLLM does not read "
+            "it); delete it" for p in sorted(folder.rglob(f".*{TMP_SUFFIX}")) if p.is_file()]
 
 
 def _unknown(folder: Path) -> Report:

@@ -1,4 +1,4 @@
-"""The block drafts' inference path (DSpark / DFlash, SPEC.md 2), shared by every block-draft family.
+"""The block drafts' inference path (DSpark / DFlash, docs/CONTRACTS.md §2), shared by every block-draft family.
 
 One block of g drafts per request from the target's context features, in ONE draft forward for all requests:
 

@@ -1,4 +1,4 @@
-"""Dense DSpark / DFlash draft (SPEC.md 5): Qwen3-style decoder layers over a block of tokens.
+"""Dense DSpark / DFlash draft (docs/CONTRACTS.md §5): Qwen3-style decoder layers over a block of tokens.
 
     main_x = hidden_norm(fc(concat of target layer outputs))                 [B, S, H]
     per layer: context k = RoPE_ctxpos(k_norm(k_proj(main_x))), v = v_proj(main_x)   (no input norm)
@@ -39,6 +39,7 @@ class DSparkDenseConfig:
     GROUP_KEYS: ClassVar[tuple[str, ...]] = ("num_layers", "block_size", "mask_token_id", "target_layer_ids",
                                              "markov_rank", "markov_head_type", "sliding_window", "layout")
     DRAFTS_KEY: ClassVar[str] = "block_size"  # the group key of the drafts per verify step
+    DEFAULT_TARGET: ClassVar[str | None] = None  # target kind (configs/target) when a run records none
 
     hidden_size: int
     vocab_size: int

@@ -95,6 +95,7 @@ class DSparkV4Config(V4BlockSizes):
     GROUP_KEYS: ClassVar[tuple[str, ...]] = ("num_layers", "block_size", "mask_token_id", "target_layer_ids",
                                              "markov_rank", "markov_head_type", "sliding_window", "layout")
     DRAFTS_KEY: ClassVar[str] = "block_size"  # the group key of the drafts per verify step
+    DEFAULT_TARGET: ClassVar[str | None] = "tiny_v4"  # target kind (configs/target) when a run records none
 
     num_layers: int = 3
     block_size: int
@@ -361,7 +362,11 @@ class DSparkV4MoE(nn.Module):
         token = order // k  # token row of each sorted assignment
         counts = torch.bincount(flat_e, minlength=self.n_experts).tolist()
         pieces = x[token].split(counts)
-        outs = [self.experts[e](piece) for e, piece in enumerate(pieces) if counts[e] > 0]
+        # Every expert runs, an empty piece too (a [0, H] matmul: zero gradient, no work). Skipping the experts no
+        # token chose left their weights out of the autograd graph on that rank only; under DDP that rank then never
+        # launched the gradient bucket holding them while the other ranks did, and the ranks deadlocked (rank 0 at
+        # the next barrier, another in backward; tests/test_ddp_graph.py).
+        outs = [self.experts[e](piece) for e, piece in enumerate(pieces)]
         y = torch.cat(outs, dim=0).float() * weights.reshape(-1)[order].unsqueeze(-1)  # [N*k, H]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         return out.index_add_(0, token, y).to(x.dtype)

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 native MTP draft (SPEC.md 4, last paragraph; vLLM `DeepSeekV4MTP`).
+"""DeepSeek-V4 native MTP draft (docs/CONTRACTS.md §4, last paragraph; vLLM `DeepSeekV4MTP`).
 
 One MTP layer i (checkpoint prefix `mtp.{i}.`) applied to a sequence:
 
@@ -54,6 +54,7 @@ class DSV4MTPConfig(V4BlockSizes):
 
     GROUP_KEYS: ClassVar[tuple[str, ...]] = ("num_layers", "num_steps", "mask_first_embedding")
     DRAFTS_KEY: ClassVar[str] = "num_steps"
+    DEFAULT_TARGET: ClassVar[str | None] = "tiny_v4"  # target kind (configs/target) when a run records none
     vllm_method: ClassVar[str] = "mtp"  # vLLM's target_dependent_ar MTP speculator
 
     kind: str = "dsv4_mtp"

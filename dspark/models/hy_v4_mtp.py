@@ -1,4 +1,4 @@
-"""HY V4 (Tencent Hy4) MTP draft (SPEC.md 6; vLLM `HYV4MTP`, seeds/hy_v4_mtp_vllm.txt).
+"""HY V4 (Tencent Hy4) MTP draft (docs/CONTRACTS.md §6; vLLM `HYV4MTP`, seeds/hy_v4_mtp_vllm.txt).
 
 One MTP layer i (checkpoint prefix `model.mtp_layers.{i}.`) applied to a sequence, row p:
 
@@ -21,7 +21,9 @@ experts + an unclamped shared expert) or a dense SwiGLU MLP.
 Conventions where transformers `hy_v4` and vLLM differ are config fields (defaults = vLLM serving):
   rope_interleave (vLLM: interleaved pairs; transformers: rotate-half before 5.25, interleaved from 5.25), lora_norm_eps (vLLM: rms_norm_eps;
   transformers: 1e-6), index_norm_eps (vLLM: 1e-6; transformers: rms_norm_eps). Not modelled: YaRN RoPE,
-  sharing step 0's indexer top-k with steps >= 1 (vLLM index_share_for_mtp_iteration), FP8.
+  sharing step 0's indexer top-k with steps >= 1 (vLLM index_share_for_mtp_iteration: refused by the merge and
+  flagged by the verifier, dspark/export/hy_v4_mtp.py), FP8. The LM head runs in float32 when vLLM's does
+  (enable_lm_head_fp32, default True: `lm_head_fp32`, dspark.ops.lm_head).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dspark.models import hy_v4_names
 from dspark.models.common import FieldError, SharedTargetWeights, config_from_dict, field_error, raw_config_json
 from dspark.models.mtp_common import ChainDraft
 from dspark.models.registry import register
+from dspark.ops.lm_head import lm_head_logits, vllm_head_fp32
 from dspark.ops.norms import RMSNorm
 from dspark.ops.rope import RotaryEmbedding, apply_rope
 
@@ -50,6 +53,7 @@ class HYV4MTPConfig:
 
     GROUP_KEYS: ClassVar[tuple[str, ...]] = ("num_layers", "num_steps")
     DRAFTS_KEY: ClassVar[str] = "num_steps"
+    DEFAULT_TARGET: ClassVar[str | None] = "tiny_hy_v4"  # target kind (configs/target) when a run records none
     vllm_method: ClassVar[str] = "mtp"  # vLLM's target_dependent_ar MTP speculator
 
     kind: str = "hyv4_mtp"
@@ -87,6 +91,7 @@ class HYV4MTPConfig:
     rope_theta: float = 10000.0
     rope_interleave: bool = True  # vLLM is_neox_style=False
     initializer_range: float = 0.006
+    lm_head_fp32: bool = True  # vLLM HYV4Config enable_lm_head_fp32 (default True): the head in float32
 
     @property
     def block_size(self) -> int:
@@ -192,6 +197,7 @@ class HYV4MTPConfig:
         values["gating_type"] = str(getattr(c, "gating_type", "elementwise"))
         values["learnable_sink"] = bool(getattr(c, "learnable_sink", True))
         values["mtp_start_layer"] = n
+        values["lm_head_fp32"] = vllm_head_fp32(c)  # dspark.ops.lm_head: transformers_utils/configs/hy_v4.py:162-168
         n_mtp = int(getattr(c, "num_nextn_predict_layers", 0) or 0)
         if n_mtp > 0:
             values["num_layers"] = n_mtp
@@ -533,9 +539,9 @@ class HYV4MTPDraft(ChainDraft, SharedTargetWeights, nn.Module):
 
     def logits(self, hidden_out: torch.Tensor, layer_idx: int = 0) -> torch.Tensor:
         """hidden_out [..., H] (already final_layernorm'ed by step) -> target lm_head logits [..., V]. Every HY V4 MTP
-        layer scores with the target's head (vLLM's shared_head is the identity), whatever `layer_idx`."""
-        w = self._shared("lm_head_weight")
-        return F.linear(hidden_out.to(w.dtype), w)
+        layer scores with the target's head (vLLM's shared_head is the identity), whatever `layer_idx`; in float32 when
+        config.lm_head_fp32 (vLLM's HYV4Config enable_lm_head_fp32, default True: dspark.ops.lm_head)."""
+        return lm_head_logits(hidden_out, self._shared("lm_head_weight"), self.config.lm_head_fp32)
 
 
 __all__ = ["HYV4MTPConfig", "HYV4MTPDraft", "HyMTPLayer", "HyBlock", "HyMLA", "HyIndexer", "HyMoE", "HyRouter",

@@ -6,7 +6,7 @@
 and owns, in that one file,
   * its Config: `Config.from_target_config(hf_config, **keys)`, the one constructor from the target's config,
     holding the family's checks against the target (FieldError names the key); `GROUP_KEYS` (the draft-group keys
-    at the top level of configs/draft/*.yaml, the rest under `arch`), `DRAFTS_KEY` (drafts per verify step),
+    at the top level of configs/draft/*.yaml, the rest under `arch`), `DRAFTS_KEY` (drafts per verify step), `DEFAULT_TARGET`,
     `block_size` (that number), `vllm_method` (vLLM's speculative_config method);
   * its draft: the interface its objective trains (docs/CONTRACTS.md), `init_from_target(hf_model)` when it can
     start from the target's layers, and the eval interface `propose_batch(feats, tokens, ...)` / `new_cache()`
@@ -32,7 +32,7 @@ import torch
 
 from dspark.errors import ConfigError
 
-NOT_CONFIG_KEYS = ("kind", "init_from_target", "arch")  # draft-group keys that are not config fields
+NOT_CONFIG_KEYS = ("kind", "init_from_target", "init_from", "arch")  # draft-group keys that are not config fields
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,16 @@ class Family:
     @property
     def group_keys(self) -> tuple[str, ...]:
         return tuple(self.config.GROUP_KEYS)
+
+    @property
+    def drafts_key(self) -> str:
+        """The group key of the drafts per verify step (block_size, num_steps, ...)."""
+        return self.config.DRAFTS_KEY
+
+    @property
+    def default_target(self) -> str | None:
+        """The target kind (configs/target) of the family's tiny default, for runs that record none."""
+        return self.config.DEFAULT_TARGET
 
 
 _FAMILIES: dict[str, Family] = {}

@@ -2,7 +2,7 @@
 
 Layer outputs are captured with forward hooks on the decoder layers (output_hidden_states would hand
 back post-norm or pre-layer states depending on the model). DeepSeek-V4 layers output hc_mult copies
-[B, S, hc, H]; they are averaged over hc (SPEC.md 2.1).
+[B, S, hc, H]; they are averaged over hc (docs/CONTRACTS.md §2.1).
 
 Optionally (`pre_head=True`, or `capture_pre_head` set on the target) the raw output of the LAST decoder
 layer is kept as well: for DeepSeek-V4 the pre-hc_head stream [B, S, hc, H] (before hc_head and the final
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from dspark.ops.lm_head import lm_head_logits, vllm_head_fp32
 
 
 @dataclass
@@ -86,6 +88,8 @@ class FrozenTarget:
         # features() also returns the raw last-layer output (pre-hc_head stream) when this is set;
         # the DSV4 MTP draft sets it when it is built against this target.
         self.capture_pre_head = False
+        # vLLM's head dtype for this config (dspark.ops.lm_head): HY V4 computes its logits in float32 by default
+        self.head_fp32 = vllm_head_fp32(model.config)
 
     # ---- shared weights ---------------------------------------------------------------------------
     @property
@@ -165,7 +169,7 @@ class FrozenTarget:
     @torch.no_grad()
     def logits_from_final(self, final: torch.Tensor) -> torch.Tensor:
         """Teacher rows: [..., H] -> [..., V] via the target's LM head."""
-        return nn.functional.linear(final.to(self.lm_head_weight.dtype), self.lm_head_weight)
+        return lm_head_logits(final, self.lm_head_weight, self.head_fp32)
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,16 +1,18 @@
-"""The block drafts' objective (DSpark / DFlash, SPEC.md 3): target features -> packed blocks -> draft -> losses.
+"""The block drafts' objective (DSpark / DFlash, docs/CONTRACTS.md §3): target features -> packed blocks -> draft
+-> losses.
 
 The blocks, their mask, the layout and the mask token are the draft's own (its config and
 dspark.models.block_draft): the training forward and the inference path build the same blocks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from dspark.errors import ConfigError
 from dspark.models.block_draft import block_attention_mask, packed_block_attention_mask
 from dspark.targets.hf_target import FrozenTarget
 from dspark.training.blocks import Blocks, build_blocks
@@ -38,7 +40,18 @@ class DraftOutputs:
     final: torch.Tensor  # [B, S, H]
 
 
+@dataclass
+class BlockKeys:
+    """The block objective's train.* keys (their defaults: configs/config.yaml)."""
+
+    decay_gamma: float = field(metadata={"doc": "position weight w_k = exp(-k / decay_gamma)",
+                                         "check": lambda v: None if v > 0 else "must be > 0"})
+    loss_weights: dict[str, float] = field(metadata={"doc": "{ce, l1, conf} loss weights"})
+    fused_loss: bool = field(metadata={"doc": "losses from hidden rows, no [N, V] logits"})
+
+
 class BlockDraftModule(DraftLightningModule):
+    KEYS = BlockKeys
     TRAIN_LOGGED = ("loss", "ce", "l1", "conf", "tau_prob")
 
     def __init__(self, draft: torch.nn.Module, target: FrozenTarget, *, decay_gamma: float | None = 4.0,
@@ -51,17 +64,27 @@ class BlockDraftModule(DraftLightningModule):
         # [B, A*Lb, S + A*Lb] bool mask (the reference; scripts/bench_step.py compares the two)
         self.packed_attention_mask = True
 
+    @staticmethod
+    def check_keys(train) -> None:
+        """The values BlockKeys' types do not say: loss weights {ce, l1, conf}, >= 0, not all 0."""
+        weights = dict(train["loss_weights"])
+        unknown = sorted(set(weights) - {"ce", "l1", "conf"})
+        if unknown:
+            raise ConfigError(f"train.loss_weights: unknown keys {unknown} (ce, l1, conf)")
+        if not (all(v >= 0 for v in weights.values()) and sum(weights.values()) > 0):
+            raise ConfigError(f"train.loss_weights: weights must be >= 0 and not all 0, got {weights}")
+
     @classmethod
     def from_config(cls, train: DictConfig, draft, target: FrozenTarget, optim: OptimConfig) -> "BlockDraftModule":
-        """train.loss_weights ({ce, l1, conf}), train.decay_gamma, train.fused_loss (checked by dspark.preflight)."""
-        return cls(draft, target, decay_gamma=train.decay_gamma,
+        """The BlockKeys of train.* (checked by dspark.schema before any model loads)."""
+        return cls(draft, target, decay_gamma=float(train.decay_gamma),
                    loss_weights=LossWeights(**OmegaConf.to_container(train.loss_weights)), optim=optim,
-                   fused_loss=bool(train.get("fused_loss", True)))
+                   fused_loss=bool(train.fused_loss))
 
     # ---- forward ----------------------------------------------------------------------------------
     def _hidden(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Blocks, torch.Tensor]:
-        """One draft forward over every block of the batch (SPEC.md 3) -> (h [B, A, g, H] backbone output at the
-        prediction rows, blocks, target final [B, S, H])."""
+        """One draft forward over every block of the batch (docs/CONTRACTS.md §3) -> (h [B, A, g, H] backbone output
+        at the prediction rows, blocks, target final [B, S, H])."""
         cfg = self.draft.config
         ids = batch["input_ids"]  # [B, S]
         B, S = ids.shape

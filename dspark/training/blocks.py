@@ -1,4 +1,4 @@
-"""Anchors, block inputs, labels and eval masks for training (SPEC.md 3).
+"""Anchors, block inputs, labels and eval masks for training (docs/CONTRACTS.md §3).
 
 Everything here is a pure function of tensors so tests can pin it down with tiny hand-made inputs. The block
 layouts and the packed block attention mask are the draft's inference path (dspark.models.block_draft): training

@@ -1,5 +1,6 @@
 """The run's own Lightning callbacks: throughput over the timed steps, a progress bar that counts optimizer
-steps, and one print per Lightning log line under Hydra."""
+steps, the last step's train metrics and lr logged whatever log_every_n_steps says, a one-line model summary, and
+one print per Lightning log line under Hydra."""
 from __future__ import annotations
 
 import logging
@@ -7,7 +8,7 @@ import resource
 import time
 
 import torch
-from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelSummary, RichProgressBar, TQDMProgressBar
 
 
 class Throughput(Callback):
@@ -39,6 +40,59 @@ class Throughput(Callback):
         if torch.cuda.is_available():
             out["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
         return out
+
+
+class LogLastStep(Callback):
+    """Lightning logs the train metrics (and LearningRateMonitor the lr) every trainer.log_every_n_steps steps, so a
+    run whose length is not a multiple of it (trainer.max_steps=5 with the default 10) ends with its last train loss
+    and lr nowhere. This logs them at the last step, at the step and with the keys Lightning would use, when
+    Lightning does not."""
+
+    def __init__(self):
+        self._lr: dict | None = None
+
+    @staticmethod
+    def _last_step_unlogged(trainer) -> bool:
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped + 1  # the optimizer step under way, 1-based
+        return (trainer.max_steps > 0 and step == trainer.max_steps and trainer.log_every_n_steps > 0
+                and not trainer._logger_connector.should_update_logs)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._lr = None
+        if not trainer.loggers or not self._last_step_unlogged(trainer):
+            return
+        for cb in trainer.callbacks:  # the lr of this step, as the monitor reads it before the step
+            if isinstance(cb, LearningRateMonitor) and cb.logging_interval != "epoch":
+                self._lr = cb._extract_stats(trainer, "step" if cb.logging_interval is None else "any")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step < trainer.max_steps or not trainer.loggers or not self._last_step_unlogged(trainer):
+            return  # not the last optimizer step (or its accumulation is not done), or Lightning logs it
+        connector = trainer._logger_connector
+        metrics = dict(connector.metrics["log"])
+        if self._lr:
+            metrics.update(self._lr)
+        if metrics:
+            connector.log_metrics(metrics)  # step = the step Lightning logs this batch's row at; adds `epoch`
+        self._lr = None
+
+
+class OneLineModelSummary(ModelSummary):
+    """Lightning's model summary as one log line (it also reaches train.log): its table shows a FLOPs column and a
+    "Total FLOPs: 0" line that nothing here measures."""
+
+    @staticmethod
+    def summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
+                  total_flops=0, **summarize_kwargs) -> None:
+        from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
+
+        columns = dict(summary_data)
+        parts = [f"{n} ({t}, {p})" for n, t, p in zip(columns.get("Name", []), columns.get("Type", []),
+                                                      columns.get("Params", []))]
+        logging.getLogger("dspark.train").info(
+            "model: %s; trainable params %s, frozen %s, %.1f MB", ", ".join(parts) or "-",
+            get_human_readable_count(int(trainable_parameters)).strip(),
+            get_human_readable_count(int(total_parameters - trainable_parameters)).strip(), model_size)
 
 
 class _StepCount:

@@ -22,9 +22,11 @@ def repair_hint(draft_dir: Path) -> str:
             "resume=last` (a finished run only rewrites draft/)")
 
 
-def write_weights_and_config(draft: torch.nn.Module, draft_group: dict, out_dir: Path) -> None:
-    """Step 1, right after training: weights + config, so a crash in what follows loses no training."""
-    state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
+def write_weights_and_config(draft: torch.nn.Module | None, draft_group: dict, out_dir: Path,
+                             state: dict[str, torch.Tensor] | None = None) -> None:
+    """Step 1, right after training: weights + config, so a crash in what follows loses no training. `state`:
+    the draft's full state dict when the module itself holds shards (sharded training)."""
+    state = {k: v.detach().cpu().contiguous() for k, v in (draft.state_dict() if state is None else state).items()}
     save_safetensors_atomic(state, Path(out_dir) / WEIGHTS_FILE)
     atomic_write_json(Path(out_dir) / CONFIG_FILE, draft_group)
 

@@ -51,6 +51,43 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+class GradientCoverage:
+    """Which trainable parameters received a gradient during one backward (post-accumulate-grad hooks).
+
+    Under DDP every rank must reduce the same gradient buckets in every synchronised backward. A parameter that
+    one rank leaves out of its autograd graph (a data-dependent branch: an expert no token chose, a step with no
+    labelled row) keeps that rank from launching the bucket holding it while the others wait for it: the ranks
+    deadlock, one in backward and one at the next collective. DraftLightningModule arms this under DDP and turns
+    such a step into an error naming the parameters, raised on the rank that left them out."""
+
+    def __init__(self, named_parameters):
+        self.names = [n for n, p in named_parameters if p.requires_grad]
+        self.seen: set[str] = set()
+        self._handles = []
+        for name, p in named_parameters:
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(lambda _p, n=name: self.seen.add(n)))
+
+    def reset(self) -> None:
+        self.seen.clear()
+
+    def missing(self) -> list[str]:
+        return [n for n in self.names if n not in self.seen]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def uncovered_gradients_error(missing: list[str], rank: int) -> RuntimeError:
+    shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+    return RuntimeError(
+        f"rank {rank}: {len(missing)} trainable parameter(s) got no gradient in this step's backward ({shown}); "
+        "the other ranks would wait for their gradient bucket forever (DDP deadlock). A forward that depends on "
+        "the data must still use every trainable parameter (an empty piece gives a zero gradient)")
+
+
 class DraftLightningModule(L.LightningModule):
     """Shared by every objective. A subclass implements
 
@@ -77,9 +114,53 @@ class DraftLightningModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         self._attach_target()
+        self._coverage = None
+        from lightning.pytorch.strategies import DDPStrategy
+
+        trainer = self._trainer
+        if trainer is None:  # driven without a Trainer (scripts/bench_step.py): one process, nothing to guard
+            return
+        strategy = trainer.strategy
+        if (isinstance(strategy, DDPStrategy) and trainer.world_size > 1
+                and not getattr(strategy, "_ddp_kwargs", {}).get("find_unused_parameters")):  # (that DDP copes)
+            self._coverage = GradientCoverage(list(self.draft.named_parameters()))
+
+    def on_fit_end(self) -> None:
+        if getattr(self, "_coverage", None) is not None:
+            self._coverage.remove()
+            self._coverage = None
+
+    # ---- every rank's backward covers the same parameters (GradientCoverage) ----------------------
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        if getattr(self, "_coverage", None) is not None:
+            self._coverage.reset()
+
+    def on_after_backward(self) -> None:
+        coverage = getattr(self, "_coverage", None)
+        if coverage is None or self.trainer.fit_loop.epoch_loop._should_accumulate():
+            return  # (a no_sync micro-batch reduces nothing)
+        missing = coverage.missing()
+        if missing:
+            raise uncovered_gradients_error(missing, self.global_rank)
 
     def on_validation_start(self) -> None:
         self._attach_target()
+
+    # ---- sharded training (trainer=fsdp2, dspark.training.sharding) --------------------------------
+    def configure_model(self) -> None:
+        """Under ModelParallelStrategy (FSDP2): fully_shard the draft over the data-parallel mesh, once. The
+        target is not a submodule, so it stays whole and out of the optimizer."""
+        mesh = self.device_mesh
+        if mesh is None or self.__dict__.get("_runner") is not None:
+            return
+        from dspark.training.sharding import shard_draft
+
+        self.__dict__["_runner"] = shard_draft(self.draft, mesh["data_parallel"])  # not a submodule either
+
+    def _run(self, fn):
+        """fn() inside the FSDP unit when sharded (parameters gathered, gradients reduce-scattered), else fn()."""
+        runner = self.__dict__.get("_runner")
+        return fn() if runner is None else runner(fn)
 
     # ---- target features: one reader for every objective --------------------------------------------
     def features(self, batch: dict[str, torch.Tensor]) -> TargetFeatures:
@@ -111,11 +192,15 @@ class DraftLightningModule(L.LightningModule):
 
     # ---- steps -----------------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
-        out = self.training_losses(batch)
+        out = self._run(lambda: self.training_losses(batch))
         bs = batch["input_ids"].shape[0]
+        # Under DDP / FSDP each rank's loss parts are its share over the global normaliser (/ world size), so their
+        # mean over ranks is the one-process value: logged as that (sync_dist), not as rank 0's share.
+        sync = is_distributed()
         for k in self.TRAIN_LOGGED:
             if k in out:
-                self.log(f"train/{k}", out[k].detach(), prog_bar=k in ("loss", "tau_prob"), batch_size=bs)
+                self.log(f"train/{k}", out[k].detach(), prog_bar=k in ("loss", "tau_prob"), batch_size=bs,
+                         sync_dist=sync)
         if "agree_count" in out:
             self.log("train/agree", out["agree_count"].sum() / out["agree_total"].sum().clamp_min(1), batch_size=bs)
         self.log("train/tokens", float(batch["attention_mask"].sum()), reduce_fx="sum", batch_size=bs)
@@ -125,7 +210,7 @@ class DraftLightningModule(L.LightningModule):
         self._val = {}
 
     def validation_step(self, batch, batch_idx):
-        for key, value in self.validation_sums(batch).items():
+        for key, value in self._run(lambda: self.validation_sums(batch)).items():
             v = value.detach().double()
             self._val[key] = self._val[key] + v if key in self._val else v
 
@@ -171,6 +256,19 @@ class DraftLightningModule(L.LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        from dspark.training.resume import rewrite_optimizer_state
+
+        o = self.optim  # this run's values (dspark.training.resume refused any change not in resume_override)
+        multiplier = lambda s: warmup_cosine(s, o.max_steps, o.warmup_ratio, o.min_lr_ratio)  # noqa: E731
+        rewrite_optimizer_state(checkpoint, o.lr, o.weight_decay, o.betas, multiplier)
+        if "optimizer_states" not in checkpoint and self._trainer is not None:
+            # a sharded checkpoint (trainer=fsdp2): the strategy loaded the optimizers in place already, with the
+            # lr of the schedule they were saved under (trainer.max_steps may have changed): rewrite them live
+            step = int(((checkpoint.get("lr_schedulers") or [{}])[0]).get("last_epoch", 0))
+            for opt in self.trainer.optimizers:
+                for group in opt.param_groups:
+                    group.update(initial_lr=o.lr, lr=o.lr * multiplier(step), weight_decay=o.weight_decay,
+                                 betas=tuple(o.betas))
         rng = checkpoint.get("rng")
         if not rng:
             return

@@ -5,6 +5,8 @@ the DSpark module's definitions (every position an anchor, steps as draft positi
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
@@ -17,7 +19,17 @@ from dspark.training.mtp_objectives import MTPLossWeights, mtp_losses, recursive
 _VAL_MEANS = ("loss", "ce", "kl", "tau_prob")  # + ce_k / kl_k: means over the rows scored at step 0
 
 
+@dataclass
+class MTPKeys:
+    """The MTP objective's train.* keys (their defaults: configs/config.yaml)."""
+
+    mtp_beta: float = field(metadata={"doc": "step k weight beta^k / sum_j beta^j",
+                                      "check": lambda v: None if v > 0 else "must be > 0"})
+    mtp_loss_weights: dict[str, float] = field(metadata={"doc": "{ce, kl}: CE vs the true token, KL to the target"})
+
+
 class MTPDraftModule(DraftLightningModule):
+    KEYS = MTPKeys
     TRAIN_LOGGED = ("loss", "ce", "kl", "tau_prob", "l1")
 
     def __init__(self, draft: torch.nn.Module, target: FrozenTarget, *, beta: float = 0.6,
@@ -25,21 +37,21 @@ class MTPDraftModule(DraftLightningModule):
         super().__init__(draft, target, optim)
         self.num_steps, self.beta, self.mtp_weights = int(draft.config.num_steps), float(beta), loss_weights
 
-    @classmethod
-    def from_config(cls, train: DictConfig, draft, target: FrozenTarget, optim: OptimConfig) -> "MTPDraftModule":
-        """train.mtp_beta (step weights beta^k, default 0.6) and train.mtp_loss_weights ({ce, kl}, default the
-        MTPLossWeights defaults)."""
-        beta = float(train.get("mtp_beta", 0.6))
-        if not beta > 0:
-            raise ConfigError(f"train.mtp_beta: must be > 0, got {beta}")
-        raw = OmegaConf.to_container(train.mtp_loss_weights) if train.get("mtp_loss_weights") is not None else {}
+    @staticmethod
+    def check_keys(train) -> None:
+        """The values MTPKeys' types do not say: loss weights {ce, kl}, >= 0, not both 0."""
+        raw = dict(train["mtp_loss_weights"])
         unknown = sorted(set(raw) - {"ce", "kl"})
         if unknown:
             raise ConfigError(f"train.mtp_loss_weights: unknown keys {unknown} (ce, kl)")
-        lw = MTPLossWeights(**{k: float(v) for k, v in raw.items()})
-        if not (lw.ce >= 0 and lw.kl >= 0 and lw.ce + lw.kl > 0):
+        if not (all(v >= 0 for v in raw.values()) and sum(raw.values()) > 0):
             raise ConfigError(f"train.mtp_loss_weights: weights must be >= 0 and not both 0, got {raw}")
-        return cls(draft, target, beta=beta, loss_weights=lw, optim=optim)
+
+    @classmethod
+    def from_config(cls, train: DictConfig, draft, target: FrozenTarget, optim: OptimConfig) -> "MTPDraftModule":
+        """The MTPKeys of train.* (checked by dspark.schema before any model loads)."""
+        lw = MTPLossWeights(**{k: float(v) for k, v in OmegaConf.to_container(train.mtp_loss_weights).items()})
+        return cls(draft, target, beta=float(train.mtp_beta), loss_weights=lw, optim=optim)
 
     def losses(self, batch, metrics: bool = True) -> dict[str, torch.Tensor]:
         ids, lm = batch["input_ids"], batch["loss_mask"] * batch["attention_mask"]  # [B, S]

@@ -1,4 +1,4 @@
-"""MTP training: recursive K-step teacher forcing, CE + distillation losses, tau-like metrics (SPEC.md 6).
+"""MTP training: recursive K-step teacher forcing, CE + distillation losses, tau-like metrics (docs/CONTRACTS.md §6).
 
 Sequence ids [B, S]. Every position t starts a chain, run the way vLLM serves it (dspark.models.mtp_common:
 step-0 rows built once from the target's hidden, depth-k rows attending to the step-0 rows 0..t plus the

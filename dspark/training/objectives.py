@@ -1,4 +1,4 @@
-"""DSpark / DFlash training objectives and metrics (SPEC.md 3).
+"""DSpark / DFlash training objectives and metrics (docs/CONTRACTS.md §3).
 
 All inputs are per prediction: N blocks x g drafted positions.
   w_k    = eval_mask_k * exp(-k / decay_gamma)                      (k 0-based)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import warnings
 from pathlib import Path
@@ -14,11 +15,14 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
 from dspark import factory
+from dspark.errors import require
 from dspark.integrity import check_file, remove_checked, write_checked
 from dspark.io import atomic_write_json
 from dspark.training import draft_dir
 from dspark.training.callbacks import Throughput
+from dspark.training.resume import SHARDED_META
 from dspark.training.run_dir import claim_run_dir, is_launcher_process
+from dspark.training.sharding import gathered_draft_state
 from dspark.training.trainer import make_trainer
 
 log = logging.getLogger("dspark.train")
@@ -81,7 +85,8 @@ class LogsFollowCheckpoints(Callback):
 def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[Callback]) -> L.Trainer:
     """cfg.trainer / callbacks / logger -> Trainer (dspark.training.trainer), with the atomic checkpoint IO."""
     t = OmegaConf.to_container(cfg.trainer, resolve=True)
-    plugins = [] if str(t.get("strategy", "")).startswith("deepspeed") else [AtomicCheckpointIO()]
+    strategy = str(t.get("strategy", ""))
+    plugins = [] if strategy.startswith(("deepspeed", "fsdp2")) else [AtomicCheckpointIO()]  # (they write folders)
     return make_trainer(cfg, callbacks, plugins)
 
 
@@ -92,14 +97,43 @@ def resolve_resume(cfg: DictConfig, run_dir: Path) -> str | None:
         if is_launcher_process():
             used = [p.name for p in (run_dir / "checkpoints", run_dir / draft_dir.DRAFT_DIR)
                     if p.is_dir() and any(not f.name.startswith(".") for f in p.iterdir())]
-            factory.require(not used, "run_dir",
+            require(not used, "run_dir",
                             f"{run_dir} already holds a run ({', '.join(used)}/): resume it with resume=last, "
                             "or choose another run_dir=")
         return None
-    path = run_dir / "checkpoints" / "last.ckpt" if cfg.resume == "last" else Path(str(cfg.resume))
-    factory.require(path.is_file(), "resume", f"checkpoint {str(path)!r} does not exist")
+    if cfg.resume == "last":
+        path = newest_checkpoint(run_dir / "checkpoints")
+        require(path is not None, "resume", f"{run_dir / 'checkpoints'} holds no checkpoint to resume (resume=last)")
+    else:
+        path = Path(str(cfg.resume))
+    if path.is_dir():  # a sharded checkpoint (trainer=fsdp2): one file per rank + the run state in meta.pt
+        require((path / SHARDED_META).is_file(), "resume",
+                f"checkpoint folder {str(path)!r} has no {SHARDED_META}: not a complete trainer=fsdp2 checkpoint "
+                "(DeepSpeed checkpoint folders are not resumable by dspark yet)")
+        return str(path)
+    require(path.is_file(), "resume", f"checkpoint {str(path)!r} does not exist")
     check_file(path, hint=CKPT_HINT)
     return str(path)
+
+
+def newest_checkpoint(folder: Path) -> Path | None:
+    """What resume=last resumes: last.ckpt, unless a stepNNNNNNN.ckpt holds a later step (a kill between the two
+    writes of one step leaves the step file newer, or last.ckpt not yet written). A last.ckpt whose step cannot be
+    read is still the one chosen, so its damage is reported rather than silently skipped. None: no checkpoint."""
+    if not folder.is_dir():
+        return None
+    steps = [(s, p) for p in sorted(folder.glob("step*.ckpt")) if (s := _saved_step(p)) is not None]
+    newest = max(steps, default=None, key=lambda sp: sp[0])
+    last = folder / "last.ckpt"
+    if last.is_dir():  # sharded (trainer=fsdp2): the run's state is in the folder's meta.pt
+        return last
+    if last.is_file():
+        last_step = _saved_step(last)
+        if last_step is None or newest is None or last_step >= newest[0]:
+            return last
+        log.warning("resume=last: %s holds step %d, the newer %s step %d: resuming from that", last.name,
+                    last_step, newest[1].name, newest[0])
+    return None if newest is None else newest[1]
 
 
 def target_record(cfg: DictConfig, fingerprint: str | None) -> dict:
@@ -114,7 +148,103 @@ def export_draft(draft: torch.nn.Module, cfg: DictConfig, out_dir: Path, fingerp
     draft_dir.seal(out_dir, target_record(cfg, fingerprint))
 
 
-def final_report(summary: dict, run_dir: Path, seconds: float) -> str:
+def _saved_step(path: Path) -> int | None:
+    """The global_step a checkpoint file holds (its tensors memory-mapped, not read), None if unreadable."""
+    try:
+        return int(torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)["global_step"])
+    except Exception:  # noqa: BLE001 (not a checkpoint this run can read: left alone)
+        return None
+
+
+def link_same_step_checkpoints(trainer: L.Trainer) -> list[Path]:
+    """A run whose last step is also a step-checkpoint step and its best validation (every short run) ends with
+    up to three files of one training state: last.ckpt, stepNNNNNNN.ckpt, best-stepNNNNNNN-tau....ckpt. Those
+    holding the same step as last.ckpt become hard links to it: one file on disk, every name kept (resume=last,
+    resume=<that file> and the best checkpoint still load; each name keeps its checksum file). Only with the
+    atomic checkpoint IO, which replaces a file by renaming, so a later save never writes through a link.
+    Returns the names linked."""
+    if not trainer.is_global_zero or not isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
+        return []
+    from dspark.integrity import sidecar_path
+
+    linked = []
+    step = int(trainer.global_step)
+    for last in {Path(cb.last_model_path) for cb in trainer.checkpoint_callbacks if cb.last_model_path}:
+        if not last.is_file() or _saved_step(last) != step:
+            continue
+        digest = json.loads(sidecar_path(last).read_text())["accept"][0]
+        for other in sorted(last.parent.glob("*.ckpt")):
+            if other == last or not other.is_file() or os.path.samefile(other, last) or _saved_step(other) != step:
+                continue
+            old = json.loads(sidecar_path(other).read_text())["accept"][:1] if sidecar_path(other).is_file() else []
+            atomic_write_json(sidecar_path(other), {"file": other.name, "accept": [digest, *old]})  # both, meanwhile
+            tmp = other.with_name(f".{other.name}.link.tmp")
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(last, tmp)
+            except OSError:  # a file system without hard links: keep the copy
+                atomic_write_json(sidecar_path(other), {"file": other.name, "accept": old or [digest]})
+                continue
+            os.replace(tmp, other)
+            atomic_write_json(sidecar_path(other), {"file": other.name, "accept": [digest]})
+            linked.append(other)
+    if linked:
+        log.info("checkpoints of the last step: %s are hard links to last.ckpt (one file on disk)",
+                 ", ".join(p.name for p in linked))
+    return linked
+
+
+CURVES_FILE = "curves.png"
+
+
+def metric_series(run_dir: Path, names=("train/loss", "lr-", "val/tau_prob")) -> dict[str, list[tuple[int, float]]]:
+    """name -> [(step, value)] from the run's logs/version_*/metrics.csv (every version: a resumed run writes a new
+    one; a step logged twice keeps the later value). A name ending in "-" takes every column it begins (lr-AdamW)."""
+    import csv
+
+    out: dict[str, dict[int, float]] = {}
+    versions = sorted((Path(run_dir) / "logs").glob("version_*/metrics.csv"),
+                      key=lambda f: int(f.parent.name.split("_")[-1]) if f.parent.name.split("_")[-1].isdigit() else -1)
+    for file in versions:
+        with open(file, newline="") as fh:
+            for row in csv.DictReader(fh):
+                for col, value in row.items():
+                    if value in (None, "") or col is None or not any(
+                            col == n or (n.endswith("-") and col.startswith(n)) for n in names):
+                        continue
+                    out.setdefault(col, {})[int(row["step"])] = float(value)
+    return {col: sorted(points.items()) for col, points in out.items()}
+
+
+def write_curves(run_dir: Path, title: str = "") -> Path | None:
+    """RUN/curves.png: train loss, lr and held-out val/tau_prob by step (metric_series); None, with a log line
+    saying why, without a CSV log or matplotlib."""
+    series = metric_series(run_dir)
+    if not series:
+        log.info("no %s: the run has no metrics.csv with train/val metrics (the csv logger is off)", CURVES_FILE)
+        return None
+    try:
+        from dspark.evaluation import plots
+
+        order = ["train/loss", *sorted(k for k in series if k.startswith("lr-")), "val/tau_prob"]
+        return plots.plot_training_curves({k: series[k] for k in order if k in series}, Path(run_dir) / CURVES_FILE,
+                                          title)
+    except ImportError:
+        log.info("no %s: matplotlib is not installed (pip install 'dspark[plots]')", CURVES_FILE)
+        return None
+
+
+def print_and_log(text: str) -> None:
+    """Prints `text` and writes it to the run's log file too (the file handlers Hydra's job logging put on the
+    root logger: <run_dir>/train.log), not a second time to the console."""
+    print(text, flush=True)
+    record = log.makeRecord(log.name, logging.INFO, __file__, 0, text, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def final_report(summary: dict, run_dir: Path, seconds: float, pictures: list[Path] | tuple = ()) -> str:
     """The run's last console lines: where the outputs are and what the held-out result was, in words."""
     final, step0 = summary.get("final", {}), summary.get("step0", {})
     lines = [f"dspark: training finished at step {summary.get('global_step')} in {seconds:.0f} s."]
@@ -128,8 +258,9 @@ def final_report(summary: dict, run_dir: Path, seconds: float) -> str:
                                  if k.startswith("val/agree_")))
     lines += [f"  trained draft:  {run_dir / draft_dir.DRAFT_DIR}/ (weights, config, target record, checksums)",
               f"  checkpoints:    {run_dir / 'checkpoints'}/last.ckpt (resume: run_dir={run_dir} resume=last)",
-              f"  metrics:        {run_dir / 'metrics.json'}, logs under {run_dir / 'logs'}/",
-              f"  next:           python eval.py run_dir={run_dir}"]
+              f"  metrics:        {run_dir / 'metrics.json'}, logs under {run_dir / 'logs'}/"]
+    lines += [f"  picture:        {p} (train loss, lr and held-out tau_prob by step)" for p in pictures]
+    lines.append(f"  next:           python eval.py run_dir={run_dir}")
     return "\n".join(lines)
 
 
@@ -141,12 +272,25 @@ def run_training(cfg: DictConfig, callbacks: tuple[Callback, ...] = ()) -> dict:
     `resume=last` on a finished run only redoes those end-of-run steps."""
     from dspark.preflight import check_training_config
 
-    check_training_config(cfg)
+    values = check_training_config(cfg)
     run_dir = Path(str(cfg.run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
     with claim_run_dir(run_dir):
         ckpt_path = resolve_resume(cfg, run_dir)
+        if ckpt_path is not None:
+            check_resumed_config(values, Path(ckpt_path))
         return _train(cfg, run_dir, ckpt_path, callbacks)
+
+
+def check_resumed_config(values: dict, ckpt: Path) -> None:
+    """The resolved config against the checkpoint's, before any model loads (dspark.training.resume)."""
+    from dspark.training.resume import checkpoint_config, compare_on_resume
+
+    then = checkpoint_config(ckpt)
+    now = {k: v for k, v in values.items() if k != "draft_resolved"}
+    if not values["draft_resolved"] and isinstance(then.get("draft"), dict):  # a Hub target: sizes unknown here
+        now["draft"] = {**then["draft"], **{k: v for k, v in now["draft"].items() if k != "arch" and v is not None}}
+    compare_on_resume(now, then)
 
 
 def _train(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> dict:
@@ -173,9 +317,11 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> 
         if trainer.is_global_zero:
             atomic_write_json(summary_path, summary)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    link_same_step_checkpoints(trainer)
     out = run_dir / draft_dir.DRAFT_DIR
+    full = gathered_draft_state(draft, trainer.is_global_zero)  # FSDP2 / ZeRO-3 shards (a collective: every rank)
     if trainer.is_global_zero:  # the trained weights first: nothing below can lose them
-        draft_dir.write_weights_and_config(draft, OmegaConf.to_container(cfg.draft, resolve=True), out)
+        draft_dir.write_weights_and_config(draft, OmegaConf.to_container(cfg.draft, resolve=True), out, state=full)
     validated_last = trainer.global_step * trainer.accumulate_grad_batches % trainer.val_check_batch == 0
     if not validated_last or not getattr(module, "last_val_metrics", None):
         trainer.validate(module, datamodule=datamodule, verbose=False)
@@ -186,5 +332,8 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> 
     if trainer.is_global_zero:
         draft_dir.seal(out, target_record(cfg, target.fingerprint()))
         atomic_write_json(summary_path, summary)
-        print(final_report(summary, run_dir, time.perf_counter() - t0), flush=True)
+        for logger in trainer.loggers:
+            logger.save()
+        curves = write_curves(run_dir, title=f"{cfg.experiment_name}: {run_dir.name}")
+        print_and_log(final_report(summary, run_dir, time.perf_counter() - t0, [curves] if curves else []))
     return summary

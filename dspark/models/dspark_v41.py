@@ -1,0 +1,198 @@
+"""DeepSeek-V4.1 DSpark draft (vLLM 0.33.0 `DSparkV41DraftModel`, vllm/models/deepseek_v41/nvidia/dspark.py).
+
+Only what differs from the V4 DSpark draft (dspark.models.dspark_v4, whose attention, MoE, norms, combiner,
+context KV and heads are reused as they are) lives here; docs/v41.md has the table with vLLM file:line:
+
+  * "delayed" mHC pre-mix (vllm/models/deepseek_v41/nvidia/model.py:522-524, 486-662; the reference
+    vllm/model_executor/kernels/mhc/torch.py:6-45): every sublayer computes (pre, post, comb) from its input
+    stream as V4 does, but collapses that stream with the PREVIOUS sublayer's pre-mix (the very first sublayer
+    takes stream 0); its own pre-mix is carried on;
+  * no hc_head: the last stream is collapsed with the pre-mix of the last layer's FFN (dspark.py:238-244);
+  * the draft MoE has its own width: `dspark_n_routed_experts` / `dspark_num_experts_per_tok` of the target config
+    (model.py:129-160), here the draft config's n_routed_experts / num_experts_per_tok;
+  * the checkpoint's `dspark_target_layer_ids` name the stream ENTERING layer L (eagle3_utils.py:126-135), one more
+    than the project's target_layer_ids (0-based id of the layer whose output is tapped, as for V4):
+    from_target_config subtracts 1, the export adds it back.
+
+Parameter names are the V4 draft's (serving names below the stage prefix, without hc_head_*); the export maps
+markov_head.markov_w{1,2} to the checkpoint's markov_head.{embed,head} (dspark.py:502-511).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import torch
+from torch import nn
+
+from dspark.models.common import FieldError
+from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft, DSparkV4Layer
+from dspark.models.heads import ConfidenceHead, build_markov_head
+from dspark.models.registry import register
+from dspark.ops.mhc import CollapseFn, MixFn, _acc, _ops, _tokens, hc_post, sinkhorn
+from dspark.ops.norms import RMSNorm
+
+
+# ------------------------------------------------------------------------------------------------
+# Delayed mHC pre
+# ------------------------------------------------------------------------------------------------
+def hc_pre_delayed(
+    x: torch.Tensor,
+    carried_pre: torch.Tensor | None,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    hc_mult: int,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """V4.1's mHC pre: x [..., hc, H], carried_pre [..., hc] fp32 or None ->
+    (collapsed [..., H] = sum_j carried_pre_j x_j, or x[..., 0, :] when None; post [..., hc]; comb [..., hc, hc];
+    pre [..., hc], this sublayer's pre-mix for the next one). The mixes are V4's (dspark.ops.mhc: hc_pre)."""
+    hc = hc_mult
+    if x.shape[-2] != hc:
+        raise ValueError(f"hc_pre_delayed: expected {hc} streams on axis -2, got shape {tuple(x.shape)}")
+    lead = x.shape[:-2]
+    ops = _ops(x, None)
+    xt = _tokens(x, 2)  # [T, hc, H]
+    mix = MixFn.apply(xt.flatten(-2), fn, norm_eps, ops)  # [T, (2+hc)*hc]
+    base, scale = base.to(_acc(x)), scale.to(_acc(x))
+    pre_logit, post_logit, comb_logit = mix.split([hc, hc, hc * hc], dim=-1)
+    pre_base, post_base, comb_base = base.split([hc, hc, hc * hc])
+    pre = torch.sigmoid(pre_logit * scale[0] + pre_base) + eps  # [T, hc]
+    post = 2.0 * torch.sigmoid(post_logit * scale[1] + post_base)  # [T, hc]  (hc_post_alpha 2.0, model.py:376)
+    comb = sinkhorn((comb_logit * scale[2] + comb_base).unflatten(-1, (hc, hc)), iters, eps)  # [T, hc, hc]
+    if carried_pre is None:
+        y = xt[:, 0]  # the identity pre-mix selects stream 0 (kernels/mhc/torch.py:40-44)
+    else:
+        y = CollapseFn.apply(xt, _tokens(carried_pre, 1).to(pre.dtype), ops)  # [T, H]
+    return y.reshape(*lead, -1), post.view(*lead, hc), comb.view(*lead, hc, hc), pre.view(*lead, hc)
+
+
+def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """vLLM's hc_collapse (kernels/mhc/triton.py:108): x [..., hc, H], pre [..., hc] -> sum_j pre_j x_j [..., H]."""
+    lead = x.shape[:-2]
+    return CollapseFn.apply(_tokens(x, 2), _tokens(pre, 1), _ops(x, None)).view(*lead, -1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Config
+# ------------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class DSparkV41Config(DSparkV4Config):
+    """Sizes of a DeepSeek-V4.1 DSpark draft: V4's fields; n_routed_experts / num_experts_per_tok are the DRAFT's
+    (the target config's dspark_n_routed_experts / dspark_num_experts_per_tok when it has them); target_layer_ids
+    are 0-based ids of tapped layer OUTPUTS (checkpoint dspark_target_layer_ids - 1)."""
+
+    DEFAULT_TARGET: ClassVar[str | None] = "tiny_v41"
+
+    @classmethod
+    def from_target_config(cls, hf_cfg: Any, **draft_keys: Any) -> "DSparkV41Config":
+        """V4's constructor, plus V4.1's target keys: the draft MoE width (dspark_n_routed_experts,
+        dspark_num_experts_per_tok; 0 or absent = the target's, model.py:129-160), the stage count (n_mtp_layers,
+        else num_nextn_predict_layers, dspark.py:85-89) and the taps (dspark_target_layer_ids in entry-stream
+        semantics, eagle3_utils.py:126-135: id L -> target_layer_ids L - 1; L = 0, the embedding, is refused)."""
+        for key in ("n_routed_experts", "num_experts_per_tok"):
+            own = getattr(hf_cfg, f"dspark_{key}", None)
+            if own:
+                draft_keys.setdefault(key, int(own))
+        if getattr(hf_cfg, "n_mtp_layers", None) is None and getattr(hf_cfg, "num_nextn_predict_layers", None):
+            draft_keys.setdefault("num_layers", int(hf_cfg.num_nextn_predict_layers))
+        served = getattr(hf_cfg, "dspark_target_layer_ids", None)
+        if served is not None and "target_layer_ids" not in draft_keys:
+            served = [int(i) for i in served]
+            if any(i < 1 for i in served):
+                raise FieldError("target_layer_ids", f"dspark_target_layer_ids {served}: id 0 is the embedding stream "
+                                 "(vLLM V4.1 taps the stream entering layer L); the draft reads layer outputs")
+            draft_keys["target_layer_ids"] = [i - 1 for i in served]
+        return super().from_target_config(hf_cfg, **draft_keys)
+
+
+def served_layer_ids(cfg: DSparkV41Config) -> list[int]:
+    """The checkpoint's dspark_target_layer_ids of a config (entry-stream ids: target_layer_ids + 1)."""
+    return [int(i) + 1 for i in cfg.target_layer_ids]
+
+
+# ------------------------------------------------------------------------------------------------
+# Layer and draft
+# ------------------------------------------------------------------------------------------------
+class DSparkV41Layer(DSparkV4Layer):
+    """V4's layer (same parameters) with the delayed pre-mix: forward takes and returns the carried pre-mix."""
+
+    def _delayed(self, x: torch.Tensor, carried: torch.Tensor | None, which: str):
+        c = self.cfg
+        fn, base, scale = (getattr(self, f"hc_{which}_{p}") for p in ("fn", "base", "scale"))
+        return hc_pre_delayed(x, carried, fn, base, scale, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, carried: torch.Tensor | None, positions: torch.Tensor, ctx_kv: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, hc, H]; carried [B, T, hc] (None for the first layer); positions [B, T]; ctx_kv [B, S, D];
+        mask [B, T, S+T] -> (x [B, T, hc, H], this layer's FFN pre-mix [B, T, hc])."""
+        y, post, comb, attn_pre = self._delayed(x, carried, "attn")
+        x = hc_post(self.attn(self.attn_norm(y), positions, ctx_kv, mask), x, post, comb)
+        y, post, comb, ffn_pre = self._delayed(x, attn_pre, "ffn")
+        return hc_post(self.ffn(self.ffn_norm(y)), x, post, comb), ffn_pre
+
+
+@register("dspark_v41", config=DSparkV41Config, objective="block")
+class DSparkV41Draft(DSparkV4Draft):
+    """DeepSeek-V4.1 DSpark draft; interface in docs/CONTRACTS.md (the V4 draft's, without hc_head)."""
+
+    def __init__(self, cfg: DSparkV41Config):
+        nn.Module.__init__(self)
+        cfg.validate()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.main_proj = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
+        self.main_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DSparkV41Layer(cfg) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.markov_head = build_markov_head(cfg.vocab_size, cfg.vocab_size, cfg.markov_rank, h, cfg.markov_head_type)
+        self.confidence_head = ConfidenceHead(h + cfg.markov_rank, bias=cfg.confidence_bias)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.config.initializer_range
+        nn.init.normal_(self.main_proj.weight, mean=0.0, std=std)
+        self.main_norm.reset_parameters()
+        self.norm.reset_parameters()
+        for layer in self.layers:
+            layer.reset_parameters(std)
+        self.markov_head.reset_parameters(std)
+        self.confidence_head.reset_parameters(std)
+
+    def backbone(
+        self,
+        block_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        ctx: Sequence[torch.Tensor],
+        attn_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """block_ids [B, T], block_positions [B, T], ctx per-layer [B, S, D], attn_mask [B, T, S+T] bool
+        -> PRE-norm hidden h [B, T, H] = the last stream collapsed with the last FFN pre-mix (dspark.py:224-244)."""
+        if len(ctx) != len(self.layers):
+            raise ValueError(f"backbone: expected {len(self.layers)} context KV tensors, got {len(ctx)}")
+        b, t = block_ids.shape
+        s = ctx[0].shape[1]
+        if tuple(attn_mask.shape) != (b, t, s + t):
+            raise ValueError(f"backbone: attn_mask must be [{b}, {t}, {s + t}], got {tuple(attn_mask.shape)}")
+        x = self.embed(block_ids).unsqueeze(-2).repeat(1, 1, self.config.hc_mult, 1)  # [B, T, hc, H]
+        carried = None
+        for layer, kv in zip(self.layers, ctx):
+            x, carried = layer(x, carried, block_positions, kv, attn_mask)
+        return hc_collapse(x, carried)
+
+    def init_from_target(self, hf_causal_lm: nn.Module) -> list[int]:
+        """Copy the target's last num_layers decoder layers into the draft layers (V4's rule; the draft MoE width
+        must then be the target's)."""
+        from dspark.models.v4_names import init_draft_layers_from_target
+
+        return init_draft_layers_from_target(self, hf_causal_lm)
+
+
+__all__ = ["DSparkV41Config", "DSparkV41Draft", "DSparkV41Layer", "hc_collapse", "hc_pre_delayed",
+           "served_layer_ids"]

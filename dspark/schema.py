@@ -1,0 +1,390 @@
+"""The typed schema of a run config: one dataclass per config group, one owner per key.
+
+Hydra composes the yaml files of configs/ (which hold every default, once); this module says which keys exist,
+their types and ranges, and refuses anything else with one line naming the key and the nearest valid name:
+
+    train.lrr: unknown key (did you mean train.lr?)
+
+What owns which key:
+  * the run's own keys (`RunKeys`), `train` (`TrainKeys`: optimisation, shared by every objective), `data`
+    (`DataKeys`), `target` (`TargetKeys`), eval.py's keys (`EvalKeys`) and serve_check's (`ServeCheckKeys`): here;
+  * the objective's `train.*` keys: the objective's LightningModule (`KEYS`, a dataclass, e.g.
+    dspark.training.block_module.BlockKeys); the train group's schema is TrainKeys + every objective's KEYS, and the
+    active objective's values are checked by its `check_keys`;
+  * `draft.*`: the draft family (dspark.models.registry): `kind`, `init_from_target`, `arch` + its Config's
+    GROUP_KEYS at the top level, every other Config field under `arch`;
+  * `trainer.*`: lightning.pytorch.Trainer's own arguments (its signature); `callbacks.*` / `logger.*`: free names of
+    `{_target_: ..., ...}` nodes or null.
+
+Cross-field checks (anchors vs sequence length, taps vs target depth, ...) live in dspark.preflight, which calls
+`check_run_keys` first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import math
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+from dspark.errors import ConfigError
+
+
+# ---- value checks ---------------------------------------------------------------------------------
+def _range(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False):
+    """field metadata: the value must lie in the range (bounds inclusive unless *_open)."""
+    def check(v) -> str | None:
+        if v is None:
+            return None
+        if lo is not None and (v <= lo if lo_open else v < lo):
+            return f"must be {'>' if lo_open else '>='} {lo}"
+        if hi is not None and (v >= hi if hi_open else v > hi):
+            return f"must be {'<' if hi_open else '<='} {hi}"
+        return None
+    return {"check": check}
+
+
+POSITIVE = _range(0, lo_open=True)
+AT_LEAST_1 = _range(1)
+NON_NEGATIVE = _range(0)
+UNIT = _range(0, 1)
+
+
+def nearest(key: str, valid: Iterable[str]) -> str | None:
+    match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def unknown_key_error(prefix: str, key: str, valid: Iterable[str]) -> ConfigError:
+    full = f"{prefix}.{key}" if prefix else key
+    near = nearest(key, valid)
+    hint = f"did you mean {prefix + '.' if prefix else ''}{near}?" if near else \
+        f"valid keys: {', '.join(sorted(valid))}"
+    return ConfigError(f"{full}: unknown key ({hint})")
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(tp)))
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    if origin in (list, tuple):
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return f"a mapping of {_type_name(typing.get_args(tp)[1])}"
+    return {float: "a number", int: "an integer", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _matches(value, tp) -> bool:
+    """Is a plain (resolved) config value of annotation `tp`? ints pass as floats; bools are not numbers."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if origin in (list, tuple):
+        args = typing.get_args(tp)
+        return isinstance(value, (list, tuple)) and (not args or all(_matches(v, args[0]) for v in value))
+    if origin is dict:
+        k, v = typing.get_args(tp)
+        return isinstance(value, Mapping) and all(_matches(x, v) for x in value.values())
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if dataclasses.is_dataclass(tp):
+        return isinstance(value, Mapping)
+    return isinstance(value, tp)
+
+
+def check_section(schema: type, values: Mapping[str, Any], prefix: str, *, extra: Iterable[str] = (),
+                  required: bool = True) -> None:
+    """Refuses unknown keys (nearest valid name), missing keys, wrong types and out-of-range values of one group.
+    `extra`: further valid keys checked elsewhere (e.g. another objective's)."""
+    hints = typing.get_type_hints(schema)
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    valid = set(fields) | set(extra)
+    for key in values:
+        if key not in valid:
+            raise unknown_key_error(prefix, str(key), valid)
+    for name, f in fields.items():
+        full = f"{prefix}.{name}" if prefix else name
+        if name not in values:
+            if required:
+                raise ConfigError(f"{full}: missing (every key of the group has a default in configs/; "
+                                  f"was it set to an empty node?)")
+            continue
+        value, tp = values[name], hints[name]
+        if dataclasses.is_dataclass(tp) and isinstance(value, Mapping):
+            check_section(tp, value, full)
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{full}: must be finite, got {value!r}")
+        if not _matches(value, tp):
+            raise ConfigError(f"{full}: must be {_type_name(tp)}, got {value!r}")
+        why = f.metadata.get("check", lambda v: None)(value)
+        if why:
+            raise ConfigError(f"{full}: {why}, got {value!r}")
+
+
+def doc(text: str, **meta) -> dict:
+    return {"doc": text, **meta}
+
+
+def keys_of(schema: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(schema))
+
+
+# ---- groups ---------------------------------------------------------------------------------------
+TARGET_KINDS = ("tiny_v4", "tiny_v41", "tiny_hy_v4", "smollm2", "hf")
+DATA_SOURCES = ("sharegpt", "jsonl", "regenerated")
+FEATURE_PRODUCERS = ("hf", "vllm")
+
+
+@dataclass
+class TargetKeys:
+    kind: Literal[TARGET_KINDS] = field(metadata=doc("tiny_v4 | tiny_v41 | tiny_hy_v4 | smollm2 | hf"))
+    path: Optional[str] = field(metadata=doc("local HF folder or Hub id (kind hf); null: the kind's own"))
+    dtype: Literal["float32", "bfloat16", "float16"] = field(metadata=doc("weights dtype of the frozen target"))
+
+
+@dataclass
+class TrainKeys:
+    batch_size: int = field(metadata=doc("sequences per device per step", **AT_LEAST_1))
+    val_batch_size: int = field(metadata=doc("held-out sequences per batch", **AT_LEAST_1))
+    num_anchors: int = field(metadata=doc("anchors sampled per sequence (block objectives)", **AT_LEAST_1))
+    lr: float = field(metadata=doc("peak learning rate (AdamW)", **POSITIVE))
+    weight_decay: float = field(metadata=doc("AdamW weight decay", **NON_NEGATIVE))
+    betas: list[float] = field(metadata=doc("AdamW betas, two numbers in [0, 1)", check=lambda v: None if len(v) == 2
+                                            and all(0 <= b < 1 for b in v) else "must be two numbers in [0, 1)"))
+    warmup_ratio: float = field(metadata=doc("linear warmup, fraction of trainer.max_steps", **UNIT))
+    min_lr_ratio: float = field(metadata=doc("cosine floor, fraction of lr", **UNIT))
+
+
+@dataclass
+class CacheLayoutKeys:
+    encoding: Literal["plain", "fp8_e4m3"] = field(metadata=doc("storage of the cached rows"))
+    teacher_rows: Literal["all", "assistant"] = field(metadata=doc("final hidden rows kept"))
+    context_rows: Literal["all", "anchored"] = field(metadata=doc("tap rows kept (block objectives only)"))
+
+
+@dataclass
+class VLLMProducerKeys:
+    tensor_parallel_size: int = field(metadata=AT_LEAST_1)
+    batch_size: int = field(metadata=AT_LEAST_1)
+    kv_cache_gib: int = field(metadata=AT_LEAST_1)
+    python: Optional[str] = field(metadata=doc("vLLM's interpreter; null: $DSPARK_VLLM_PYTHON or .venv-vllm"))
+
+
+@dataclass
+class DataKeys:
+    source: Literal[DATA_SOURCES] = field(metadata=doc("sharegpt | jsonl | regenerated"))
+    path: Optional[str] = field(metadata=doc("jsonl file (jsonl / regenerated); sharegpt: the package's file"))
+    limit: Optional[int] = field(metadata=doc("conversation records read; null: all", **AT_LEAST_1))
+    english_only: bool = field(metadata=doc("keep English conversations only"))
+    strict: bool = field(metadata=doc("jsonl: refuse the file at a malformed line (else skip and count)"))
+    max_length: int = field(metadata=doc("tokens per training sequence", **_range(3)))
+    min_loss_tokens: int = field(metadata=doc("drop sequences with fewer assistant tokens", **NON_NEGATIVE))
+    val_examples: int = field(metadata=doc("held-out examples", **AT_LEAST_1))
+    num_workers: int = field(metadata=doc("DataLoader workers", **NON_NEGATIVE))
+    feature_cache: Optional[str] = field(metadata=doc("null | auto | a folder: offline target features"))
+    feature_cache_dtype: Literal["bfloat16", "float32"] = field(metadata=doc("cache storage dtype"))
+    feature_cache_layout: CacheLayoutKeys = field(metadata=doc("compact cache layout"))
+    feature_producer: Literal[FEATURE_PRODUCERS] = field(metadata=doc("who computes the cache: hf | vllm"))
+    vllm_producer: VLLMProducerKeys = field(metadata=doc("vLLM producer settings"))
+
+
+@dataclass
+class RunKeys:
+    experiment_name: str = field(metadata=doc("names runs/<experiment_name>/<stamp>"))
+    seed: int = field(metadata=doc("seeds Python, numpy, torch and the data order"))
+    run_dir: str = field(metadata=doc("where checkpoints, logs, metrics.json and draft/ go"))
+    resume: Optional[str] = field(metadata=doc("null | last | <path to a .ckpt>"))
+    resume_override: list[str] = field(metadata=doc("keys allowed to change on resume, e.g. [train.lr]"))
+    validate_at_start: bool = field(metadata=doc("held-out metrics at step 0 in metrics.json"))
+    ops_backend: Literal["auto", "torch", "tilelang"] = field(metadata=doc("fused ops backend"))
+
+
+RUN_GROUPS = ("train", "data", "target", "draft", "trainer", "callbacks", "logger")
+
+
+@dataclass
+class EvalKeys:
+    run_dir: Optional[str] = field(metadata=doc("training run dir with draft/"))
+    draft_ckpt: Optional[str] = field(metadata=doc("OR a Lightning .ckpt"))
+    draft_config: Optional[str] = field(metadata=doc("explicit draft_config.json / config.yaml"))
+    draft_cache: bool = field(metadata=doc("draft-side context KV cache between rounds (false: recompute)"))
+    benchmarks: list[str] = field(metadata=doc("<data_dir>/<name>.jsonl sets"))
+    data_dir: Optional[str] = field(metadata=doc("null: the shipped prompt sets"))
+    num_prompts: int = field(metadata=doc("first N conversations per benchmark", **AT_LEAST_1))
+    turns: Literal["all", "first"] = field(metadata=doc("all user turns | the first"))
+    batch_size: int = field(metadata=doc("requests decoded together", **AT_LEAST_1))
+    max_new_tokens: int = field(metadata=doc("tokens generated per turn", **AT_LEAST_1))
+    temperature: float = field(metadata=doc("0: greedy verification; > 0: rejection sampling", **NON_NEGATIVE))
+    num_drafts: Optional[int] = field(metadata=doc("gamma; null: the draft's drafts per step", **AT_LEAST_1))
+    draft_sample_method: Literal["greedy", "probabilistic"] = field(metadata=doc("vLLM's draft_sample_method"))
+    rejection_sample_method: Literal["standard", "block", "synthetic", "fly"] = field(
+        metadata=doc("vLLM's rejection_sample_method: standard | block (synthetic, fly: refused)"))
+    eos_token_id: Optional[Union[int, list[int]]] = field(metadata=doc("null: the target's eos ids"))
+    compare_target: bool = field(metadata=doc("also decode with the plain target"))
+    plots: bool = field(metadata=doc("write PNGs"))
+    confidence: bool = field(metadata=doc("confidence-head analysis"))
+    adaptive_verification: bool = field(
+        metadata=doc("simulate vLLM's enable_adaptive_verification: confidence head vs online estimator"))
+    sps_table: Optional[str] = field(metadata=doc("JSON of the target's verify steps/s"))
+    sps_context: int = field(metadata=doc("context length while profiling SPS(B)", **AT_LEAST_1))
+    device: str = field(metadata=doc("cpu | cuda"))
+    allow_target_mismatch: bool = field(metadata=doc("accept a target with other weights than the run's"))
+    seed: int = field(metadata=doc("sampling seed"))
+    out: Optional[str] = field(metadata=doc("report folder; null: <run_dir>/eval"))
+
+
+@dataclass
+class ServeCheckKeys(EvalKeys):
+    export: Optional[str] = field(metadata=doc("exported draft folder; null: export the run's"))
+    method: Optional[str] = field(metadata=doc("vLLM speculative method; null: from the export"))
+    vllm_python: Optional[str] = field(metadata=doc("interpreter with vLLM"))
+    vllm_plain: bool = field(metadata=doc("also decode with vLLM without a draft"))
+    kv_cache_gib: int = field(metadata=AT_LEAST_1)
+    max_model_len: Optional[int] = field(metadata=AT_LEAST_1)
+    al_tolerance: float = field(metadata=NON_NEGATIVE)
+    al_z_max: float = field(metadata=POSITIVE)
+    vllm_default_drafting: bool = field()
+    vllm_fix_cpu_float_expand: bool = field()
+    strict: bool = field()
+
+
+# ---- whole configs --------------------------------------------------------------------------------
+def plain(cfg) -> dict:
+    """A DictConfig (or mapping) as plain containers, interpolations resolved."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+
+
+def trainer_keys() -> set[str]:
+    from lightning.pytorch import Trainer
+
+    return set(inspect.signature(Trainer.__init__).parameters) - {"self", "callbacks", "logger", "plugins"}
+
+
+def _check_target_nodes(group: str, node) -> None:
+    if node is None:
+        return
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"{group}: must map names to {{_target_: ..., ...}} nodes, got {node!r}")
+    for name, spec in node.items():
+        if spec is not None and not (isinstance(spec, Mapping) and "_target_" in spec):
+            raise ConfigError(f"{group}.{name}: needs a _target_ (a class path) or null")
+
+
+def check_trainer_keys(trainer: Mapping[str, Any]) -> None:
+    valid = trainer_keys() | {"_target_"}
+    for key in trainer:
+        if key not in valid:
+            raise unknown_key_error("trainer", str(key), valid)
+    for key in ("callbacks", "logger", "plugins"):
+        if key in trainer:
+            raise ConfigError(f"trainer.{key}: comes from the {key} group / the run, not trainer")
+
+
+def check_draft_keys(draft: Mapping[str, Any]) -> None:
+    """draft.*: kind, init_from_target, arch + the family's GROUP_KEYS; arch keys are the family Config's fields."""
+    from dspark.models import registry
+
+    if not isinstance(draft, Mapping) or "kind" not in draft:
+        raise ConfigError("draft: needs a kind (choose a group: draft=dspark_v4_tiny, ...)")
+    fam = registry.family(str(draft["kind"]))
+    top = set(fam.group_keys) | set(registry.NOT_CONFIG_KEYS)
+    for key in draft:
+        if key not in top:
+            raise unknown_key_error("draft", str(key), top)
+    arch = draft.get("arch") or {}
+    if not isinstance(arch, Mapping):
+        raise ConfigError(f"draft.arch: must be a mapping of {fam.config.__name__} fields, got {arch!r}")
+    fields = {f.name for f in dataclasses.fields(fam.config)} - {"kind"}
+    for key in arch:
+        if key not in fields:
+            raise unknown_key_error("draft.arch", str(key), fields - set(fam.group_keys))
+    if not isinstance(draft.get("init_from_target", False), bool):
+        raise ConfigError(f"draft.init_from_target: must be bool, got {draft['init_from_target']!r}")
+    if draft.get("init_from") is not None and not isinstance(draft["init_from"], str):
+        raise ConfigError(f"draft.init_from: must be a folder path or null, got {draft['init_from']!r}")
+
+
+def objective_keys(objective: str) -> type:
+    from dspark.training.modules import MODULES
+
+    return MODULES[objective].KEYS
+
+
+def check_run_keys(cfg, overrides: Iterable[str] = ()) -> dict:
+    """Every key of a train.py config: known, typed and in range; returns the resolved plain config. `overrides`:
+    the command line's (Hydra's task overrides): setting a key only another objective reads is refused."""
+    from dspark.models import registry
+    from dspark.training.modules import MODULES
+
+    values = plain(cfg)
+    top = set(keys_of(RunKeys)) | set(RUN_GROUPS)
+    for key in values:
+        if key not in top:
+            raise unknown_key_error("", str(key), top)
+    check_section(RunKeys, {k: v for k, v in values.items() if k not in RUN_GROUPS}, "")
+    for key in (k for k in values.get("resume_override") or []):
+        if key.split(".")[0] not in top:
+            raise unknown_key_error("resume_override", key, top)
+    check_section(TargetKeys, values.get("target") or {}, "target")
+    check_section(DataKeys, values.get("data") or {}, "data")
+    check_draft_keys(values.get("draft"))
+    check_trainer_keys(values.get("trainer") or {})
+    for group in ("callbacks", "logger"):
+        _check_target_nodes(group, values.get(group))
+    objective = registry.family(str(values["draft"]["kind"])).objective
+    train = values.get("train") or {}
+    mine = set(keys_of(MODULES[objective].KEYS))
+    others = {k for name, m in MODULES.items() if name != objective for k in keys_of(m.KEYS)} - mine
+    # shared keys + anything unknown (refused with the nearest name); another objective's keys keep their defaults
+    check_section(TrainKeys, {k: v for k, v in train.items() if k not in mine | others}, "train", extra=mine | others)
+    check_section(MODULES[objective].KEYS, {k: v for k, v in train.items() if k in mine}, "train")
+    for o in overrides:
+        key = o.lstrip("+~").split("=", 1)[0]
+        if key.startswith("train.") and key.split(".")[1] in others:
+            raise ConfigError(f"{key}: only another objective reads it; draft.kind={values['draft']['kind']} trains "
+                              f"the {objective!r} objective (its keys: {', '.join(sorted(mine))})")
+    MODULES[objective].check_keys(train)
+    return values
+
+
+def check_eval_keys(cfg, schema: type = EvalKeys) -> dict:
+    """Every key of an eval.py / serve_check config (target group included)."""
+    values = plain(cfg)
+    valid = set(keys_of(schema)) | {"target"}
+    for key in values:
+        if key not in valid:
+            raise unknown_key_error("", str(key), valid)
+    check_section(schema, {k: v for k, v in values.items() if k != "target"}, "")
+    check_section(TargetKeys, values.get("target") or {}, "target")
+    return values
+
+
+def describe(schema: type, prefix: str) -> list[tuple[str, str]]:
+    """(key, doc) of a schema, nested groups flattened (for --help)."""
+    hints = typing.get_type_hints(schema)
+    out = []
+    for f in dataclasses.fields(schema):
+        full = f"{prefix}.{f.name}" if prefix else f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += describe(hints[f.name], full)
+        else:
+            out.append((full, f.metadata.get("doc", "")))
+    return out

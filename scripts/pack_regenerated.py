@@ -1,0 +1,162 @@
+#!/usr/bin/env python
+"""Keep regenerated data across machines: pack data/regenerated/<name>.jsonl (and its failure sidecar) into
+benchmarks/data/<name>.jsonl.gz with a sha256 manifest, and unpack it back to resume the run.
+
+    python scripts/pack_regenerated.py pack data/regenerated/smollm2_sharegpt_5k.jsonl [more.jsonl ...]
+    python scripts/pack_regenerated.py unpack smollm2_sharegpt_5k [--force]   # -> data/regenerated/, then rerun
+    python scripts/pack_regenerated.py check                                   # every packed file vs the manifest
+
+Packing takes the complete lines only (a run may be appending while it packs: a partial last line is left out)
+and checks that each parses as a JSON object with an "id". The gzip files carry no timestamp, so packing the same
+lines twice gives the same bytes. benchmarks/data/manifest.json records, per packed file, the sha256 of the .gz
+and of its text, the line count and the source file; benchmarks/data/SHA256SUMS the same .gz digests for
+`sha256sum -c`. Unpacking verifies both digests, then writes the file; an existing file is replaced only when it
+is a prefix of the packed one (or with --force), so unpacking never drops records a run has added since.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACK_DIR = REPO / "benchmarks" / "data"
+DATA_DIR = REPO / "data" / "regenerated"
+MANIFEST = "manifest.json"
+SIDECAR = ".failed.jsonl"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def complete_lines(path: Path) -> bytes:
+    """The file's text up to its last newline, every line checked to be a JSON object with a string "id"."""
+    data = path.read_bytes()
+    data = data[: data.rfind(b"\n") + 1]
+    for lineno, line in enumerate(data.splitlines(), start=1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not (isinstance(row, dict) and isinstance(row.get("id"), str)):
+            raise ValueError(f"{path}:{lineno}: not a JSON object with a string 'id'")
+    return data
+
+
+def _lines(data: bytes) -> int:
+    return data.count(b"\n")
+
+
+def _gzip(data: bytes) -> bytes:
+    return gzip.compress(data, compresslevel=9, mtime=0)
+
+
+def load_manifest(pack_dir: Path) -> dict:
+    path = pack_dir / MANIFEST
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _write_manifest(pack_dir: Path, manifest: dict) -> None:
+    (pack_dir / MANIFEST).write_text(json.dumps(dict(sorted(manifest.items())), indent=1) + "\n")
+    (pack_dir / "SHA256SUMS").write_text("".join(f"{e['sha256']}  {name}\n" for name, e in sorted(manifest.items())))
+
+
+def pack(paths: list[Path], pack_dir: Path = PACK_DIR) -> list[dict]:
+    """Pack each .jsonl and, when it has lines, its <file>.failed.jsonl sidecar; returns the manifest entries."""
+    pack_dir.mkdir(parents=True, exist_ok=True)
+    manifest = load_manifest(pack_dir)
+    written = []
+    for path in paths:
+        path = Path(path)
+        for src in (path, path.with_name(path.name + SIDECAR)):
+            if src != path and (not src.exists() or not src.stat().st_size):
+                continue
+            text = complete_lines(src)
+            blob = _gzip(text)
+            name = src.name + ".gz"
+            (pack_dir / name).write_bytes(blob)
+            entry = {"sha256": _sha256(blob), "content_sha256": _sha256(text), "lines": text.count(b"\n"),
+                     "bytes": len(text), "gz_bytes": len(blob), "source": src.name}
+            manifest[name] = entry
+            written.append({"file": name, **entry})
+    _write_manifest(pack_dir, manifest)
+    return written
+
+
+def _verified_text(pack_dir: Path, name: str, entry: dict) -> bytes:
+    blob = (pack_dir / name).read_bytes()
+    if _sha256(blob) != entry["sha256"]:
+        raise ValueError(f"{pack_dir / name}: sha256 differs from {MANIFEST}")
+    text = gzip.decompress(blob)
+    if _sha256(text) != entry["content_sha256"] or text.count(b"\n") != entry["lines"]:
+        raise ValueError(f"{pack_dir / name}: content differs from {MANIFEST}")
+    return text
+
+
+def check(pack_dir: Path = PACK_DIR) -> dict:
+    """Verify every manifest entry; {file: lines}."""
+    return {name: _verified_text(pack_dir, name, entry).count(b"\n") for name, entry in load_manifest(pack_dir).items()}
+
+
+def unpack(name: str, pack_dir: Path = PACK_DIR, data_dir: Path = DATA_DIR, force: bool = False) -> list[Path]:
+    """Restore <name>.jsonl (and its sidecar, if packed) into data_dir; returns the files written."""
+    stem = name[: -len(".jsonl")] if name.endswith(".jsonl") else name
+    manifest = load_manifest(pack_dir)
+    names = [n for n in (f"{stem}.jsonl.gz", f"{stem}.jsonl{SIDECAR}.gz") if n in manifest]
+    if not names:
+        raise FileNotFoundError(f"{stem}: not in {pack_dir / MANIFEST} (packed: {sorted(manifest)})")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for packed in names:
+        text = _verified_text(pack_dir, packed, manifest[packed])
+        dest = data_dir / packed[: -len(".gz")]
+        if dest.exists() and not force:
+            have = dest.read_bytes()
+            if not text.startswith(have):
+                raise FileExistsError(f"{dest} exists and is not a prefix of the packed file ({_lines(have)} vs "
+                                      f"{manifest[packed]['lines']} lines); --force replaces it")
+        tmp = dest.with_name(dest.name + ".tmp")
+        tmp.write_bytes(text)
+        os.replace(tmp, dest)
+        out.append(dest)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pack", help="gzip regenerated .jsonl files into benchmarks/data")
+    p.add_argument("paths", nargs="+", type=Path)
+    u = sub.add_parser("unpack", help="restore a packed file into data/regenerated")
+    u.add_argument("names", nargs="+", help="<name> or <name>.jsonl (as packed)")
+    u.add_argument("--force", action="store_true", help="replace an existing file that is not a prefix")
+    u.add_argument("--data-dir", type=Path, default=DATA_DIR)
+    c = sub.add_parser("check", help="verify every packed file against the manifest")
+    for q in (p, u, c):
+        q.add_argument("--pack-dir", type=Path, default=PACK_DIR)
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "pack":
+            for entry in pack(args.paths, args.pack_dir):
+                print(f"{entry['file']}: {entry['lines']} lines, {entry['bytes']} -> {entry['gz_bytes']} bytes, "
+                      f"sha256 {entry['sha256']}")
+        elif args.cmd == "unpack":
+            for name in args.names:
+                for dest in unpack(name, args.pack_dir, args.data_dir, args.force):
+                    print(f"{dest}: {_lines(dest.read_bytes())} lines")
+        else:
+            for name, lines in check(args.pack_dir).items():
+                print(f"{name}: ok, {lines} lines")
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The typed run config (dspark.schema, dspark.preflight, dspark.cli, dspark.training.resume): every key has one
+owner; unknown keys (also `+`-added ones), wrong types and ranges fail in one line before any model loads; a resumed
+run refuses a changed architecture and applies an allowed change for real."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, TINY_RUN, compose
+from dspark import schema
+from dspark.errors import ConfigError
+from dspark.preflight import check_training_config
+
+
+def _train_cli(*args, cwd=REPO):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "train.py", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["+train.lrr=1e-3"], "train.lrr: unknown key (did you mean train.lr?)"),
+    (["trainer.max_stpes=5"], "trainer.max_stpes: unknown key (did you mean trainer.max_steps?)"),
+    (["+trainer.max_stpes=5"], "trainer.max_stpes: unknown key (did you mean trainer.max_steps?)"),
+    (["+draft.num_layer=2"], "draft.num_layer: unknown key (did you mean draft.num_layers?)"),
+    (["experiment=dspark_v3"], "experiment=dspark_v3: no such option (configs/experiment/); did you mean "
+                               "experiment=dspark_v4?"),
+    (["train.lr=fast"], "train.lr: must be a number, got 'fast'"),
+    (["data.source=csv"], "data.source: must be one of sharegpt, jsonl, regenerated, got 'csv'"),
+    (["experiment=hyv4_mtp", "train.mtp_beta=-1"], "train.mtp_beta: must be > 0, got -1"),
+    (["train.mtp_beta=0.5"], "train.mtp_beta: only another objective reads it"),
+])
+def test_the_command_line_fails_in_one_line_before_hydra_makes_a_run_dir(tmp_path, capsys, args, message):
+    """In-process through train.py's own precheck (a subprocess per case costs ~20 s of imports under load; the
+    real command line is run once by test_the_real_command_line_fails_in_one_line)."""
+    sys.path.insert(0, str(REPO))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(REPO))
+    from dspark.cli import precheck
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        precheck("config", "train.py", train._check, [*args, f"run_dir={run_dir}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err[-2000:]
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines == [lines[0]] and lines[0].startswith("train.py: error: ") and message in lines[0], err
+    assert not run_dir.exists()  # refused before Hydra created the run dir, before any model loaded
+
+
+def test_the_real_command_line_fails_in_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    r = _train_cli("+train.lrr=1e-3", f"run_dir={run_dir}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines == ["train.py: error: train.lrr: unknown key (did you mean train.lr?)"], r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    assert not run_dir.exists()
+
+
+def test_help_lists_groups_common_keys_and_examples():
+    r = _train_cli("--help")
+    assert r.returncode == 0
+    for text in ("groups (group=option):", "experiment ", "dspark_v4", "train.lr", "trainer.max_steps",
+                 "resume_override", "examples:"):
+        assert text in r.stdout, text
+    assert "Powered by Hydra" not in r.stdout
+
+
+def test_every_yaml_key_of_every_experiment_is_in_the_schema():
+    for exp in sorted(p.stem for p in (REPO / "configs" / "experiment").glob("*.yaml")):
+        values = schema.check_run_keys(compose([f"experiment={exp}"]))
+        assert values["experiment_name"] == exp
+
+
+def test_a_value_of_the_wrong_type_or_range_names_its_key():
+    cases = {"train.betas=[0.9]": "train.betas: must be two numbers", "data.limit=0": "data.limit: must be >= 1",
+             "train.batch_size=2.5": "train.batch_size: must be an integer",
+             "data.feature_cache_layout.encoding=int4": "data.feature_cache_layout.encoding: must be one of",
+             "+callbacks.bad={patience: 3}": "callbacks.bad: needs a _target_",
+             "+train.loss_weights.mse=1": "train.loss_weights: unknown keys ['mse']",
+             "+draft.arch.hiden_size=8": "draft.arch.hiden_size: unknown key (did you mean draft.arch.hidden_size?)"}
+    for override, message in cases.items():
+        with pytest.raises(ConfigError) as e:
+            schema.check_run_keys(compose([override]))
+        assert message in str(e.value), (override, str(e.value))
+
+
+def test_mtp_keys_are_checked_before_the_target_loads(monkeypatch):
+    """(They were checked in MTPDraftModule.from_config, after the target had loaded.)"""
+    import dspark.factory as factory
+
+    monkeypatch.setattr(factory, "load_hf_target", lambda *a, **k: pytest.fail("the target loaded"))
+    with pytest.raises(ConfigError, match=r"train\.mtp_loss_weights: unknown keys \['mse'\]"):
+        check_training_config(compose(["experiment=dsv4_mtp", "+train.mtp_loss_weights.mse=1"]), [])
+    with pytest.raises(ConfigError, match=r"data\.feature_cache: the cache stores no pre-hc_head stream"):
+        check_training_config(compose(["experiment=dsv4_mtp", "data.feature_cache=auto"]), [])
+
+
+# ---- resume -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    from dspark.training.run import run_training
+
+    run_dir = tmp_path_factory.mktemp("resume") / "run"
+    run_training(compose(TINY_RUN + [f"run_dir={run_dir}", "trainer.max_steps=2"]))
+    return run_dir
+
+
+@pytest.mark.parametrize("override,named", [
+    ("draft.num_layers=2", "draft.num_layers: 1 in the checkpoint, 2 now"),
+    ("train.lr=1e-4", "train.lr: 0.003 in the checkpoint, 0.0001 now); pass resume_override=[train.lr]"),
+    ("seed=3", "seed: 0 in the checkpoint, 3 now); that is a new run"),
+])
+def test_resume_refuses_a_changed_run_before_any_model_loads(finished_run, monkeypatch, override, named):
+    import dspark.factory as factory
+    from dspark.training.run import run_training
+
+    monkeypatch.setattr(factory, "load_hf_target", lambda *a, **k: pytest.fail("the target loaded"))
+    with pytest.raises(ConfigError, match="^resume: the run config differs") as e:
+        run_training(compose(TINY_RUN + [f"run_dir={finished_run}", "trainer.max_steps=2", "resume=last", override]))
+    assert named in str(e.value)
+
+
+def test_resume_override_is_applied_to_the_restored_optimizer(finished_run):
+    """A resume_override of train.lr reaches AdamW and the schedule restored from the checkpoint (without the
+    rewrite, the checkpoint's base lr 3e-3 would keep running)."""
+    from lightning.pytorch.callbacks import Callback
+
+    from dspark.training.module import warmup_cosine
+    from dspark.training.run import run_training
+
+    seen = {}
+
+    class Probe(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if "lr" not in seen:
+                seen["step"] = trainer.global_step
+                seen["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
+                seen["base"] = trainer.lr_scheduler_configs[0].scheduler.base_lrs[0]
+
+    run_training(compose(TINY_RUN + [f"run_dir={finished_run}", "trainer.max_steps=4", "resume=last",
+                                     "resume_override=[train.lr]", "train.lr=1e-4"]), callbacks=(Probe(),))
+    assert seen["step"] == 2 and seen["base"] == pytest.approx(1e-4)
+    assert seen["lr"] == pytest.approx(1e-4 * warmup_cosine(2, 4, 0.04, 0.05))
+    ckpt = torch.load(str(finished_run / "checkpoints" / "last.ckpt"), map_location="cpu", weights_only=True)
+    assert ckpt["hyper_parameters"]["train"]["lr"] == pytest.approx(1e-4) and ckpt["global_step"] == 4
+
+
+def test_resume_override_of_an_architecture_key_is_refused(finished_run):
+    from dspark.training.run import run_training
+
+    with pytest.raises(ConfigError, match=r"resume_override: \['draft.num_layers'\] cannot change on resume"):
+        run_training(compose(TINY_RUN + [f"run_dir={finished_run}", "resume=last",
+                                         "resume_override=[draft.num_layers]", "draft.num_layers=2"]))

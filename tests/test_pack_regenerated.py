@@ -1,0 +1,89 @@
+"""scripts/pack_regenerated.py: pack a regenerated .jsonl (partial tail left out) with a sha256 manifest, unpack it
+back byte for byte, refuse damage and never drop records a run added since packing; resuming from an unpacked file
+regenerates only the rest."""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+
+import pytest
+from conftest import REPO
+
+from dspark.data.generator import Completion
+from dspark.data.regenerate import regenerate
+
+spec = importlib.util.spec_from_file_location("pack_regenerated", REPO / "scripts" / "pack_regenerated.py")
+packer = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(packer)
+
+
+class Echo:
+    name = "echo"
+
+    def __init__(self):
+        self.prompts = []
+
+    def generate(self, batch, sampling=None):
+        self.prompts += [m[-1]["content"] for m in batch]
+        return [Completion(f"ans({m[-1]['content']})", "stop") for m in batch]
+
+
+def records(n):
+    return [{"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(n)]
+
+
+def test_pack_unpack_round_trip_then_resume(tmp_path):
+    data, packs = tmp_path / "data", tmp_path / "packs"
+    out = data / "set.jsonl"
+    regenerate(records(5), Echo(), out, batch_size=2)
+    out.with_name("set.jsonl.failed.jsonl").write_text(json.dumps({"id": "bad", "error": "x"}) + "\n")
+    full = out.read_bytes()
+    with open(out, "ab") as fh:  # a run appending right now: its partial line is not packed
+        fh.write(b'{"id": "r5", "mess')
+    entries = {e["file"]: e for e in packer.pack([out], packs)}
+    assert set(entries) == {"set.jsonl.gz", "set.jsonl.failed.jsonl.gz"}
+    assert entries["set.jsonl.gz"]["lines"] == 5
+    blob = (packs / "set.jsonl.gz").read_bytes()
+    assert gzip.decompress(blob) == full
+    assert hashlib.sha256(blob).hexdigest() == entries["set.jsonl.gz"]["sha256"]
+    assert f"{entries['set.jsonl.gz']['sha256']}  set.jsonl.gz" in (packs / "SHA256SUMS").read_text()
+    assert packer.pack([out], packs)[0]["sha256"] == entries["set.jsonl.gz"]["sha256"]  # same lines, same bytes
+
+    fresh = tmp_path / "fresh"  # another machine: unpack, then the same command resumes
+    written = packer.unpack("set", packs, fresh)
+    assert [p.name for p in written] == ["set.jsonl", "set.jsonl.failed.jsonl"]
+    assert (fresh / "set.jsonl").read_bytes() == full
+    gen = Echo()
+    stats = regenerate(records(8), gen, fresh / "set.jsonl", batch_size=2)
+    assert (stats.done, stats.skipped) == (3, 5) and gen.prompts == ["q5", "q6", "q7"]
+    assert packer.check(packs) == {"set.jsonl.gz": 5, "set.jsonl.failed.jsonl.gz": 1}
+
+
+def test_unpack_refuses_damage_and_never_drops_newer_records(tmp_path):
+    data, packs = tmp_path / "data", tmp_path / "packs"
+    regenerate(records(4), Echo(), data / "s.jsonl", batch_size=2)
+    packer.pack([data / "s.jsonl"], packs)
+    packer.unpack("s.jsonl", packs, data)  # the same file (a prefix of itself): fine
+    regenerate(records(6), Echo(), data / "s.jsonl", batch_size=2)  # the run went on after packing
+    with pytest.raises(FileExistsError, match="not a prefix"):
+        packer.unpack("s", packs, data)
+    assert (data / "s.jsonl").read_bytes().count(b"\n") == 6
+    packer.unpack("s", packs, data, force=True)
+    assert (data / "s.jsonl").read_bytes().count(b"\n") == 4
+
+    blob = bytearray((packs / "s.jsonl.gz").read_bytes())
+    blob[-9] ^= 1
+    (packs / "s.jsonl.gz").write_bytes(bytes(blob))
+    with pytest.raises(ValueError, match="sha256"):
+        packer.unpack("s", packs, tmp_path / "other")
+    with pytest.raises(FileNotFoundError, match="not in"):
+        packer.unpack("missing", packs, data)
+
+
+def test_pack_refuses_a_malformed_line(tmp_path):
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"id": "a", "messages": []}\n[1, 2]\n')
+    with pytest.raises(ValueError, match="b.jsonl:2"):
+        packer.pack([bad], tmp_path / "packs")
