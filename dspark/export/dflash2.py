@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_tensors
-from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, ServingAdapter, refuse_unservable,
+from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, refuse_unservable,
                                    serving_adapter)
-from dspark.export.dense import (_draft_config_json, dense_config_from_config, dense_config_json,
+from dspark.export.dense import (DenseAdapter, _draft_config_json, dense_config_from_config, dense_config_json,
                                  dense_config_problems, dense_expected, dense_optional, dense_serving_problems,
                                  dense_tensors)
 from dspark.io import atomic_write_json
@@ -138,8 +138,9 @@ def import_dflash2(folder, draft: DFlash2Draft) -> DFlash2Draft:
 
 
 @serving_adapter
-class DFlash2Adapter(ServingAdapter):
-    """vLLM's own draft-model format with architectures DFlash2DraftModel."""
+class DFlash2Adapter(DenseAdapter):
+    """vLLM's own draft-model format with architectures DFlash2DraftModel (the dense tensor naming: DenseAdapter's
+    to_serving / from_serving)."""
 
     kind = "dflash2"
     cli = "dflash2"
@@ -154,12 +155,6 @@ class DFlash2Adapter(ServingAdapter):
 
     def label(self, config: dict) -> str:
         return DFLASH2_ARCH
-
-    def to_serving(self, draft: DFlash2Draft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        return dense_tensors(draft, dtype)
-
-    def from_serving(self, tensors: dict[str, torch.Tensor], draft: DFlash2Draft) -> dict[str, torch.Tensor]:
-        return {k.removeprefix("model."): t for k, t in tensors.items()}
 
     def config_json(self, draft: DFlash2Draft, dtype: torch.dtype, num_target_layers: int | None = None) -> dict:
         return dflash2_config_json(draft.config, dtype, num_target_layers)

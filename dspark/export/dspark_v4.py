@@ -498,6 +498,17 @@ def v4_optional(c: dict) -> Expected:
     return {last + "confidence_head.proj.weight": ((1, c["hidden_size"] + c["dspark_markov_rank"]), "F32")}
 
 
+def window_block_lines(c: dict) -> list[str]:
+    """The DeepSeek-V4 / V4.1 window rule: with the 1+N mask layout the block must fit vLLM's window index list."""
+    window, block = c.get("sliding_window"), c.get("dspark_block_size")
+    if c.get("sample_from_anchor") is False and isinstance(window, int) and isinstance(block, int) \
+            and (window + block) % 64 == 0:
+        return [f"sample_from_anchor=false with sliding_window + dspark_block_size = {window + block} (a multiple of "
+                "64): vLLM's non-causal window index list holds window + num_speculative_tokens keys "
+                "(v1/attention/backends/mla/compressor_utils.py:22-28), one fewer than the 1+N block needs"]
+    return []
+
+
 def v4_config_problems(c: dict) -> list[str]:
     """vLLM 0.33.0's rules on a DeepSeek-V4 DSpark config (sidecar dspark_config.json or a merged target
     config.json), naming the folder's keys."""
@@ -516,12 +527,7 @@ def v4_config_problems(c: dict) -> list[str]:
     if theta is not None and own is not None and float(theta) != float(own):
         out.append(f"dspark_rope_theta {own} != rope_theta {theta}: vLLM's draft layers use the target's rope_theta "
                    "without scaling (models/deepseek_v4/common/rope.py:28-42)")
-    window, block = c.get("sliding_window"), c.get("dspark_block_size")
-    if c.get("sample_from_anchor") is False and isinstance(window, int) and isinstance(block, int) \
-            and (window + block) % 64 == 0:
-        out.append(f"sample_from_anchor=false with sliding_window + dspark_block_size = {window + block} (a multiple of "
-                   "64): vLLM's non-causal window index list holds window + num_speculative_tokens keys "
-                   "(v1/attention/backends/mla/compressor_utils.py:22-28), one fewer than the 1+N block needs")
+    out += window_block_lines(c)
     return out
 
 

@@ -309,12 +309,7 @@ def v41_config_problems(config: dict) -> list[str]:
             out.append(f"compress_ratios gives draft layers {bad} a non-zero compress ratio: vLLM would build them "
                        "with a compressor (models/deepseek_v41/attention.py:314-325, 345-351); the draft layers are "
                        "sliding-window only")
-    window, block = c.get("sliding_window"), c.get("dspark_block_size")
-    if c.get("sample_from_anchor") is False and isinstance(window, int) and isinstance(block, int) \
-            and (window + block) % 64 == 0:
-        out.append(f"sample_from_anchor=false with sliding_window + dspark_block_size = {window + block} (a multiple of "
-                   "64): vLLM's non-causal window index list holds window + num_speculative_tokens keys "
-                   "(v1/attention/backends/mla/compressor_utils.py:22-28), one fewer than the 1+N block needs")
+    out += v4.window_block_lines(c)
     return out
 
 

@@ -30,7 +30,7 @@ from dspark.models.common import FieldError
 from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft, DSparkV4Layer
 from dspark.models.heads import ConfidenceHead, build_markov_head
 from dspark.models.registry import register
-from dspark.ops.mhc import CollapseFn, MixFn, _acc, _ops, _tokens, hc_post, sinkhorn
+from dspark.ops.mhc import CollapseFn, _ops, _tokens, hc_mixes, hc_post
 from dspark.ops.norms import RMSNorm
 
 
@@ -51,23 +51,12 @@ def hc_pre_delayed(
     """V4.1's mHC pre: x [..., hc, H], carried_pre [..., hc] fp32 or None ->
     (collapsed [..., H] = sum_j carried_pre_j x_j, or x[..., 0, :] when None; post [..., hc]; comb [..., hc, hc];
     pre [..., hc], this sublayer's pre-mix for the next one). The mixes are V4's (dspark.ops.mhc: hc_pre)."""
-    hc = hc_mult
-    if x.shape[-2] != hc:
-        raise ValueError(f"hc_pre_delayed: expected {hc} streams on axis -2, got shape {tuple(x.shape)}")
-    lead = x.shape[:-2]
-    ops = _ops(x, None)
-    xt = _tokens(x, 2)  # [T, hc, H]
-    mix = MixFn.apply(xt.flatten(-2), fn, norm_eps, ops)  # [T, (2+hc)*hc]
-    base, scale = base.to(_acc(x)), scale.to(_acc(x))
-    pre_logit, post_logit, comb_logit = mix.split([hc, hc, hc * hc], dim=-1)
-    pre_base, post_base, comb_base = base.split([hc, hc, hc * hc])
-    pre = torch.sigmoid(pre_logit * scale[0] + pre_base) + eps  # [T, hc]
-    post = 2.0 * torch.sigmoid(post_logit * scale[1] + post_base)  # [T, hc]  (hc_post_alpha 2.0, model.py:376)
-    comb = sinkhorn((comb_logit * scale[2] + comb_base).unflatten(-1, (hc, hc)), iters, eps)  # [T, hc, hc]
+    lead, hc = x.shape[:-2], hc_mult
+    xt, pre, post, comb = hc_mixes(x, fn, base, scale, hc_mult, iters, eps, norm_eps)
     if carried_pre is None:
         y = xt[:, 0]  # the identity pre-mix selects stream 0 (kernels/mhc/torch.py:40-44)
     else:
-        y = CollapseFn.apply(xt, _tokens(carried_pre, 1).to(pre.dtype), ops)  # [T, H]
+        y = CollapseFn.apply(xt, _tokens(carried_pre, 1).to(pre.dtype), _ops(x, None))  # [T, H]
     return y.reshape(*lead, -1), post.view(*lead, hc), comb.view(*lead, hc, hc), pre.view(*lead, hc)
 
 

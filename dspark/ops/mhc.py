@@ -235,6 +235,35 @@ def _tokens(x: torch.Tensor, tail: int) -> torch.Tensor:
 
 
 # ---- public ops (dispatching) ----------------------------------------------------------------------
+def hc_mixes(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    hc_mult: int,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+    *,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three mixes of an mHC sublayer: x [..., hc, H] -> (x as tokens [T, hc, H], pre [T, hc], post [T, hc],
+    comb [T, hc, hc]) in the accumulation dtype (hc_post_alpha 2.0: vLLM deepseek_v4 model.py:376). hc_pre collapses
+    with this sublayer's pre; V4.1's delayed pre (dspark.models.dspark_v41) with the previous sublayer's."""
+    hc = hc_mult
+    if x.shape[-2] != hc:
+        raise ValueError(f"hc_pre: expected {hc} streams on axis -2, got shape {tuple(x.shape)}")
+    xt = _tokens(x, 2)  # [T, hc, H]
+    mix = MixFn.apply(xt.flatten(-2), fn, norm_eps, _ops(x, backend))  # [T, (2+hc)*hc]
+    base, scale = base.to(_acc(x)), scale.to(_acc(x))
+    pre_logit, post_logit, comb_logit = mix.split([hc, hc, hc * hc], dim=-1)
+    pre_base, post_base, comb_base = base.split([hc, hc, hc * hc])
+    pre = torch.sigmoid(pre_logit * scale[0] + pre_base) + eps  # [T, hc]
+    post = 2.0 * torch.sigmoid(post_logit * scale[1] + post_base)  # [T, hc]
+    comb = sinkhorn((comb_logit * scale[2] + comb_base).unflatten(-1, (hc, hc)), iters, eps)  # [T, hc, hc]
+    return xt, pre, post, comb
+
+
 def hc_pre(
     x: torch.Tensor,
     fn: torch.Tensor,
@@ -249,20 +278,9 @@ def hc_pre(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hc_pre_reference's contract (x [..., hc, H] -> collapsed [..., H], post [..., hc], comb
     [..., hc, hc]) through the dispatched pieces."""
-    hc = hc_mult
-    if x.shape[-2] != hc:
-        raise ValueError(f"hc_pre: expected {hc} streams on axis -2, got shape {tuple(x.shape)}")
-    lead = x.shape[:-2]
-    ops = _ops(x, backend)
-    xt = _tokens(x, 2)  # [T, hc, H]
-    mix = MixFn.apply(xt.flatten(-2), fn, norm_eps, ops)  # [T, (2+hc)*hc]
-    base, scale = base.to(_acc(x)), scale.to(_acc(x))
-    pre_logit, post_logit, comb_logit = mix.split([hc, hc, hc * hc], dim=-1)
-    pre_base, post_base, comb_base = base.split([hc, hc, hc * hc])
-    pre = torch.sigmoid(pre_logit * scale[0] + pre_base) + eps  # [T, hc]
-    post = 2.0 * torch.sigmoid(post_logit * scale[1] + post_base)  # [T, hc]
-    comb = sinkhorn((comb_logit * scale[2] + comb_base).unflatten(-1, (hc, hc)), iters, eps)  # [T, hc, hc]
-    y = CollapseFn.apply(xt, pre, ops)  # [T, H]
+    lead, hc = x.shape[:-2], hc_mult
+    xt, pre, post, comb = hc_mixes(x, fn, base, scale, hc_mult, iters, eps, norm_eps, backend=backend)
+    y = CollapseFn.apply(xt, pre, _ops(x, backend))  # [T, H]
     return y.view(*lead, -1), post.view(*lead, hc), comb.view(*lead, hc, hc)
 
 

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One point of the SmolLM2 data-scaling comparison (docs/benchmarks.md, "SmolLM2 at growing data budgets"):
+# DSpark, DFlash and DFlash2 trained on the same N regenerated conversations with the same budget, then measured
+# by eval.py (real speculative decoding, vLLM's counting) on MT-Bench / GSM8K / HumanEval.
+#
+#   bash scripts/smollm2_scaling.sh N [STEPS]          # e.g. 500 400; resumable: rerun to continue
+#
+# Data: the first 3N/4 records of the regenerated ShareGPT file and the first N/4 of the reasoning-gym file
+# (scripts/regenerate_at_scale.sh; `python scripts/pack_regenerated.py unpack ...` restores packed ones),
+# interleaved 3:1 into data/regenerated/smollm2_mix_N.jsonl once (the sources grow while regeneration runs; the
+# subset is frozen so that every draft of a size trains on the same bytes and the caches keep their key).
+# Each run: trainer.precision=bf16-mixed where the CPU has bf16 units (AVX512-BF16 / AMX), else fp32.
+# Environment: DRAFTS (default "dspark dflash dflash2"), NUM_PROMPTS (default 32), MAX_NEW_TOKENS (default 128),
+# TEMPS (default "0"), EXTRA (more train.py overrides), OUT (default runs/scaling).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+N=${1:?usage: bash scripts/smollm2_scaling.sh N [STEPS]}
+STEPS=${2:-400}
+PY=${PYTHON:-python}
+OUT=${OUT:-runs/scaling}/n$N
+SHAREGPT=${SHAREGPT:-data/regenerated/smollm2_sharegpt_5k.jsonl}
+RG=${RG:-data/regenerated/smollm2_reasoning_gym_1500.jsonl}
+MIX=data/regenerated/smollm2_mix_$N.jsonl
+
+if [ ! -f "$MIX" ]; then
+  "$PY" - "$SHAREGPT" "$RG" "$MIX" "$N" <<'PY'
+import sys
+from pathlib import Path
+
+sharegpt, rg, out, n = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+n_rg = n // 4
+n_sg = n - n_rg
+def first(path, k):
+    lines = [l for l in path.read_text().splitlines(keepends=True) if l.endswith("\n")][:k]
+    if len(lines) < k:
+        sys.exit(f"{path}: {len(lines)} complete records, {k} needed: let scripts/regenerate_at_scale.sh run longer")
+    return lines
+a, b = first(sharegpt, n_sg), first(rg, n_rg)
+mixed = []
+for i, line in enumerate(a):  # 3 ShareGPT : 1 reasoning-gym, so the held-out tail holds both sources
+    mixed.append(line)
+    if i % 3 == 2 and b:
+        mixed.append(b.pop(0))
+mixed += b
+tmp = out.with_suffix(".tmp")
+tmp.write_text("".join(mixed))
+tmp.replace(out)
+print(f"{out}: {len(mixed)} records ({n_sg} ShareGPT + {n_rg} reasoning-gym)")
+PY
+fi
+
+if lscpu 2>/dev/null | grep -qE "avx512_bf16|amx_bf16"; then PRECISION=bf16-mixed; else PRECISION=32-true; fi
+for d in ${DRAFTS:-dspark dflash dflash2}; do
+  run=$OUT/$d
+  if [ ! -f "$run/draft/model.safetensors" ]; then
+    resume=()
+    [ -f "$run/checkpoints/last.ckpt" ] && resume=(resume=last)
+    "$PY" train.py experiment=${d}_smollm2 data.path="$MIX" trainer.max_steps="$STEPS" \
+      trainer.val_check_interval=$(( STEPS / 4 )) trainer.precision=$PRECISION trainer.enable_progress_bar=false \
+      run_dir="$run" "${resume[@]}" ${EXTRA:-}
+  fi
+  for t in ${TEMPS:-0}; do
+    ls "$run/eval_T$t"/summary.T*.json >/dev/null 2>&1 && continue
+    "$PY" eval.py run_dir="$run" num_prompts="${NUM_PROMPTS:-32}" max_new_tokens="${MAX_NEW_TOKENS:-128}" \
+      temperature="$t" plots=false out="$run/eval_T$t"
+  done
+done
+"$PY" scripts/scaling_table.py "$OUT"
