@@ -2,6 +2,7 @@
 DataModule, LightningModule. Nothing here checks a key (dspark.schema / dspark.preflight do, before any model loads)."""
 from __future__ import annotations
 
+import logging
 from itertools import islice
 from pathlib import Path
 
@@ -10,14 +11,42 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dspark.errors import ConfigError  # noqa: F401 (re-exported for callers that catch it from here)
 from dspark.models import registry
+from dspark.targets.head_only import HeadOnlyUnsupported, load_head_only_target
 from dspark.targets.hf_target import FrozenTarget, load_hf_target
 from dspark.targets.source import target_folder
 
+log = logging.getLogger("dspark.factory")
 
-def build_target(cfg: DictConfig) -> FrozenTarget:
-    """The frozen target, capturing the layers the draft group reads (`target_layer_ids`; MTP drafts read none)."""
+
+def build_target(cfg: DictConfig, dataset=None) -> FrozenTarget:
+    """The frozen target, capturing the layers the draft group reads (`target_layer_ids`; MTP drafts read none).
+
+    With `dataset` (the rows training reads: feature_cache_build.rows_before_target) and a feature cache that is
+    complete for this target and these rows (a hit, told from the checkpoint files: plan_feature_cache), training
+    never runs the target, so only its embedding, LM head and final norm load (dspark.targets.head_only). The whole
+    target loads on a miss (it computes the features), with draft.init_from_target (the draft copies target layers
+    while it is built, resumed runs included), and for a checkpoint head_only cannot map exactly."""
     layer_ids = [int(i) for i in (cfg.draft.get("target_layer_ids") or [])]
-    return load_hf_target(target_folder(cfg), layer_ids, str(cfg.target.dtype), require_aux=bool(layer_ids))
+    folder, dtype, aux = target_folder(cfg), str(cfg.target.dtype), bool(layer_ids)
+    if dataset is not None:
+        from dspark.data.feature_cache_build import plan_feature_cache
+
+        plan = plan_feature_cache(cfg, dataset)
+        if plan is not None and plan.hit:
+            if cfg.draft.get("init_from_target", False):
+                log.info("feature cache complete, but draft.init_from_target copies target layers: the whole target "
+                         "loads")
+            else:
+                try:
+                    target = load_head_only_target(folder, layer_ids, dtype, require_aux=aux,
+                                                   cache_identity=plan.identity)
+                    log.info("feature cache complete (%s): target head only (embedding, LM head, final norm: %.1f MB "
+                             "of the checkpoint's %.1f MB)", plan.path, target.checkpoint.bytes_read / 2**20,
+                             target.checkpoint.nbytes / 2**20)
+                    return target
+                except HeadOnlyUnsupported as e:
+                    log.warning("feature cache complete, but the target cannot load head-only (%s): it loads whole", e)
+    return load_hf_target(folder, layer_ids, dtype, require_aux=aux)
 
 
 def build_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:

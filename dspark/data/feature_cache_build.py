@@ -1,17 +1,20 @@
 """The run's offline feature cache (data.feature_cache): where it lives, who builds it (hf: the loaded FrozenTarget;
-vllm: vLLM in its own venv), and the build as a job of its own before training. The config keys are checked by
-dspark.schema / dspark.preflight before anything here runs."""
+vllm: vLLM in its own venv), the build as a job of its own before training, and whether the cache is already complete
+(`plan_feature_cache`, before the target loads: a hit needs only the target's head, dspark.targets.head_only). The
+config keys are checked by dspark.schema / dspark.preflight before anything here runs."""
 from __future__ import annotations
 
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dspark.errors import ConfigError
+from dspark.targets.head_only import HeadOnlyTarget
 from dspark.targets.source import local_model_folder, target_folder
 
 log = logging.getLogger("dspark.feature_cache")
@@ -37,9 +40,18 @@ def cache_dtype(cfg: DictConfig) -> torch.dtype:
     return CACHE_DTYPES[str(cfg.data.feature_cache_dtype)]
 
 
-def feature_cache_dir(cfg: DictConfig, target, dataset) -> Path | None:
-    """data.feature_cache: null -> None; auto -> <DSPARK_CACHE or ~/.cache/dspark>/features/<key>; else a folder."""
-    from dspark.data.feature_cache import cache_key, dataset_fingerprint, target_identity
+def target_cache_identity(target) -> dict:
+    """The cache identity of a loaded target: a head-only one's is computed from its checkpoint (its layers hold no
+    values), the same dict feature_cache.target_identity gives for the whole target."""
+    from dspark.data.feature_cache import target_identity
+
+    return target.cache_identity if isinstance(target, HeadOnlyTarget) else target_identity(target)
+
+
+def feature_cache_dir(cfg: DictConfig, target, dataset, identity: dict | None = None) -> Path | None:
+    """data.feature_cache: null -> None; auto -> <DSPARK_CACHE or ~/.cache/dspark>/features/<key> (key from `identity`,
+    default: the target's); else a folder."""
+    from dspark.data.feature_cache import cache_key, dataset_fingerprint
 
     if not cache_wanted(cfg):
         return None
@@ -48,8 +60,59 @@ def feature_cache_dir(cfg: DictConfig, target, dataset) -> Path | None:
         return Path(where).expanduser()
     from dspark.data.dataset import default_cache_dir
 
-    key = cache_key(target_identity(target), dataset_fingerprint(dataset), cache_dtype(cfg), cache_layout(cfg))
+    ident = identity if identity is not None else target_cache_identity(target)
+    key = cache_key(ident, dataset_fingerprint(dataset), cache_dtype(cfg), cache_layout(cfg))
     return default_cache_dir() / "features" / key
+
+
+def rows_before_target(cfg: DictConfig, dataset_builder):
+    """The training rows (`dataset_builder(cfg, tokenizer)`, factory.build_dataset) made with the target's tokenizer
+    alone, before any model loads (plan_feature_cache needs them); None when data.feature_cache is null."""
+    if not cache_wanted(cfg):
+        return None
+    from dspark.targets.hf_target import load_target_tokenizer, resolve_target_source
+
+    return dataset_builder(cfg, load_target_tokenizer(resolve_target_source(target_folder(cfg))))
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """The feature cache as seen before the target loads."""
+
+    path: Path | None  # None: undecidable without loading the target (see plan_feature_cache)
+    identity: dict | None  # the target's cache identity, computed from its checkpoint files
+    hit: bool  # complete and built for this target, these rows, dtype and layout: training needs only the head
+
+
+def plan_feature_cache(cfg: DictConfig, dataset) -> CachePlan | None:
+    """Whether the cache is complete (a hit), decided from the checkpoint files before the target loads: the target's
+    cache identity by `vllm_features.checkpoint_identity` (the dict the loaded target's `target_identity` gives), the
+    key and folder as `feature_cache_dir` makes them, meta.json checked against it. A complete cache built for another
+    target / rows / dtype / layout is refused now (ConfigError naming each difference), before any model loads. A
+    checkpoint whose identity cannot be computed without loading it gives `hit=False` (the whole target loads and
+    prepare_feature_cache decides, as before). None when data.feature_cache is null."""
+    if not cache_wanted(cfg):
+        return None
+    from dspark.data.feature_cache import META_NAME, FeatureCache, dataset_fingerprint
+    from dspark.data.vllm_features import checkpoint_identity
+    from dspark.targets.hf_target import resolve_target_source
+
+    layer_ids = [int(i) for i in (cfg.draft.get("target_layer_ids") or [])]
+    source = resolve_target_source(target_folder(cfg))
+    try:
+        ident = checkpoint_identity(local_model_folder(source), layer_ids, str(cfg.target.dtype), name_or_path=source)
+    except (ConfigError, FileNotFoundError, ValueError) as e:  # not in the HF cache yet, .bin files, unmapped names
+        log.info("feature cache: whether it is complete cannot be told from the checkpoint files (%s); the whole "
+                 "target loads", e)
+        return CachePlan(None, None, False)
+    path = feature_cache_dir(cfg, None, dataset, identity=ident)
+    if not (path / META_NAME).is_file():
+        return CachePlan(path, ident, False)
+    try:
+        FeatureCache(path)._check(ident, dataset_fingerprint(dataset), cache_dtype(cfg), cache_layout(cfg))
+    except ValueError as e:
+        raise ConfigError(f"data.feature_cache: {e}") from e
+    return CachePlan(path, ident, True)
 
 
 def _local_rank() -> int:
@@ -102,10 +165,6 @@ def build_feature_cache_offline(cfg: DictConfig, dataset_builder) -> Path:
     """data.feature_producer=vllm as a job of its own (scripts/build_feature_cache.py, after dspark.preflight), without
     loading the target in this process: the rows as train.py builds them (`dataset_builder(cfg, tokenizer)`), the
     cache where train.py looks for it (`auto`: the same key, the identity computed from the checkpoint)."""
-    from transformers import AutoTokenizer
-
-    from dspark.data.dataset import default_cache_dir
-    from dspark.data.feature_cache import cache_key, dataset_fingerprint
     from dspark.data.vllm_features import build_feature_cache_vllm, checkpoint_identity
     from dspark.targets.hf_target import resolve_target_source
 
@@ -118,13 +177,11 @@ def build_feature_cache_offline(cfg: DictConfig, dataset_builder) -> Path:
     folder = local_model_folder(source)
     layer_ids = [int(i) for i in (cfg.draft.get("target_layer_ids") or [])]
     dtype, layout = cache_dtype(cfg), cache_layout(cfg)
-    dataset = dataset_builder(cfg, AutoTokenizer.from_pretrained(source))
-    where = str(cfg.data.feature_cache)
-    if where == "auto":
+    dataset = rows_before_target(cfg, dataset_builder)
+    ident = None
+    if str(cfg.data.feature_cache) == "auto":
         ident = checkpoint_identity(folder, layer_ids, str(cfg.target.dtype), name_or_path=source)
-        path = default_cache_dir() / "features" / cache_key(ident, dataset_fingerprint(dataset), dtype, layout)
-    else:
-        path = Path(where).expanduser()
+    path = feature_cache_dir(cfg, None, dataset, identity=ident)
     return build_feature_cache_vllm(folder, layer_ids, dataset, path, target_dtype=str(cfg.target.dtype), dtype=dtype,
                                     name_or_path=source, layout=layout, **vllm_producer_settings(cfg))
 
@@ -134,18 +191,22 @@ def prepare_feature_cache(cfg: DictConfig, target, dataset):
     belongs to this target and dataset, and returns it (None when data.feature_cache is null).
 
     Local rank 0 of every node builds and the other ranks wait for meta.json: correct on node-local disks, and on a
-    shared filesystem concurrent builders write identical shards atomically.
+    shared filesystem concurrent builders write identical shards atomically. A head-only target (loaded on a hit,
+    factory.build_target) cannot build: every rank only checks the complete cache against its checkpoint identity.
     """
     if not cache_wanted(cfg):
         return None
-    from dspark.data.feature_cache import META_NAME, FeatureCache, build_feature_cache
+    from dspark.data.feature_cache import META_NAME, FeatureCache, build_feature_cache, dataset_fingerprint
 
     layout, producer = cache_layout(cfg), str(cfg.data.feature_producer)
     path = feature_cache_dir(cfg, target, dataset)
     reused = (path / META_NAME).is_file()
     t0 = time.perf_counter()
     try:
-        if _local_rank() == 0:  # builds, or checks an existing cache against this target and dataset
+        if isinstance(target, HeadOnlyTarget):  # loaded on a hit (plan_feature_cache): nothing to build, every rank
+            cache = FeatureCache(path)
+            cache._check(target.cache_identity, dataset_fingerprint(dataset), cache_dtype(cfg), layout)
+        elif _local_rank() == 0:  # builds, or checks an existing cache against this target and dataset
             if producer == "vllm":
                 _build_with_vllm(cfg, target, dataset, path, layout)
             else:

@@ -100,15 +100,26 @@ class CheckpointReader:
             return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
         return torch.from_numpy(arr.copy())
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._header(self.where[name])[0][name]["shape"])
+
+    def nbytes(self, name: str) -> int:
+        lo, hi = self._header(self.where[name])[0][name]["data_offsets"]
+        return hi - lo
+
     def tensor(self, name: str) -> torch.Tensor:
-        fname = self.where[name]
         flat, st = self._flat(name)
-        return self._to_torch(flat, st).reshape(self._headers[fname][0][name]["shape"])
+        return self._to_torch(flat, st).reshape(self.shape(name))
 
     def strided(self, name: str, step: int, samples: int) -> torch.Tensor:
         """flat[::step][:samples] of tensor `name`, reading only those elements."""
         flat, st = self._flat(name)
         return self._to_torch(flat[::step][:samples], st)
+
+    def elements(self, name: str, index: np.ndarray) -> torch.Tensor:
+        """flat[index] of tensor `name` (stored dtype; bf16 bits reinterpreted exactly), reading only those elements."""
+        flat, st = self._flat(name)
+        return self._to_torch(flat[np.asarray(index, dtype=np.int64)], st)
 
 
 def _meta_model(folder, dtype: torch.dtype):
@@ -125,23 +136,25 @@ def checkpoint_identity(folder, layer_ids: list[int], dtype: str | torch.dtype, 
                         name_or_path: str | None = None) -> dict:
     """feature_cache.target_identity of the target `load_hf_target(folder, layer_ids, dtype)` would load, computed
     from config.json and strided reads of the checkpoint (the model is built on the meta device for its parameter
-    names and shapes only). A parameter the checkpoint stores under another name is refused, naming it.
+    names and shapes only; stored names are mapped through transformers' renamings and stacking / concatenating
+    converters, dspark.targets.head_only.TargetCheckpoint). A parameter it cannot map is refused, naming it.
     `name_or_path`: what the HF loader was given, when that is a Hub id rather than `folder`."""
+
+    from dspark.targets.head_only import TargetCheckpoint
 
     dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     model = _meta_model(folder, dt)
-    reader = CheckpointReader(folder)
+    reader = TargetCheckpoint(folder, model)  # the model's names, through transformers' renamings / converters
     import hashlib
 
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         if name not in reader:
-            raise ValueError(f"{folder}: parameter {name} is not in the checkpoint under that name (a renaming "
-                             "loader); the vLLM feature producer cannot fingerprint this target without loading it: "
-                             "use data.feature_producer=hf")
+            raise ValueError(f"{folder}: parameter {name}: {reader.why_not(name)}; this target cannot be "
+                             "fingerprinted without loading it (for the vLLM producer: use data.feature_producer=hf)")
         numel = p.numel()
         step = max(1, numel // samples)
-        vals = reader.strided(name, step, samples).to(dt).to(torch.float32)
+        vals = reader.strided(name, step, samples, p.dtype).to(torch.float32)
         h.update(f"{name}:{tuple(p.shape)}:".encode())
         h.update(vals.numpy().tobytes())
     cfg_dict = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}

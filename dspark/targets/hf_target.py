@@ -118,11 +118,14 @@ class FrozenTarget:
 
         h = hashlib.sha256()
         for name, p in sorted(self.model.state_dict().items()):
-            flat = p.detach().reshape(-1)
             h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
-            if flat.numel():
-                h.update(flat[strided_sample_index(flat.numel(), samples, flat.device)].float().cpu().numpy().tobytes())
+            if p.numel():
+                h.update(self._sampled(name, p, strided_sample_index(p.numel(), samples)).numpy().tobytes())
         return h.hexdigest()
+
+    def _sampled(self, name: str, p: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """State-dict entry `name` (tensor p) at flat positions `index` [k] (int64, CPU) -> float32 [k] on the CPU."""
+        return p.detach().reshape(-1)[index.to(p.device)].float().cpu()
 
     # ---- forward ------------------------------------------------------------------------------------
     def _layer_output(self, out) -> torch.Tensor:
@@ -200,14 +203,24 @@ def resolve_target_source(path: str) -> str:
 
 
 def load_hf_target(path: str, layer_ids: list[int], dtype: str = "float32", *, require_aux: bool = True) -> FrozenTarget:
-    """A local HF causal-LM folder or a Hub id through the Hugging Face cache (resolve_target_source)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """A local HF causal-LM folder or a Hub id through the Hugging Face cache (resolve_target_source). Training from
+    a complete feature cache needs only the head: dspark.targets.head_only.load_head_only_target."""
+    from transformers import AutoModelForCausalLM
 
     source = resolve_target_source(str(path))
     torch_dtype = getattr(torch, dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
-        tok = AutoTokenizer.from_pretrained(source)
     except OSError as e:  # an id that is neither cached nor downloadable, a folder without a model, ...
         raise FileNotFoundError(f"target.path={path!r}: {e}") from e
-    return FrozenTarget(model, layer_ids, tok, require_aux=require_aux)
+    return FrozenTarget(model, layer_ids, load_target_tokenizer(source), require_aux=require_aux)
+
+
+def load_target_tokenizer(source: str):
+    """The target's tokenizer from a resolved source (resolve_target_source): what every target loader hands out."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except OSError as e:
+        raise FileNotFoundError(f"target.path={source!r}: {e}") from e

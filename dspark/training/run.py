@@ -15,6 +15,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
 from dspark import factory
+from dspark.data.feature_cache_build import rows_before_target
 from dspark.errors import require
 from dspark.integrity import check_file, remove_checked, write_checked
 from dspark.io import atomic_write_json
@@ -300,9 +301,11 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> 
     t0 = time.perf_counter()
     L.seed_everything(int(cfg.seed), workers=True)
     torch.set_float32_matmul_precision("high")
-    target = factory.build_target(cfg)
+    # with data.feature_cache, the rows come first: a complete cache (a hit) loads only the target's head
+    dataset = rows_before_target(cfg, factory.build_dataset)
+    target = factory.build_target(cfg, dataset)
     draft = factory.build_draft(cfg, target)
-    datamodule = factory.build_datamodule(cfg, target.tokenizer, target=target)
+    datamodule = factory.build_datamodule(cfg, target.tokenizer, dataset=dataset, target=target)
     module = factory.build_module(cfg, draft, target)
     throughput = Throughput()
     trainer = build_trainer(cfg, run_dir, [throughput, LogsFollowCheckpoints(), *callbacks])
