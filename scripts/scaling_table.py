@@ -22,7 +22,7 @@ def point_rows(point: Path) -> list[dict]:
             for summary in sorted(ev.glob("summary.T*.json")):
                 reports = json.loads(summary.read_text())["reports"]
                 al = {b: reports[b]["mean_acceptance_length"] for b in BENCHMARKS if b in reports}
-                rows.append(dict(point=point.name, draft=run.name, tag=summary.name[len("summary."):-len(".json")],
+                rows.append(dict(point=point.name, draft=run.name, tag=ev.name.removeprefix("eval_"),
                                  al=al, macro=sum(al.values()) / len(al),
                                  equal=[reports[b].get("greedy_outputs_equal_target") for b in al],
                                  tau=metrics.get("final", {}).get("val/tau_prob"),
