@@ -13,6 +13,8 @@ QUIET_WARNINGS = (
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",  # torch 2.13 about Lightning's own _pytree.py
     # Lightning would log no train row before log_every_n_steps; callbacks.LogLastStep logs the last step
     r"The number of training batches \(\d+\) is smaller than the logging interval",
+    # Lightning's size estimate under bf16-mixed; callbacks.OneLineModelSummary prints the parameter counts itself
+    r"Precision bf16-mixed is not supported by the model summary",
 )
 
 

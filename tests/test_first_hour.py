@@ -324,6 +324,7 @@ def test_quiet_console_drops_lightning_tips_foreign_deprecations_and_progress_ba
             lg.info("GPU available: False, used: False")
             warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use ...", FutureWarning)
             warnings.warn("The number of training batches (5) is smaller than the logging interval Trainer(...)")
+            warnings.warn("Precision bf16-mixed is not supported by the model summary.  Estimated model size ...")
             warnings.warn("a warning of our own")
     finally:
         lg.removeHandler(keep)
