@@ -115,8 +115,9 @@ def project_decode(cfg: DictConfig, target, draft, draft_group, convs: list[list
     return requests, report, g, eos
 
 
-def run_serve_check(cfg: DictConfig) -> dict:
-    """Both engines on every benchmark; writes and returns the report (module docstring)."""
+def run_serve_check(cfg: DictConfig, target_from_run: bool = False) -> dict:
+    """Both engines on every benchmark; writes and returns the report (module docstring). target_from_run: against
+    the target the run recorded (draft/target.json), as eval.py does when the command line names no target."""
     from dspark.evaluation import run_eval as ev
     from dspark.io import atomic_write_json
     from dspark.serving.engine import vllm_python
@@ -128,12 +129,16 @@ def run_serve_check(cfg: DictConfig) -> dict:
     check_eval_keys(cfg, ServeCheckKeys)
     ev._validate(cfg)
     vllm_python(cfg.get("vllm_python"))  # fail before any decoding when vLLM is missing
+    source = ev.draft_source(cfg)
+    if target_from_run:
+        cfg = ev.with_run_target(cfg, source[2])
+    ev.check_target_fits(cfg, source[0], source[2])  # another architecture: one line, before any model loads
     temperature = float(cfg.temperature)
     if temperature == 0 and str(cfg.target.dtype) != "float32":
         log.warning("target.dtype=%s: exact greedy parity needs float32 on both sides (vLLM runs float32)",
                     cfg.target.dtype)
     benchmarks = ev.read_benchmarks(cfg)  # checked before any model loads
-    target, draft, draft_group, weights, run_dir = ev.build(cfg)
+    target, draft, draft_group, weights, run_dir = ev.build(cfg, source)
     tpath = target_folder(cfg)
     out_dir = ev.resolve_path(cfg.out) if cfg.out else run_dir / "serve_check"
     export_dir = (ev.resolve_path(cfg.export) if cfg.get("export")
@@ -272,10 +277,13 @@ def print_summary(summary: dict, path: Path, temperature: float, gamma: int) -> 
 
 @hydra.main(config_path="../configs", config_name="serve_check", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from dspark.errors import one_line_errors
+    from hydra.core.hydra_config import HydraConfig
 
-    with one_line_errors("serve_check"):
-        summary = run_serve_check(cfg)
+    from dspark.errors import one_line_errors
+    from dspark.evaluation.run_eval import target_given
+
+    with one_line_errors("serve_check"):  # the run's own target unless the command line names one (as eval.py)
+        summary = run_serve_check(cfg, target_from_run=not target_given(HydraConfig.get().overrides.task))
     if cfg.get("strict") and not summary["parity"]:
         sys.exit(1)
 

@@ -105,6 +105,36 @@ def test_the_run_target_comes_from_its_records(tmp_path):
     assert ev.with_run_target(_eval_cfg("run_dir=x"), tmp_path / "no_records").target.kind == "tiny_v4"
 
 
+def _serve_check_cfg(*overrides):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return hydra_compose(config_name="serve_check", overrides=list(overrides))
+
+
+def test_serve_check_takes_the_run_target_and_refuses_another_before_any_model_loads(v4_run, monkeypatch,
+                                                                                      no_model_loads):
+    """serve_check reads the run's target as eval.py does: a run trained against tiny_v4 is checked against tiny_v4
+    unless the command line names one (a HY V4 target is refused in one ConfigError before any model loads)."""
+    import dspark.serve_check as sc
+    from dspark.serving import engine
+
+    monkeypatch.setattr(engine, "vllm_python", lambda *a, **k: Path(sys.executable))  # no vLLM needed to get here
+    seen = {}
+
+    def stop_at_build(cfg, source=None):
+        seen["target"] = str(cfg.target.kind)
+        raise RuntimeError("stop: models would load now")
+
+    monkeypatch.setattr(ev, "build", stop_at_build)
+    with pytest.raises(RuntimeError, match="stop: models would load now"):
+        sc.run_serve_check(_serve_check_cfg(f"run_dir={v4_run}", "target=tiny_hy_v4"), target_from_run=True)
+    assert seen["target"] == "tiny_v4"  # the run's record wins when the command line names no target
+    with pytest.raises(factory.ConfigError, match=r"trained against a deepseek_v4 target .* is a hy_v4 model"):
+        sc.run_serve_check(_serve_check_cfg(f"run_dir={v4_run}", "target=tiny_hy_v4"), target_from_run=False)
+
+
 def _next_command(train_out: str) -> list[str]:
     line = next(ln for ln in train_out.splitlines() if ln.strip().startswith("next:"))
     command = line.split("next:", 1)[1].split()
