@@ -57,6 +57,19 @@ def tiny_v4_config(**overrides):
 FP32_CROSS_SHAPE_ATOL = 1e-5
 
 
+def tiny_llama_target(vocab: int):
+    """A seeded random 2-layer Llama (hidden 32) as a FrozenTarget tapping both layers: the dense draft tests' target."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dspark.targets.hf_target import FrozenTarget
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)
+    return FrozenTarget(LlamaForCausalLM(cfg), [0, 1])
+
+
 def assert_same_argmax(got_ids, ref_ids, ref_logits, atol: float = FP32_CROSS_SHAPE_ATOL):
     """Token ids picked by argmax from logits computed two ways: equal, except where the reference's logits
     of the two ids are within `atol` (a near-tie that rounding may break either way)."""

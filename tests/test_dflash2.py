@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import FP32_CROSS_SHAPE_ATOL
+from conftest import FP32_CROSS_SHAPE_ATOL, tiny_llama_target
 from dspark.errors import ConfigError
 from dspark.evaluation.speculative import speculative_generate, target_generate
 from dspark.models import registry
@@ -23,10 +22,7 @@ KEYS = dict(num_layers=1, block_size=3, mask_token_id=MASK, target_layer_ids=[0,
 
 @pytest.fixture(scope="module")
 def llama_target() -> FrozenTarget:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)
-    return FrozenTarget(LlamaForCausalLM(cfg), [0, 1])
+    return tiny_llama_target(V)
 
 
 def make_draft(target: FrozenTarget, seed: int = 1, scramble: bool = True, **kw) -> DFlash2Draft:

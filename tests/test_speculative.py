@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_v4_config
+from conftest import tiny_llama_target, tiny_v4_config
 from transformers import DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import dspark.evaluation.speculative as spec
@@ -25,10 +25,7 @@ V, MASK = 64, 63
 # ---- tiny models ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama_target() -> FrozenTarget:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)
-    return FrozenTarget(LlamaForCausalLM(cfg), [0, 1])
+    return tiny_llama_target(V)
 
 
 def dense_draft(target: FrozenTarget, seed: int = 1, **kw) -> DSparkDenseDraft:
