@@ -279,9 +279,11 @@ def print_summary(summary: dict, path: Path, temperature: float, gamma: int) -> 
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from dspark.console import quiet_console
     from dspark.errors import one_line_errors
     from dspark.evaluation.run_eval import target_given
 
+    quiet_console()
     with one_line_errors("serve_check"):  # the run's own target unless the command line names one (as eval.py)
         summary = run_serve_check(cfg, target_from_run=not target_given(HydraConfig.get().overrides.task))
     if cfg.get("strict") and not summary["parity"]:
