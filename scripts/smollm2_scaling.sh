@@ -11,7 +11,7 @@
 # subset is frozen so that every draft of a size trains on the same bytes and the caches keep their key).
 # Each run: trainer.precision=bf16-mixed where the CPU has bf16 units (AVX512-BF16 / AMX), else fp32.
 # Environment: DRAFTS (default "dspark dflash dflash2"), NUM_PROMPTS (default 32), MAX_NEW_TOKENS (default 128),
-# EVALS (temperature:draft_sample_method pairs, default "0:greedy"; e.g. "0:greedy 1:greedy 1:probabilistic"), EXTRA (more train.py overrides), OUT (default runs/scaling).
+# EVALS (temperature:draft_sample_method pairs, default "0:greedy"; e.g. "0:greedy 1:greedy 1:probabilistic"), EXTRA (more train.py overrides), EVAL_EXTRA (more eval.py overrides), OUT (default runs/scaling).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:?usage: bash scripts/smollm2_scaling.sh N [STEPS]}
@@ -64,7 +64,7 @@ for d in ${DRAFTS:-dspark dflash dflash2}; do
     dir=$run/eval_T${t}_$method
     ls "$dir"/summary.T*.json >/dev/null 2>&1 && continue
     "$PY" eval.py run_dir="$run" num_prompts="${NUM_PROMPTS:-32}" max_new_tokens="${MAX_NEW_TOKENS:-128}" \
-      temperature="$t" draft_sample_method="$method" plots=false out="$dir"
+      temperature="$t" draft_sample_method="$method" plots=false out="$dir" ${EVAL_EXTRA:-}
   done
 done
 "$PY" scripts/scaling_table.py "$OUT"

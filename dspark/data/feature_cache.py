@@ -211,7 +211,10 @@ def _weights_hash(model: torch.nn.Module, samples: int = 64) -> str:
 
 
 def target_identity(target: FrozenTarget) -> dict:
-    """What makes features reproducible: model name/path, config hash, weight fingerprint, dtype, layer ids."""
+    """What makes features reproducible: model name/path, config hash, weight fingerprint, dtype, layer ids. A
+    head-only target (dspark.targets.head_only) computes the same identity from its checkpoint files."""
+    if hasattr(target, "cache_identity"):
+        return target.cache_identity
     cfg = target.model.config
     cfg_dict = {k: v for k, v in cfg.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
     return {
