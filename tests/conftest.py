@@ -70,6 +70,19 @@ def tiny_llama_target(vocab: int):
     return FrozenTarget(LlamaForCausalLM(cfg), [0, 1])
 
 
+def wait_until(proc, what: str, cond, last_words, limit_s: float = 600.0) -> None:
+    """Polls `cond` (what the child process has done: a file, a logged step) until it holds. The child ending first
+    fails naming `what` and its `last_words()`; `limit_s` is a safety net against a hang, never the condition."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        if proc.poll() is not None:
+            raise AssertionError(f"the process ended (rc {proc.returncode}) before {what}:\n{last_words()[-3000:]}")
+        assert time.monotonic() < deadline, f"safety net: no {what} after {limit_s:.0f} s"
+        time.sleep(0.01)
+
+
 def assert_same_argmax(got_ids, ref_ids, ref_logits, atol: float = FP32_CROSS_SHAPE_ATOL):
     """Token ids picked by argmax from logits computed two ways: equal, except where the reference's logits
     of the two ids are within `atol` (a near-tie that rounding may break either way)."""

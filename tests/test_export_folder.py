@@ -11,13 +11,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, compose
+from conftest import REPO, compose, wait_until
 from dspark import factory
 from dspark.errors import UserError
 from dspark.export.__main__ import main as export_main
@@ -183,15 +182,6 @@ export_v4_sidecar(_v4_draft(), out, overwrite=overwrite)
 """
 
 
-def _wait_for(cond, proc: subprocess.Popen, what: str, limit_s: float = 600.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not cond():
-        if proc.poll() is not None:
-            raise AssertionError(f"the export ended (rc {proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}")
-        assert time.monotonic() < deadline, f"safety net: no {what} after {limit_s} s"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("moment,old_export", [("tensor_write", False), ("before_manifest", True)])
 def test_kill_9_during_an_export_leaves_the_folder_as_it_was(tmp_path, moment, old_export):
     from test_export import _v4_draft
@@ -204,7 +194,7 @@ def test_kill_9_during_an_export_leaves_the_folder_as_it_was(tmp_path, moment, o
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(out), str(marker), moment, "1" if old_export else "0"],
                             env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(marker.is_file, proc, f"the export reached {moment}")
+        wait_until(proc, f"the export reached {moment}", marker.is_file, lambda: proc.stderr.read())
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -13,14 +13,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, TINY_RUN, compose
+from conftest import REPO, TINY_RUN, compose, wait_until
 from dspark import factory
 from dspark.errors import ConfigError, IntegrityError, RunDirBusy
 from dspark.integrity import check_file, sidecar_path
@@ -427,16 +426,6 @@ def _writing_checkpoint(run: Path) -> bool:
         return False
 
 
-def _wait_until(proc: subprocess.Popen, what: str, cond, log: Path) -> None:
-    """Polls `cond` until it holds; the run ending first, or the safety net, fails naming `what`."""
-    deadline = time.monotonic() + SAFETY_NET_S
-    while not cond():
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended (rc {proc.returncode}) before {what}:\n{log.read_text()[-3000:]}")
-        assert time.monotonic() < deadline, f"safety net: no {what} after {SAFETY_NET_S:.0f} s"
-        time.sleep(0.01)
-
-
 def _kill_moment(kind: str, run: Path, proc: subprocess.Popen) -> tuple[str, object]:
     """(what, condition) of one kill moment, read from what the run (re)started as `proc` has written."""
     start_logs, rows, step = _log_count(run, "draft parameters:"), _loss_rows(run), _newest_step(run)
@@ -480,7 +469,7 @@ def test_kill_9_at_chosen_moments_then_resume_matches_an_uninterrupted_run(tmp_p
             proc = subprocess.Popen(_train_cmd(run, resume), env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
         try:
             what, cond = _kill_moment(rng.choice(kinds), run, proc)
-            _wait_until(proc, what, cond, log)
+            wait_until(proc, what, cond, log.read_text, SAFETY_NET_S)
             moments.append(f"{what}: newest checkpoint step {_newest_step(run)}")
         finally:
             proc.send_signal(signal.SIGKILL)
