@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from dspark.errors import ConfigError  # noqa: F401 (re-exported for callers that catch it from here)
+from dspark.errors import ConfigError  # (also re-exported for callers that catch it from here)
 from dspark.models import registry
 from dspark.targets.head_only import HeadOnlyUnsupported, load_head_only_target
 from dspark.targets.hf_target import FrozenTarget, load_hf_target
@@ -22,30 +22,36 @@ def build_target(cfg: DictConfig, dataset=None) -> FrozenTarget:
     """The frozen target, capturing the layers the draft group reads (`target_layer_ids`; MTP drafts read none).
 
     With `dataset` (the rows training reads: feature_cache_build.rows_before_target) and a feature cache that is
-    complete for this target and these rows (a hit, told from the checkpoint files: plan_feature_cache), training
-    never runs the target, so only its embedding, LM head and final norm load (dspark.targets.head_only). The whole
+    complete for this target and these rows (a hit, told from the checkpoint files: plan_feature_cache), or with
+    data.feature_stream (a child process computes the features), training never runs the target, so only its
+    embedding, LM head and final norm load (dspark.targets.head_only). The whole
     target loads on a miss (it computes the features), with draft.init_from_target (the draft copies target layers
     while it is built, resumed runs included), and for a checkpoint head_only cannot map exactly."""
     layer_ids = [int(i) for i in (cfg.draft.get("target_layer_ids") or [])]
     folder, dtype, aux = target_folder(cfg), str(cfg.target.dtype), bool(layer_ids)
     if dataset is not None:
-        from dspark.data.feature_cache_build import plan_feature_cache
+        from dspark.data.feature_cache_build import plan_feature_cache, stream_wanted
 
         plan = plan_feature_cache(cfg, dataset)
-        if plan is not None and plan.hit:
+        streamed = plan is not None and not plan.hit and stream_wanted(cfg)
+        if streamed and plan.identity is None:
+            raise ConfigError("data.feature_stream: the target's cache identity cannot be computed from its checkpoint "
+                              "files (logged above), so this process cannot check the shards a producer writes; set "
+                              "data.feature_stream=false (the target then loads whole and builds the cache first)")
+        why = "feature stream (a child process computes the features)" if streamed else "feature cache complete"
+        if plan is not None and (plan.hit or streamed):
             if cfg.draft.get("init_from_target", False):
-                log.info("feature cache complete, but draft.init_from_target copies target layers: the whole target "
-                         "loads")
+                log.info("%s, but draft.init_from_target copies target layers: the whole target loads", why)
             else:
                 try:
                     target = load_head_only_target(folder, layer_ids, dtype, require_aux=aux,
                                                    cache_identity=plan.identity)
-                    log.info("feature cache complete (%s): target head only (embedding, LM head, final norm: %.1f MB "
-                             "of the checkpoint's %.1f MB)", plan.path, target.checkpoint.bytes_read / 2**20,
+                    log.info("%s (%s): target head only (embedding, LM head, final norm: %.1f MB of the checkpoint's "
+                             "%.1f MB)", why, plan.path, target.checkpoint.bytes_read / 2**20,
                              target.checkpoint.nbytes / 2**20)
                     return target
                 except HeadOnlyUnsupported as e:
-                    log.warning("feature cache complete, but the target cannot load head-only (%s): it loads whole", e)
+                    log.warning("%s, but the target cannot load head-only (%s): it loads whole", why, e)
     return load_hf_target(folder, layer_ids, dtype, require_aux=aux)
 
 
@@ -110,8 +116,11 @@ def build_dataset(cfg: DictConfig, tokenizer):
 
 def build_datamodule(cfg: DictConfig, tokenizer, dataset=None, target: FrozenTarget | None = None):
     """Train/val DataModule; with data.feature_cache set, builds (or reuses) the offline feature cache for `target`
-    first (dspark.data.feature_cache_build), and the batches then carry the cached features."""
-    from dspark.data.feature_cache_build import cache_wanted, prepare_feature_cache
+    first (dspark.data.feature_cache_build), and the batches then carry the cached features; with data.feature_stream
+    the cache is read while a child process writes it (dspark.data.feature_stream) and the first pass over the data
+    follows the order the shards are written in."""
+    from dspark.data import feature_stream
+    from dspark.data.feature_cache_build import cache_wanted, prepare_feature_cache, stream_wanted
     from dspark.training.data_module import ChatDataModule
 
     if cache_wanted(cfg) and target is None:
@@ -120,11 +129,15 @@ def build_datamodule(cfg: DictConfig, tokenizer, dataset=None, target: FrozenTar
     dataset = dataset if dataset is not None else build_dataset(cfg, tokenizer)
     features = prepare_feature_cache(cfg, target, dataset)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    val = int(cfg.data.val_examples)
+    # streamed: the first pass follows the producer's shards (whether or not the cache is complete by now)
+    groups = feature_stream.first_pass_groups(len(dataset), val, feature_stream.SHARD_SIZE) \
+        if stream_wanted(cfg) else None
     return ChatDataModule(
         dataset, pad_id=int(pad), batch_size=int(tr.batch_size), num_anchors=int(tr.num_anchors),
         total_batches=int(cfg.trainer.max_steps) * int(cfg.trainer.accumulate_grad_batches),
-        val_examples=int(cfg.data.val_examples), val_batch_size=int(tr.val_batch_size),
-        seed=int(cfg.seed), num_workers=int(cfg.data.num_workers), features=features,
+        val_examples=val, val_batch_size=int(tr.val_batch_size),
+        seed=int(cfg.seed), num_workers=int(cfg.data.num_workers), features=features, first_pass_groups=groups,
     )
 
 

@@ -75,6 +75,8 @@ def check_data(values: dict) -> None:
             for _ in islice(iter_jsonl_records(str(data["path"]), strict=True), data["limit"]):
                 pass
     if data["feature_cache"] in (None, "", False):
+        require(not data["feature_stream"], "data.feature_stream",
+                "streams the features into the feature cache: set data.feature_cache (auto or a folder)")
         return
     require(not getattr(fam.draft, "needs_pre_head", False), "data.feature_cache",
             f"the cache stores no pre-hc_head stream, which draft.kind={fam.kind} reads; set it to null")

@@ -201,6 +201,8 @@ class DataKeys:
     feature_cache_dtype: Literal["bfloat16", "float32"] = field(metadata=doc("cache storage dtype"))
     feature_cache_layout: CacheLayoutKeys = field(metadata=doc("compact cache layout"))
     feature_producer: Literal[FEATURE_PRODUCERS] = field(metadata=doc("who computes the cache: hf | vllm"))
+    feature_stream: bool = field(metadata=doc("train while a child process writes the cache (online mode; the "
+                                              "trainer loads the target's head only)"))
     vllm_producer: VLLMProducerKeys = field(metadata=doc("vLLM producer settings"))
 
 

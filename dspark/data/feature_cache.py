@@ -7,23 +7,30 @@ Layout of a cache folder::
     meta.json                 written last: target identity, dataset fingerprint, dtype, sizes, and the
                               sha256 + size of every shard (checked: sizes on open, each shard's hash the
                               first time a process reads it)
+    progress.json             while a build runs: the cache key and the sha256 + size of every shard complete so
+                              far (what a streaming reader, dspark.data.feature_stream, may read); removed once
+                              meta.json exists
 
 Indices are positions in the dataset the cache was built from (the full tokenized dataset, before any
 train/val split). Every shard is written atomically and carries the cache key in its safetensors header,
 so an interrupted build resumes by skipping the shards that are already complete, and a shard left by a
 different build is recomputed rather than trusted. A folder is a usable cache only once meta.json exists.
+Shards are written in index order unless the build runs inside `production_plan(order, key)` (the feature stream's
+producer: the shards holding the held-out tail first).
 
 A cache is tied to (target identity, layer ids, dataset content, dtype); `FeatureCache.check_compatible`
 refuses a cache built for anything else, naming what differs.
 """
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import logging
 import math
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +48,8 @@ FORMAT_VERSION = 2  # 2: meta.json records every shard's sha256 and size
 COMPACT_FORMAT_VERSION = 3  # 3: a CacheLayout other than the default (meta.json "layout"); plain caches stay 2
 READ_FORMATS = (FORMAT_VERSION, COMPACT_FORMAT_VERSION)
 META_NAME = "meta.json"
+PROGRESS_NAME = "progress.json"
+SHARD_SIZE = 256  # examples per shard unless a build says otherwise
 CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Config entries that do not change what the model computes.
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache")
@@ -194,6 +203,17 @@ def unpack_example(f, idx: int, layout: CacheLayout, dtype: torch.dtype) -> tupl
     return full_aux, full_final
 
 
+def read_example(f, idx: int, layout: CacheLayout, stored: torch.dtype,
+                 dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Example `idx` of an open shard -> dense (aux [S, n*H], final [S, H]) in `dtype` (None: `stored`)."""
+    if not layout.is_default:
+        return unpack_example(f, idx, layout, dtype if dtype is not None else stored)
+    aux, final = f.get_tensor(f"{idx}.aux"), f.get_tensor(f"{idx}.final")
+    if dtype is not None:
+        aux, final = aux.to(dtype), final.to(dtype)
+    return aux, final
+
+
 # ---- identities ----------------------------------------------------------------------------------
 def _weights_hash(model: torch.nn.Module, samples: int = 64) -> str:
     """Cheap weight fingerprint: name, shape and `samples` evenly strided values of every parameter.
@@ -328,22 +348,78 @@ def _shard_tensors(target: FrozenTarget, rows, lo: int, hi: int, batch_size: int
     return out
 
 
-def _shard_complete(path: Path, key: str, first: int, count: int) -> bool:
-    """A shard on disk counts as done only if it was written by this build (same key and range)."""
-    if not path.is_file():
-        return False
+def shard_header(path: Path) -> dict | None:
+    """The metadata a shard carries in its safetensors header ({"key", "first", "count"}); None if unreadable."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            md = f.metadata() or {}
-    except Exception:  # unreadable leftover: recompute it
-        return False
-    return md.get("key") == key and md.get("first") == str(first) and md.get("count") == str(count)
+            return dict(f.metadata() or {})
+    except Exception:  # noqa: BLE001 (absent, torn or not a safetensors file)
+        return None
+
+
+def header_problem(md: dict | None, key: str, first: int, count: int) -> str | None:
+    """Why a shard header is not the one this build writes for examples [first, first + count); None if it is."""
+    if md is None:
+        return "no readable safetensors header"
+    if md.get("key") != key:
+        return f"it carries cache key {md.get('key')!r}, this build's is {key!r} (a shard of another build)"
+    if md.get("first") != str(first) or md.get("count") != str(count):
+        return (f"it holds examples from {md.get('first')!r} ({md.get('count')!r} of them), "
+                f"not from {first} ({count})")
+    return None
+
+
+def _shard_complete(path: Path, key: str, first: int, count: int) -> bool:
+    """A shard on disk counts as done only if it was written by this build (same key and range)."""
+    return path.is_file() and header_problem(shard_header(path), key, first, count) is None
+
+
+# ---- production order (the feature stream's producer) ------------------------------------------------
+@dataclass(frozen=True)
+class ProductionPlan:
+    order: tuple[int, ...]  # shard indices in the order they are written
+    key: str  # the cache key the build must have (a producer computing another one refuses to write)
+
+
+_PLAN: contextvars.ContextVar[ProductionPlan | None] = contextvars.ContextVar("feature_cache_plan", default=None)
+
+
+@contextmanager
+def production_plan(order, key: str):
+    """Every write_feature_cache inside writes its shards in `order` and refuses to build another cache than `key`
+    (how a streaming producer runs the ordinary build functions, hf or vllm, unchanged)."""
+    token = _PLAN.set(ProductionPlan(tuple(int(k) for k in order), str(key)))
+    try:
+        yield
+    finally:
+        _PLAN.reset(token)
+
+
+def _shard_order(num_shards: int, key: str) -> list[int]:
+    """The active production plan's order (checked: a permutation of the shards, the key this build computes);
+    index order without one."""
+    plan = _PLAN.get()
+    if plan is None:
+        return list(range(num_shards))
+    if plan.key != key:
+        raise ValueError(f"feature cache: this producer computes cache key {key}, the reader expects {plan.key} "
+                         "(the producer sees another target, rows, dtype or layout than the trainer)")
+    if sorted(plan.order) != list(range(num_shards)):
+        raise ValueError(f"feature cache: production order {list(plan.order)[:8]}... is not a permutation of the "
+                         f"{num_shards} shards")
+    return list(plan.order)
+
+
+def _publish(out_dir: Path, key: str, shard_size: int, num_shards: int, shards: dict) -> None:
+    """progress.json: the shards complete so far, with their sha256 + size (written after the shard itself)."""
+    atomic_write_json(out_dir / PROGRESS_NAME, {"key": key, "shard_size": shard_size, "num_shards": num_shards,
+                                                "shards": shards})
 
 
 def build_feature_cache(target: FrozenTarget, rows, out_dir, *, batch_size: int = 8,
-                        dtype: torch.dtype = torch.bfloat16, shard_size: int = 256,
+                        dtype: torch.dtype = torch.bfloat16, shard_size: int = SHARD_SIZE,
                         layout: CacheLayout | None = None) -> Path:
     """Computes target.features for every row (in order) into `out_dir`; resumes an interrupted build.
 
@@ -381,13 +457,17 @@ def write_feature_cache(target_id: dict, rows, out_dir, shard_fn, *, dtype: torc
     n = len(rows)
     num_shards = math.ceil(n / shard_size)
     t0, done_before, shards, started = time.perf_counter(), 0, {}, False
-    for k in range(num_shards):
+    published = 0
+    for k in _shard_order(num_shards, key):
         lo, hi = k * shard_size, min(n, (k + 1) * shard_size)
         path = out_dir / shard_name(k)
         if _shard_complete(path, key, lo, hi - lo):
             done_before += 1
             shards[path.name] = digest_file(path)
             continue
+        if published < len(shards):  # the shards found complete so far, before this one is computed
+            _publish(out_dir, key, shard_size, num_shards, shards)
+            published = len(shards)
         if not started and on_start is not None:
             on_start()
         started = True
@@ -401,6 +481,8 @@ def write_feature_cache(target_id: dict, rows, out_dir, shard_fn, *, dtype: torc
             tensors = {k: v if v.dtype == dtype else v.to(dtype) for k, v in tensors.items()}
         data = save_safetensors_atomic(tensors, path, metadata={"key": key, "first": str(lo), "count": str(hi - lo)})
         shards[path.name] = digest_bytes(data)
+        _publish(out_dir, key, shard_size, num_shards, shards)
+        published = len(shards)
         log.info("feature cache %s: shard %d/%d written (%s)", out_dir, k + 1, num_shards, producer)
     if done_before:
         log.info("feature cache %s: resumed, %d of %d shards were already complete", out_dir, done_before, num_shards)
@@ -415,6 +497,7 @@ def write_feature_cache(target_id: dict, rows, out_dir, shard_fn, *, dtype: torc
     if not layout.is_default:
         meta["layout"] = layout.as_dict()
     atomic_write_json(out_dir / META_NAME, meta)
+    (out_dir / PROGRESS_NAME).unlink(missing_ok=True)  # meta.json lists every shard now
     return out_dir
 
 
@@ -529,13 +612,7 @@ class FeatureCache:
         idx = int(idx)
         if not 0 <= idx < len(self):
             raise IndexError(f"feature cache {self.path}: index {idx} outside [0, {len(self)})")
-        f = self._shard(idx // int(self.meta["shard_size"]))
-        if not self.layout.is_default:
-            return unpack_example(f, idx, self.layout, dtype if dtype is not None else self.dtype)
-        aux, final = f.get_tensor(f"{idx}.aux"), f.get_tensor(f"{idx}.final")
-        if dtype is not None:
-            aux, final = aux.to(dtype), final.to(dtype)
-        return aux, final
+        return read_example(self._shard(idx // int(self.meta["shard_size"])), idx, self.layout, self.dtype, dtype)
 
     def check_compatible(self, target: FrozenTarget, rows) -> None:
         """Raises ValueError naming each difference if this cache was not built for `target` and `rows`."""

@@ -1,7 +1,9 @@
 """The run's offline feature cache (data.feature_cache): where it lives, who builds it (hf: the loaded FrozenTarget;
 vllm: vLLM in its own venv), the build as a job of its own before training, and whether the cache is already complete
-(`plan_feature_cache`, before the target loads: a hit needs only the target's head, dspark.targets.head_only). The
-config keys are checked by dspark.schema / dspark.preflight before anything here runs."""
+(`plan_feature_cache`, before the target loads: a hit needs only the target's head, dspark.targets.head_only). With
+data.feature_stream the build runs in a child process while training reads it (`start_feature_stream`,
+dspark.data.feature_stream). The config keys are checked by dspark.schema / dspark.preflight before anything here
+runs."""
 from __future__ import annotations
 
 import logging
@@ -22,6 +24,11 @@ log = logging.getLogger("dspark.feature_cache")
 
 def cache_wanted(cfg: DictConfig) -> bool:
     return cfg.data.feature_cache not in (None, "", False)
+
+
+def stream_wanted(cfg: DictConfig) -> bool:
+    """data.feature_stream: training reads the cache while a child process writes it (dspark.data.feature_stream)."""
+    return cache_wanted(cfg) and bool(cfg.data.get("feature_stream", False))
 
 
 def cache_layout(cfg: DictConfig):
@@ -55,13 +62,18 @@ def feature_cache_dir(cfg: DictConfig, target, dataset, identity: dict | None = 
 
     if not cache_wanted(cfg):
         return None
-    where = str(cfg.data.feature_cache)
-    if where != "auto":
-        return Path(where).expanduser()
+    if str(cfg.data.feature_cache) != "auto":
+        return Path(str(cfg.data.feature_cache)).expanduser()
+    ident = identity if identity is not None else target_cache_identity(target)
+    return cache_dir_for_key(cfg, cache_key(ident, dataset_fingerprint(dataset), cache_dtype(cfg), cache_layout(cfg)))
+
+
+def cache_dir_for_key(cfg: DictConfig, key: str) -> Path:
+    """data.feature_cache's folder for a cache named `key`: auto -> <DSPARK_CACHE or ~/.cache/dspark>/features/<key>."""
+    if str(cfg.data.feature_cache) != "auto":
+        return Path(str(cfg.data.feature_cache)).expanduser()
     from dspark.data.dataset import default_cache_dir
 
-    ident = identity if identity is not None else target_cache_identity(target)
-    key = cache_key(ident, dataset_fingerprint(dataset), cache_dtype(cfg), cache_layout(cfg))
     return default_cache_dir() / "features" / key
 
 
@@ -161,10 +173,12 @@ def _build_with_vllm(cfg: DictConfig, target, dataset, path: Path, layout) -> Pa
         name_or_path=name_or_path, layout=layout, **vllm_producer_settings(cfg))
 
 
-def build_feature_cache_offline(cfg: DictConfig, dataset_builder) -> Path:
+def build_feature_cache_offline(cfg: DictConfig, dataset_builder, shard_size: int | None = None) -> Path:
     """data.feature_producer=vllm as a job of its own (scripts/build_feature_cache.py, after dspark.preflight), without
     loading the target in this process: the rows as train.py builds them (`dataset_builder(cfg, tokenizer)`), the
-    cache where train.py looks for it (`auto`: the same key, the identity computed from the checkpoint)."""
+    cache where train.py looks for it (`auto`: the same key, the identity computed from the checkpoint). Also the
+    vllm producer of a feature stream (dspark.data.feature_stream, with the stream's `shard_size`)."""
+    from dspark.data.feature_cache import SHARD_SIZE
     from dspark.data.vllm_features import build_feature_cache_vllm, checkpoint_identity
     from dspark.targets.hf_target import resolve_target_source
 
@@ -183,7 +197,78 @@ def build_feature_cache_offline(cfg: DictConfig, dataset_builder) -> Path:
         ident = checkpoint_identity(folder, layer_ids, str(cfg.target.dtype), name_or_path=source)
     path = feature_cache_dir(cfg, None, dataset, identity=ident)
     return build_feature_cache_vllm(folder, layer_ids, dataset, path, target_dtype=str(cfg.target.dtype), dtype=dtype,
-                                    name_or_path=source, layout=layout, **vllm_producer_settings(cfg))
+                                    name_or_path=source, layout=layout, shard_size=shard_size or SHARD_SIZE,
+                                    **vllm_producer_settings(cfg))
+
+
+def produce_feature_cache(cfg: DictConfig, dataset_builder, shard_size: int) -> Path:
+    """The build a feature stream's child process runs (dspark.data.feature_stream.main): vllm as
+    `build_feature_cache_offline`, hf with the whole target loaded in this (the child) process."""
+    from dspark.data.feature_cache import build_feature_cache
+    from dspark.targets.hf_target import load_hf_target
+
+    if str(cfg.data.feature_producer) == "vllm":
+        return build_feature_cache_offline(cfg, dataset_builder, shard_size=shard_size)
+    dataset = rows_before_target(cfg, dataset_builder)
+    layer_ids = [int(i) for i in (cfg.draft.get("target_layer_ids") or [])]
+    target = load_hf_target(target_folder(cfg), layer_ids, str(cfg.target.dtype), require_aux=bool(layer_ids))
+    target.to(_build_device(cfg, target))
+    return build_feature_cache(target, dataset, feature_cache_dir(cfg, target, dataset),
+                               batch_size=int(cfg.train.val_batch_size), dtype=cache_dtype(cfg),
+                               layout=cache_layout(cfg), shard_size=shard_size)
+
+
+def start_feature_stream(cfg: DictConfig, target, dataset):
+    """data.feature_stream with the cache not complete yet: a FeatureStream over it, its producer started as a child
+    process by local rank 0 (rows in dspark.data.feature_stream.production_order); the other local ranks, and a run
+    that finds another live producer writing this folder, read what that producer writes."""
+    from dspark.data import feature_stream as fs
+    from dspark.data.feature_cache import PROGRESS_NAME, cache_key, dataset_fingerprint
+
+    layout, dtype, shard_size = cache_layout(cfg), cache_dtype(cfg), int(fs.SHARD_SIZE)
+    key = cache_key(target_cache_identity(target), dataset_fingerprint(dataset), dtype, layout)
+    path = cache_dir_for_key(cfg, key)
+    path.mkdir(parents=True, exist_ok=True)
+    work = Path(str(cfg.run_dir)) / fs.PRODUCER_DIR
+    stream = fs.FeatureStream(path, key, len(dataset), shard_size, dtype, layout, log_path=work / "producer.log")
+    lock_fd = fs.take_producer_lock(path) if _local_rank() == 0 else None
+    if _local_rank() != 0:
+        _wait_for_producer(path)
+    elif lock_fd is None:
+        log.info("feature stream: another producer is writing %s; training reads what it writes", path)
+        stream.log_path = None
+    else:
+        (path / PROGRESS_NAME).unlink(missing_ok=True)  # an ended build's list: the new producer rewrites it
+        spec = _producer_spec(cfg, len(dataset), path, key, shard_size)
+        stream.producer = fs.Producer.launch(spec, work, lock_fd)
+        log.info("feature stream: producer pid %d (%s) writes %s, %d shards of %d examples, the %d held-out shard(s) "
+                 "first; log %s", stream.producer.proc.pid, cfg.data.feature_producer, path, len(spec["order"]),
+                 shard_size, spec["held_out_shards"], stream.log_path)
+    return stream
+
+
+def _producer_spec(cfg: DictConfig, num_examples: int, path: Path, key: str, shard_size: int) -> dict:
+    """What the stream's child process is told (dspark.data.feature_stream.main): the resolved run config, the cache
+    folder and key, the shard size and the production order (held-out shards first)."""
+    from dspark.data import feature_stream as fs
+
+    held_out = int(cfg.data.val_examples)
+    return {"config": OmegaConf.to_container(cfg, resolve=True), "path": str(path), "key": key,
+            "shard_size": shard_size, "order": fs.production_order(num_examples, held_out, shard_size),
+            "held_out_shards": len(fs.held_out_shards(num_examples, held_out, shard_size)), "parent": os.getpid()}
+
+
+def _wait_for_producer(path: Path, poll_s: float = 0.5) -> None:
+    """Local ranks > 0: until local rank 0's producer holds the cache's lock (or the cache is complete)."""
+    from dspark.data.feature_cache import META_NAME
+    from dspark.data.feature_stream import producer_alive
+
+    polls = 0
+    while not producer_alive(path) and not (path / META_NAME).is_file():
+        if polls % 60 == 0:
+            log.info("local rank %d: waiting for local rank 0's feature producer at %s", _local_rank(), path)
+        time.sleep(poll_s)
+        polls += 1
 
 
 def prepare_feature_cache(cfg: DictConfig, target, dataset):
@@ -193,6 +278,8 @@ def prepare_feature_cache(cfg: DictConfig, target, dataset):
     Local rank 0 of every node builds and the other ranks wait for meta.json: correct on node-local disks, and on a
     shared filesystem concurrent builders write identical shards atomically. A head-only target (loaded on a hit,
     factory.build_target) cannot build: every rank only checks the complete cache against its checkpoint identity.
+    With data.feature_stream and the cache not complete: a FeatureStream, its producer a child process
+    (start_feature_stream).
     """
     if not cache_wanted(cfg):
         return None
@@ -201,6 +288,8 @@ def prepare_feature_cache(cfg: DictConfig, target, dataset):
     layout, producer = cache_layout(cfg), str(cfg.data.feature_producer)
     path = feature_cache_dir(cfg, target, dataset)
     reused = (path / META_NAME).is_file()
+    if stream_wanted(cfg) and not reused:
+        return start_feature_stream(cfg, target, dataset)
     t0 = time.perf_counter()
     try:
         if isinstance(target, HeadOnlyTarget):  # loaded on a hit (plan_feature_cache): nothing to build, every rank

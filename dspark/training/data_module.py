@@ -107,10 +107,15 @@ class ResumableBatchSampler(Sampler[list[tuple[int, int]]]):
     Global batch b of the run covers data pass b // batches_per_pass; passes are fresh permutations
     (seed, pass). `start` skips batches already consumed (resume). len() is the full run length so that
     Lightning's progress counters stay consistent after a restart.
+
+    `first_pass_groups` (a partition of the indices into ranges, e.g. the shards of a feature stream in the order
+    they are written): pass 0 then walks the groups one after the other, each in its own permutation (seed, 0, g);
+    later passes are the usual full permutations.
     """
 
     def __init__(self, num_examples: int, batch_size: int, total_batches: int, seed: int,
-                 rank: int = 0, world_size: int = 1, shuffle: bool = True):
+                 rank: int = 0, world_size: int = 1, shuffle: bool = True,
+                 first_pass_groups: list[range] | None = None):
         self.global_batch = batch_size * world_size
         self.batches_per_pass = num_examples // self.global_batch
         if self.batches_per_pass == 0:
@@ -121,15 +126,29 @@ class ResumableBatchSampler(Sampler[list[tuple[int, int]]]):
         self.num_examples, self.batch_size = num_examples, batch_size
         self.total_batches, self.seed, self.shuffle = total_batches, seed, shuffle
         self.rank, self.start = rank, 0
+        self.groups = None if first_pass_groups is None else [range(g.start, g.stop) for g in first_pass_groups]
+        if self.groups is not None and sorted(i for g in self.groups for i in g) != list(range(num_examples)):
+            raise ValueError(f"first_pass_groups must partition the {num_examples} examples")
 
     def __len__(self) -> int:
         return self.total_batches
 
     def _order(self, data_pass: int) -> torch.Tensor:
+        """-> [num_examples] the example indices of one pass, in order."""
         if not self.shuffle:
             return torch.arange(self.num_examples)
+        if data_pass == 0 and self.groups is not None:
+            return self._grouped_order()
         gen = torch.Generator().manual_seed(_seed_for(self.seed, data_pass))
         return torch.randperm(self.num_examples, generator=gen)
+
+    def _grouped_order(self) -> torch.Tensor:
+        """-> [num_examples] pass 0 as the groups in turn, each permuted by (seed, 0, group number)."""
+        parts = []
+        for g, idx in enumerate(self.groups):
+            gen = torch.Generator().manual_seed(_seed_for(self.seed, 0, g))
+            parts.append(torch.arange(idx.start, idx.stop)[torch.randperm(len(idx), generator=gen)])
+        return torch.cat(parts)
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         start, self.start = self.start, 0
@@ -145,13 +164,15 @@ class ResumableBatchSampler(Sampler[list[tuple[int, int]]]):
 class ChatDataModule(L.LightningDataModule):
     """Train / held-out split of a tokenized dataset with columns input_ids, loss_mask.
 
-    `features` (optional FeatureCache built from the whole `dataset`): batches then carry the cached
-    target features (aux, final) and the training step skips the target forward.
+    `features` (optional FeatureCache built from the whole `dataset`, or a FeatureStream being written): batches
+    then carry the cached target features (aux, final) and the training step skips the target forward.
+    `first_pass_groups`: the training rows' order of the first pass (ResumableBatchSampler), e.g. a feature stream's
+    shards in the order they are written.
     """
 
     def __init__(self, dataset, *, pad_id: int, batch_size: int, num_anchors: int, total_batches: int,
                  val_examples: int, val_batch_size: int | None = None, seed: int = 0, num_workers: int = 0,
-                 features=None):
+                 features=None, first_pass_groups: list[range] | None = None):
         super().__init__()
         n = len(dataset)
         if val_examples <= 0 or val_examples >= n:
@@ -167,6 +188,7 @@ class ChatDataModule(L.LightningDataModule):
         self.pad_id, self.batch_size, self.num_anchors = pad_id, batch_size, num_anchors
         self.total_batches, self.seed, self.num_workers = total_batches, seed, num_workers
         self.val_batch_size = val_batch_size or batch_size
+        self.first_pass_groups = first_pass_groups
         self._resume_batches = 0
 
     def _ranks(self) -> tuple[int, int]:
@@ -184,7 +206,7 @@ class ChatDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         rank, world = self._ranks()
         sampler = ResumableBatchSampler(len(self.train_rows), self.batch_size, self.total_batches,
-                                        self.seed, rank, world)
+                                        self.seed, rank, world, first_pass_groups=self.first_pass_groups)
         sampler.start = self._resume_batches
         return self._loader(self.train_rows, self.train_index, sampler)
 

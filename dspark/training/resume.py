@@ -29,6 +29,10 @@ OVERRIDABLE = ("train.lr", "train.weight_decay", "train.betas", "train.warmup_ra
                "train.decay_gamma", "train.loss_weights", "train.fused_loss", "train.mtp_beta", "train.mtp_loss_weights",
                "train.val_batch_size", "trainer.gradient_clip_val", "ops_backend")
 
+# keys added after checkpoints were written, with the value that does what those runs did: a checkpoint without the
+# key resumes as if it held that value (any other value is a change like any other)
+ADDED_KEYS = {"data.feature_stream": False}
+
 
 def _flat(d, prefix: str = "") -> dict[str, object]:
     out: dict[str, object] = {}
@@ -60,6 +64,7 @@ def compare_on_resume(now: dict, then: dict) -> dict[str, tuple]:
     if not then:
         raise ConfigError("resume: the checkpoint records no run config (written by another tool?): start a new run_dir")
     a, b = _flat(then), _flat(now)
+    a.update({k: v for k, v in ADDED_KEYS.items() if k not in a and k in b})
     overrides = list(now.get("resume_override") or [])
     bad = [k for k in overrides if not _under(k, OVERRIDABLE)]
     if bad:

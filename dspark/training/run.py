@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dspark import factory
 from dspark.data.feature_cache_build import rows_before_target
+from dspark.data.feature_stream import producer_scope
 from dspark.errors import require
 from dspark.integrity import check_file, remove_checked, write_checked
 from dspark.io import atomic_write_json
@@ -306,6 +307,12 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> 
     target = factory.build_target(cfg, dataset)
     draft = factory.build_draft(cfg, target)
     datamodule = factory.build_datamodule(cfg, target.tokenizer, dataset=dataset, target=target)
+    with producer_scope(datamodule.features):  # data.feature_stream: its producer finishes (or stops on an error)
+        return _fit(cfg, run_dir, ckpt_path, callbacks, target, draft, datamodule, t0)
+
+
+def _fit(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks, target, draft, datamodule,
+         t0: float) -> dict:
     module = factory.build_module(cfg, draft, target)
     throughput = Throughput()
     trainer = build_trainer(cfg, run_dir, [throughput, LogsFollowCheckpoints(), *callbacks])
