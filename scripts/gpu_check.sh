@@ -12,13 +12,26 @@
 #   DFlash): greedy outputs vs vLLM's plain greedy, AL from vLLM's spec-decode counters vs eval.py's AL on the
 #   same prompts -> $OUT/vllm/results.jsonl + summary.txt (scripts/vllm_serve_check.py). Never run on the
 #   development machines (no GPU there); expect tens of minutes (5 short GPU trainings, 10 vLLM engine starts).
+#   Then the DeepSeek-V4 feature producer (issue 26, item 4; NOT RUN YET): target features built by vLLM (checkpoint
+#   view + the worker-side normed-final capture) vs FrozenTarget's, the uncaptured final as the negative check, a few
+#   DSpark V4 steps on a vLLM-built cache -> $OUT/vllm/v4_features/ (scripts/vllm_v4_features_check.py, ~5 engine
+#   starts). `bash scripts/gpu_check.sh vllm-v4-features` runs that part alone.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ "${1:-}" = "vllm-v4-features" ]; then
+  nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+  timeout 1500 python scripts/vllm_v4_features_check.py --out "$OUT/vllm/v4_features" "${@:2}"
+  exit $?
+fi
 if [ "${1:-}" = "vllm" ]; then
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
   python scripts/vllm_serve_check.py --out "$OUT/vllm" "${@:2}"
+  serve_rc=$?
+  timeout 1500 python scripts/vllm_v4_features_check.py --out "$OUT/vllm/v4_features"
+  v4_rc=$?
+  [ "$serve_rc" -eq 0 ] && [ "$v4_rc" -eq 0 ]
   exit $?
 fi
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1

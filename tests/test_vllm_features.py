@@ -132,11 +132,13 @@ def test_id_mapping_and_final_norm_rebuild_frozen_target_from_vllm_layout(tiny):
     assert (wrong - ref.aux[0]).abs().max() > 1e-2
 
 
-def test_deepseek_v4_is_refused_naming_why(tmp_path):
-    from dspark.data.vllm_features import build_feature_cache_vllm
+def test_deepseek_v4_is_refused_naming_why(tmp_path, monkeypatch):
+    """The tiny target's sizes / dtype are not what vLLM's V4 kernels take (tests/test_vllm_v4_features.py)."""
+    from dspark.data.vllm_features import ALLOW_UNVERIFIED_ENV, build_feature_cache_vllm
     from dspark.targets.tiny_v4 import TINY_V4_DIR
 
-    with pytest.raises(ValueError, match=r"hc_mult=\d+ .*mean .*hc_head"):
+    monkeypatch.delenv(ALLOW_UNVERIFIED_ENV, raising=False)
+    with pytest.raises(ValueError, match=r"'deepseek_v4' \(hc_mult=\d+, the normed final captured.*head_dim 32"):
         build_feature_cache_vllm(TINY_V4_DIR, [0, 1], _rows(), tmp_path / "c", python="/nonexistent/python")
     assert not (tmp_path / "c").exists()
 

@@ -128,20 +128,26 @@ class VLLMWorker:
              num_speculative_tokens: int | None = None, dtype: str = "float32", max_model_len: int = 2048,
              seed: int = 0, kv_cache_gib: int | None = 1, per_request_metrics: str = "detailed",
              tensor_parallel_size: int = 1, enforce_eager: bool = True, speculative_extra: dict | None = None,
-             fix_cpu_float_expand: bool = False, engine_kwargs: dict | None = None,
-             extract_layer_ids: list[int] | None = None, extract_dir: str | None = None) -> dict:
+             fix_cpu_float_expand: bool = False, fix_cpu_v4_metadata: bool = False, engine_kwargs: dict | None = None,
+             extract_layer_ids: list[int] | None = None, extract_dir: str | None = None,
+             normed_final_aux_id: int | None = None) -> dict:
         """Start (or replace) the engine: target folder, optional draft folder + speculative method
         (`speculative_extra`: more speculative_config keys, e.g. draft_sample_method; `fix_cpu_float_expand`:
-        vllm_worker.fix_cpu_float_expand, the CPU build's broken temperature expansion at T > 0).
-        `extract_layer_ids` (vLLM aux-hidden-state ids) + `extract_dir`: an engine for `extract` (no draft)."""
+        vllm_worker.fix_cpu_float_expand, the CPU build's broken temperature expansion at T > 0;
+        `fix_cpu_v4_metadata`: vllm_worker.fix_cpu_v4_swa_metadata, DeepSeek-V4's Triton-only attention metadata).
+        `extract_layer_ids` (vLLM aux-hidden-state ids) + `extract_dir`: an engine for `extract` (no draft);
+        `normed_final_aux_id` (DeepSeek-V4, one of those ids): it carries the normed final hidden
+        (dspark/serving/vllm_hc_capture.py)."""
         reply = self.call("init", target=str(target), draft=None if draft is None else str(draft), method=method,
                           num_speculative_tokens=num_speculative_tokens, dtype=dtype, max_model_len=max_model_len,
                           seed=seed, kv_cache_gib=kv_cache_gib, per_request_metrics=per_request_metrics,
                           tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
                           speculative_extra=speculative_extra or {}, fix_cpu_float_expand=fix_cpu_float_expand,
+                          fix_cpu_v4_metadata=fix_cpu_v4_metadata,
                           engine_kwargs=engine_kwargs or {},
                           extract_layer_ids=None if extract_layer_ids is None else [int(i) for i in extract_layer_ids],
-                          extract_dir=None if extract_dir is None else str(extract_dir))
+                          extract_dir=None if extract_dir is None else str(extract_dir),
+                          normed_final_aux_id=None if normed_final_aux_id is None else int(normed_final_aux_id))
         self.versions = reply.get("versions")
         return reply
 

