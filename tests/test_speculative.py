@@ -658,3 +658,20 @@ def test_eval_refuses_a_target_with_other_weights(eval_setup, tmp_path):
         run_eval(cfg)
     cfg.allow_target_mismatch = True
     assert run_eval(cfg)["math"]["num_drafts"] > 0
+
+
+def test_acceptance_length_from_conditional_rates_equals_the_counted_one():
+    """scripts/acceptance_decomposition.py rebuilds AL from the reported conditional rates: exact for any counts."""
+    from dspark.evaluation.metrics import acceptance_length_from_conditional
+
+    gen = torch.Generator().manual_seed(0)
+    for gamma in (1, 3, 6):
+        c = AcceptanceCounter()
+        for n in torch.randint(0, gamma + 1, (200,), generator=gen).tolist():
+            c.update(gamma, int(n))
+        r = c.report()
+        assert acceptance_length_from_conditional(r["per_position_conditional_rate"]) == \
+            pytest.approx(r["mean_acceptance_length"], rel=1e-12)
+    never = AcceptanceCounter()
+    never.update(3, 0)
+    assert acceptance_length_from_conditional(never.report()["per_position_conditional_rate"]) == 1.0

@@ -69,3 +69,14 @@ class AcceptanceCounter:
             "per_position_rate": rates,
             "per_position_conditional_rate": conditional,
         }
+
+
+def acceptance_length_from_conditional(conditional: list[float | None]) -> float:
+    """AL = 1 + sum_i prod_{j<=i} c_j from the per-position conditional rates c (None: never reached, 0). Equals the
+    counted AL whenever accepted_per_pos covers every accepted token (sum_i accepted_per_pos[i] = accepted), which
+    vLLM's counting guarantees; scripts/acceptance_decomposition.py mixes two drafts' c through it."""
+    al, alive = 1.0, 1.0
+    for c in conditional:
+        alive *= float(c or 0.0)
+        al += alive
+    return al
