@@ -3,6 +3,7 @@ DataModule, LightningModule. Nothing here checks a key (dspark.schema / dspark.p
 from __future__ import annotations
 
 import logging
+from functools import partial
 from itertools import islice
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dspark.errors import ConfigError  # (also re-exported for callers that catch it from here)
 from dspark.models import registry
-from dspark.targets.head_only import HeadOnlyUnsupported, load_head_only_target
+from dspark.targets.head_only import HeadOnlyTarget, HeadOnlyUnsupported, load_head_only_target
 from dspark.targets.hf_target import FrozenTarget, load_hf_target
 from dspark.targets.source import target_folder
 
@@ -21,38 +22,36 @@ log = logging.getLogger("dspark.factory")
 def build_target(cfg: DictConfig, dataset=None) -> FrozenTarget:
     """The frozen target, capturing the layers the draft group reads (`target_layer_ids`; MTP drafts read none).
 
-    With `dataset` (the rows training reads: feature_cache_build.rows_before_target) and a feature cache that is
-    complete for this target and these rows (a hit, told from the checkpoint files: plan_feature_cache), or with
-    data.feature_stream (a child process computes the features), training never runs the target, so only its
-    embedding, LM head and final norm load (dspark.targets.head_only). The whole
-    target loads on a miss (it computes the features), with draft.init_from_target (the draft copies target layers
-    while it is built, resumed runs included), and for a checkpoint head_only cannot map exactly."""
+    With `dataset` (the rows training reads: feature_cache_build.rows_before_target), how it loads is decided by
+    feature_cache_build.target_loading: head-only (embedding, LM head, final norm: dspark.targets.head_only, plus
+    the target modules draft.init_from_target copies when the draft family names them) when training never runs
+    the target, else whole. A checkpoint head_only cannot map exactly loads whole, logged."""
+    from dspark.data.feature_cache_build import target_loading
+
     layer_ids = [int(i) for i in (cfg.draft.get("target_layer_ids") or [])]
     folder, dtype, aux = target_folder(cfg), str(cfg.target.dtype), bool(layer_ids)
-    if dataset is not None:
-        from dspark.data.feature_cache_build import plan_feature_cache, stream_wanted
-
-        plan = plan_feature_cache(cfg, dataset)
-        streamed = plan is not None and not plan.hit and stream_wanted(cfg)
-        if streamed and plan.identity is None:
-            raise ConfigError("data.feature_stream: the target's cache identity cannot be computed from its checkpoint "
-                              "files (logged above), so this process cannot check the shards a producer writes; set "
-                              "data.feature_stream=false (the target then loads whole and builds the cache first)")
-        why = "feature stream (a child process computes the features)" if streamed else "feature cache complete"
-        if plan is not None and (plan.hit or streamed):
-            if cfg.draft.get("init_from_target", False):
-                log.info("%s, but draft.init_from_target copies target layers: the whole target loads", why)
-            else:
-                try:
-                    target = load_head_only_target(folder, layer_ids, dtype, require_aux=aux,
-                                                   cache_identity=plan.identity)
-                    log.info("%s (%s): target head only (embedding, LM head, final norm: %.1f MB of the checkpoint's "
-                             "%.1f MB)", why, plan.path, target.checkpoint.bytes_read / 2**20,
-                             target.checkpoint.nbytes / 2**20)
-                    return target
-                except HeadOnlyUnsupported as e:
-                    log.warning("%s, but the target cannot load head-only (%s): it loads whole", why, e)
+    loading = target_loading(cfg, dataset)
+    if loading.head_only:
+        also = partial(registry.init_reads, cfg.draft) if loading.init_reads else None
+        try:
+            target = load_head_only_target(folder, layer_ids, dtype, require_aux=aux, cache_identity=loading.identity,
+                                           also=also)
+        except HeadOnlyUnsupported as e:
+            log.warning("%s, but the target cannot load head-only (%s): it loads whole", loading.why, e)
+        else:
+            log.info("%s (%s): %s", loading.why, loading.path, _head_only_line(target))
+            return target
     return load_hf_target(folder, layer_ids, dtype, require_aux=aux)
+
+
+def _head_only_line(target: HeadOnlyTarget) -> str:
+    """What a head-only target read, for the log."""
+    ckpt = target.checkpoint
+    size = f"{ckpt.bytes_read / 2**20:.1f} MB of the checkpoint's {ckpt.nbytes / 2**20:.1f} MB"
+    if not target.init_modules:
+        return f"target head only (embedding, LM head, final norm: {size})"
+    return (f"target head only + what draft.init_from_target copies (embedding, LM head, final norm, "
+            f"{', '.join(target.init_modules)}: {size})")
 
 
 def build_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
@@ -60,6 +59,8 @@ def build_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
     resolved group is written back into cfg.draft, so draft/draft_config.json and the checkpoint's hyper_parameters
     hold the complete config."""
     draft = registry.build_draft(cfg.draft, target)
+    if isinstance(target, HeadOnlyTarget):
+        target.release_init_modules()  # copied into the draft: training reads only the head
     if cfg.draft.get("init_from"):
         init_from_serving(draft, str(cfg.draft.init_from))
     resolved = registry.resolved_group(draft.config, str(cfg.draft.kind), cfg.draft)

@@ -124,6 +124,7 @@ def check_draft(cfg: DictConfig) -> dict | None:
     """The draft group built into its family's config against the target's config.json (dspark.models.registry):
     taps inside the target, hidden size, mask token, the family's own rules. -> the resolved draft group (as
     draft/draft_config.json and the checkpoints hold it), None for a target this check cannot read (a Hub id)."""
+    registry.check_init_from_target(cfg.draft)
     hf_config = _target_hf_config(cfg)
     if hf_config is None:
         return None

@@ -381,3 +381,13 @@ def test_skips_are_counted_by_reason_at_the_end_of_the_run(tmp_path):
     assert r.stdout.rindex("SKIPPED [") < r.stdout.index("4 skipped, by reason")  # after -ra's one-by-one list
     assert "   3 x no vLLM python (bash scripts/setup_vllm.sh)" in r.stdout and "   1 x needs CUDA" in r.stdout
     assert "bash .ci/run" in r.stdout
+
+
+def test_init_from_target_on_a_family_without_it_is_refused_before_any_model_loads(tmp_path, no_model_loads):
+    """dspark_v4 cannot start from the target's layers: preflight says so, naming the families that can; the whole
+    target used to load first and build_draft refused it after."""
+    from dspark.preflight import check_training_config
+
+    with pytest.raises(factory.ConfigError, match=r"draft.init_from_target: not implemented for dspark_v4 .*dspark_v41"):
+        check_training_config(compose(TINY_RUN + [f"run_dir={tmp_path}", "draft.init_from_target=true"]), [])
+    check_training_config(compose(TINY_RUN + [f"run_dir={tmp_path}"]), [])  # the same config without it passes

@@ -203,8 +203,8 @@ def test_unmappable_checkpoint_is_refused_naming_the_entry(tied_llama, tmp_path)
 
 @pytest.mark.parametrize("case", ["init_from_target", "unmappable"])
 def test_build_target_loads_whole_when_head_only_does_not_do(case, tied_llama, tmp_path, monkeypatch):
-    """A hit with draft.init_from_target (the draft copies target layers) or a checkpoint head_only refuses: the
-    whole target loads."""
+    """A hit with draft.init_from_target of a family that does not name the target modules its copy reads (the
+    default dspark_v4 group) or a checkpoint head_only refuses: the whole target loads."""
     import dspark.data.feature_cache_build as fcb
 
     folder = tied_llama
@@ -224,6 +224,51 @@ def test_build_target_loads_whole_when_head_only_does_not_do(case, tied_llama, t
                    "draft.target_layer_ids=[1]", f"draft.init_from_target={case == 'init_from_target'}"])
     target = factory.build_target(cfg, dataset=[{"input_ids": [1, 2]}])
     assert target == "whole" if case == "unmappable" else type(target) is FrozenTarget
+
+
+@pytest.mark.parametrize("experiment,dtype,num_layers,copied", [
+    ("dspark_v41", "float32", 3, ["model.layers.1", "model.layers.2", "model.layers.3"]),  # the last 3 of 4
+    ("dspark_v41", "bfloat16", 1, ["model.layers.3"]),
+    ("hyv4_mtp", "float32", 1, ["model.layers.3", "model.layers.1.self_attn.indexer"]),  # layer 3 reuses 1's top-k
+])
+def test_init_from_target_on_a_hit_reads_only_what_it_copies(experiment, dtype, num_layers, copied, tmp_path,
+                                                             monkeypatch, caplog):
+    """draft.init_from_target on a hit, for the families that name what their copy reads (DeepSeek-V4.1 DSpark: the
+    last num_layers decoder layers; HY V4 MTP: the last layer, an indexer, the final norm): the target loads
+    head-only plus those modules (bytes counted against the checkpoint's headers), the draft equals the one built
+    from the whole target bit for bit, and the copied modules go back to the meta device once it is built."""
+    import logging
+
+    import dspark.data.feature_cache_build as fcb
+
+    monkeypatch.setattr(fcb, "plan_feature_cache", lambda cfg, rows: fcb.CachePlan(tmp_path, None, True))
+    overrides = [f"experiment={experiment}", f"target.dtype={dtype}", "draft.init_from_target=true",
+                 f"draft.num_layers={num_layers}"]
+    cfg = compose(overrides + ["data.feature_cache=auto"])
+    with caplog.at_level(logging.INFO, logger="dspark.factory"):
+        partial = factory.build_target(cfg, dataset=[{"input_ids": [1, 2]}])
+    assert isinstance(partial, HeadOnlyTarget) and list(partial.init_modules) == copied
+    assert f"final norm, {', '.join(copied)}: " in caplog.text
+    sizes = stored_sizes(Path(partial.checkpoint.folder))
+    head = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}  # (stored as transformers names)
+    wanted = sum(n for k, n in sizes.items() if k in head or k.startswith(tuple(f"{c}." for c in copied)))
+    assert partial.checkpoint.bytes_read == wanted < partial.checkpoint.nbytes == sum(sizes.values())
+    print(f"{experiment}, {copied} copied: read {wanted} of {sum(sizes.values())} bytes")
+    torch.manual_seed(0)
+    draft = factory.build_draft(cfg, partial)
+    assert partial.init_modules == {} and all(p.is_meta for p in partial.model.model.layers.parameters())
+    assert not partial.embed_weight.is_meta and not partial.model.model.norm.weight.is_meta
+
+    whole_cfg = compose(overrides)
+    whole = factory.build_target(whole_cfg)
+    assert type(whole) is FrozenTarget
+    torch.manual_seed(0)
+    ref = factory.build_draft(whole_cfg, whole).state_dict()
+    got = draft.state_dict()
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]), k
+    assert partial.fingerprint() == whole.fingerprint()
 
 
 # ---- (b) cached training: miss (whole target, builds), then hit (head only), same losses ------------------

@@ -4,7 +4,9 @@ Without vLLM: the identity computed from the checkpoint equals the loaded target
 reproduce FrozenTarget from transformers' own hidden states, DeepSeek-V4 is refused naming why, a missing vLLM is one
 clear error. With vLLM (its own venv; CI installs it, DSPARK_REQUIRE_VLLM=1 makes a missing one fail): vLLM's
 extracted states of every layer vs FrozenTarget's taps in float32 (the mapping passes, a layer off by one fails),
-and 20 training steps of the tiny dense DFlash config on a vLLM-built cache follow the HF-built cache's loss curve.
+20 training steps of the tiny dense DFlash config on a vLLM-built cache follow the HF-built cache's loss curve, and a
+streamed run (data.feature_stream) whose child producer runs the real engine trains on the head-only target and
+leaves the offline cache of its rows.
 
 Tolerance of the float32 comparison: TOL_ULPS ulps of float32 at the tensor's own scale (max |ref|). The two
 sides run the same math through different kernels (oneDNN GEMMs and vLLM's CPU attention vs torch's matmul and SDPA),
@@ -254,6 +256,46 @@ def test_training_on_a_vllm_cache_follows_the_hf_cache(tiny, tmp_path):
     print(f"max relative loss difference over 20 steps: {rel:.3g}")
     assert rel <= 1e-3, (a, b)
     assert a[19] < a[0]  # the curve is a curve: training moved
+
+
+@pytest.mark.slow
+def test_streamed_training_with_the_real_vllm_producer(tiny, tmp_path, monkeypatch):
+    """data.feature_stream with data.feature_producer=vllm: the trainer (head-only target) reads the shards a real
+    vLLM engine writes in its child process (one engine start, shards of 16); the run ends, and the finished cache is
+    the offline cache of the same rows: producer vllm, the key of an offline build (hf here: an offline vllm build
+    gets the same key, test_training_on_a_vllm_cache_follows_the_hf_cache), features within TOL_ULPS."""
+    from test_head_only_target import TargetKind
+    from test_train_e2e import train_losses
+
+    from dspark.data import feature_stream
+    from dspark.data.feature_cache import FeatureCache, build_feature_cache
+    from dspark.data.feature_cache_build import rows_before_target
+    from dspark.factory import build_dataset
+    from dspark.targets.head_only import HeadOnlyTarget
+    from dspark.targets.hf_target import load_hf_target
+    from dspark.training.run import run_training
+
+    python = _vllm_or_skip()
+    monkeypatch.setattr(feature_stream, "SHARD_SIZE", 16)
+    cfg = _train_cfg(tiny, tmp_path / "run", tmp_path / "fc", "vllm", python)
+    cfg.data.feature_stream, cfg.trainer.max_steps, cfg.trainer.val_check_interval = True, 3, 3
+    kind = TargetKind()
+    run_training(cfg, callbacks=(kind,))
+    assert kind.kinds == [HeadOnlyTarget] and sorted(train_losses(tmp_path / "run")) == [0, 1, 2]
+    streamed = FeatureCache(tmp_path / "fc")
+    rows = rows_before_target(cfg, build_dataset)
+    taps = [int(i) for i in cfg.draft.target_layer_ids]
+    offline = FeatureCache(build_feature_cache(load_hf_target(str(tiny), taps, "float32"), rows, tmp_path / "hf",
+                                               dtype=torch.float32))
+    assert streamed.meta["producer"] == "vllm" and streamed.meta["key"] == offline.meta["key"]
+    assert len(streamed) == len(offline) == len(rows) > 2 * 16  # 3 shards at least
+    worst = 0.0
+    for i in range(len(rows)):
+        for x, y in zip(streamed.get(i), offline.get(i)):
+            d, tol = _max_diff(x, y)
+            assert d <= tol, (i, d, tol)
+            worst = max(worst, d)
+    print(f"streamed vLLM cache vs offline HF build: {len(rows)} rows, max feature diff {worst:.3g}")
 
 
 class FakeExtractWorker:

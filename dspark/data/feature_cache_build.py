@@ -1,6 +1,7 @@
 """The run's offline feature cache (data.feature_cache): where it lives, who builds it (hf: the loaded FrozenTarget;
-vllm: vLLM in its own venv), the build as a job of its own before training, and whether the cache is already complete
-(`plan_feature_cache`, before the target loads: a hit needs only the target's head, dspark.targets.head_only). With
+vllm: vLLM in its own venv), the build as a job of its own before training, whether the cache is already complete
+(`plan_feature_cache`, before the target loads) and so how the target loads (`target_loading`: on a hit or a stream
+training needs only the target's head, dspark.targets.head_only, and what draft.init_from_target copies). With
 data.feature_stream the build runs in a child process while training reads it (`start_feature_stream`,
 dspark.data.feature_stream). The config keys are checked by dspark.schema / dspark.preflight before anything here
 runs."""
@@ -125,6 +126,45 @@ def plan_feature_cache(cfg: DictConfig, dataset) -> CachePlan | None:
     except ValueError as e:
         raise ConfigError(f"data.feature_cache: {e}") from e
     return CachePlan(path, ident, True)
+
+
+@dataclass(frozen=True)
+class TargetLoading:
+    """How factory.build_target loads the target, decided before it loads (`target_loading`)."""
+
+    head_only: bool  # only the embedding, LM head and final norm are read (dspark.targets.head_only)
+    identity: dict | None  # the target's cache identity, computed from its checkpoint files
+    why: str  # what makes the target's decoder layers unneeded, for the log lines ("" when nothing does)
+    path: Path | None  # the feature cache folder
+    init_reads: bool = False  # head-only plus the target modules draft.init_from_target copies (registry.init_reads)
+
+
+WHOLE_TARGET = TargetLoading(head_only=False, identity=None, why="", path=None)
+
+
+def target_loading(cfg: DictConfig, dataset) -> TargetLoading:
+    """Whether training needs the target's decoder layers. It does not with a feature cache complete for this target
+    and these rows (`dataset`, rows_before_target; a hit: plan_feature_cache) or with data.feature_stream (a child
+    process computes the features): the target then loads head-only, plus the target modules draft.init_from_target
+    copies when the draft family names them (registry.init_reads_named). It does on a miss (this process computes
+    the features), with no dataset, and with draft.init_from_target of a family that does not name what its copy
+    reads (logged). A stream whose cache identity cannot be computed from the checkpoint is refused (ConfigError)."""
+    from dspark.models import registry
+
+    plan = plan_feature_cache(cfg, dataset) if dataset is not None else None
+    streamed = plan is not None and not plan.hit and stream_wanted(cfg)
+    if streamed and plan.identity is None:
+        raise ConfigError("data.feature_stream: the target's cache identity cannot be computed from its checkpoint "
+                          "files (logged above), so this process cannot check the shards a producer writes; set "
+                          "data.feature_stream=false (the target then loads whole and builds the cache first)")
+    if plan is None or not (plan.hit or streamed):
+        return WHOLE_TARGET
+    why = "feature stream (a child process computes the features)" if streamed else "feature cache complete"
+    init = bool(cfg.draft.get("init_from_target", False))
+    if init and not registry.init_reads_named(str(cfg.draft.kind)):
+        log.info("%s, but draft.init_from_target copies target layers: the whole target loads", why)
+        return TargetLoading(head_only=False, identity=plan.identity, why=why, path=plan.path)
+    return TargetLoading(head_only=True, identity=plan.identity, why=why, path=plan.path, init_reads=init)
 
 
 def _local_rank() -> int:

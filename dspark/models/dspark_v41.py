@@ -182,6 +182,15 @@ class DSparkV41Draft(DSparkV4Draft):
 
         return init_draft_layers_from_target(self, hf_causal_lm)
 
+    @staticmethod
+    def init_reads(cfg: DSparkV41Config, hf_causal_lm: nn.Module) -> list[str]:
+        """The target modules init_from_target copies: its last cfg.num_layers decoder layers (whole: the layer's
+        state_dict is read), e.g. ["model.layers.3"] for one draft layer (registry.init_reads)."""
+        from dspark.models.v4_names import last_layer_ids, target_layer_names
+
+        n_target = len(getattr(hf_causal_lm, "model", hf_causal_lm).layers)
+        return target_layer_names(hf_causal_lm, last_layer_ids(n_target, cfg.num_layers))
+
 
 __all__ = ["DSparkV41Config", "DSparkV41Draft", "DSparkV41Layer", "hc_collapse", "hc_pre_delayed",
            "served_layer_ids"]

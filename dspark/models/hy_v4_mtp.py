@@ -458,6 +458,12 @@ class HyMTPLayer(HyBlock):
 
 
 # ---- the draft ------------------------------------------------------------------------------------
+def _indexer_donor(layers: nn.ModuleList) -> int | None:
+    """The last target layer that runs its own DSA indexer (a layer reusing an earlier layer's top-k has none)."""
+    return next((i for i in reversed(range(len(layers))) if getattr(layers[i].self_attn, "indexer", None) is not None),
+                None)
+
+
 @register("hyv4_mtp", config=HYV4MTPConfig, objective="mtp")
 class HYV4MTPDraft(ChainDraft, SharedTargetWeights, nn.Module):
     """HY V4 MTP draft; the MTP-draft interface is in docs/CONTRACTS.md (HY V4 (Hy4))."""
@@ -485,9 +491,10 @@ class HYV4MTPDraft(ChainDraft, SharedTargetWeights, nn.Module):
         layers = hf_model.model.layers
         hf_state = hy_v4_names.block_from_hf(layers[-1].state_dict())
         if self.config.use_indexer and not any(k.startswith("self_attn.indexer.") for k in hf_state):
-            donor = next((lay for lay in reversed(layers) if getattr(lay.self_attn, "indexer", None) is not None), None)
+            donor = _indexer_donor(layers)
             if donor is not None:
-                hf_state.update({f"self_attn.indexer.{k}": v for k, v in donor.self_attn.indexer.state_dict().items()})
+                hf_state.update({f"self_attn.indexer.{k}": v
+                                 for k, v in layers[donor].self_attn.indexer.state_dict().items()})
         hf_state["final_layernorm.weight"] = hf_model.model.norm.weight
         own = self.mtp_layers[0].state_dict()
         wanted = [k for k in own if not k.startswith(("enorm.", "hnorm.", "eh_proj."))]
@@ -505,6 +512,17 @@ class HYV4MTPDraft(ChainDraft, SharedTargetWeights, nn.Module):
                 if k in hf_state:
                     layer_state[k].copy_(hf_state[k])
         return self
+
+    @staticmethod
+    def init_reads(cfg: HYV4MTPConfig, hf_model: nn.Module) -> list[str]:
+        """The target modules init_from_target copies (registry.init_reads): the last decoder layer, the indexer of
+        the last layer that has one when the last layer has none and the MTP block has one, and the final norm."""
+        layers = hf_model.model.layers
+        names = [f"model.layers.{len(layers) - 1}"]
+        donor = _indexer_donor(layers)
+        if cfg.use_indexer and getattr(layers[-1].self_attn, "indexer", None) is None and donor is not None:
+            names.append(f"model.layers.{donor}.self_attn.indexer")
+        return names + ["model.norm"]
 
     # -- interface ---------------------------------------------------------------------------------
     def context_hidden(self, feats) -> torch.Tensor:

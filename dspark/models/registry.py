@@ -9,9 +9,10 @@ and owns, in that one file,
     at the top level of configs/draft/*.yaml, the rest under `arch`), `DRAFTS_KEY` (drafts per verify step), `DEFAULT_TARGET`,
     `block_size` (that number), `vllm_method` (vLLM's speculative_config method);
   * its draft: the interface its objective trains (docs/CONTRACTS.md), `init_from_target(hf_model)` when it can
-    start from the target's layers, and the eval interface `propose_batch(feats, tokens, ...)` / `new_cache()`
-    reading its settings from `self.config` (dspark.models.block_draft.BlockDraft, dspark.models.mtp_common.
-    ChainDraft);
+    start from the target's layers (plus `init_reads(config, hf_model)`, the target modules that copy reads, when a
+    target loaded head-only with those modules may start it), and the eval interface
+    `propose_batch(feats, tokens, ...)` / `new_cache()` reading its settings from `self.config`
+    (dspark.models.block_draft.BlockDraft, dspark.models.mtp_common.ChainDraft);
   * `objective`: the training step it trains with, a subclass of the shared LightningModule
     (dspark.training.modules.MODULES: "block" = DSpark / DFlash blocks, "mtp" = the MTP chain).
 Its serving adapters (checkpoint names, config.json, vLLM rules) are in dspark/export/, registered by draft kind.
@@ -204,9 +205,8 @@ def build_draft(group: Mapping[str, Any], target) -> torch.nn.Module:
     group = _plain(group)
     fam = family(str(group.get("kind")))
     draft = fam.draft(build_config(group, target.model.config, target.tokenizer))
+    check_init_from_target(group)
     if group.get("init_from_target", False):
-        if not hasattr(draft, "init_from_target"):
-            raise ConfigError(f"draft.init_from_target: not implemented for {fam.kind}")
         try:
             draft.init_from_target(target.model)
         except ValueError as e:
@@ -215,6 +215,35 @@ def build_draft(group: Mapping[str, Any], target) -> torch.nn.Module:
         target.capture_pre_head = True  # the draft reads the last layer's raw output (TargetFeatures.pre_head)
     draft.share_target_weights(target.embed_weight, target.lm_head_weight)
     return draft
+
+
+def check_init_from_target(group: Mapping[str, Any]) -> None:
+    """ConfigError now (before any model loads) when draft.init_from_target is set for a family whose draft cannot
+    start from the target's layers."""
+    group = _plain(group)
+    fam = family(str(group.get("kind")))
+    if group.get("init_from_target", False) and not hasattr(fam.draft, "init_from_target"):
+        raise ConfigError(f"draft.init_from_target: not implemented for {fam.kind} (families that have it: "
+                          f"{', '.join(sorted(k for k in kinds() if hasattr(family(k).draft, 'init_from_target')))})")
+
+
+def init_reads_named(kind: str) -> bool:
+    """Whether the family names the target modules its init_from_target reads (its draft's `init_reads`), so a target
+    holding only those (and its head) can start the draft: dspark.data.feature_cache_build.target_loading."""
+    return callable(getattr(family(kind).draft, "init_reads", None))
+
+
+def init_reads(group: Mapping[str, Any], target_model: torch.nn.Module, tokenizer) -> list[str]:
+    """The names of `target_model`'s modules that the draft of `group` reads in init_from_target (the model may be on
+    the meta device: only its structure is read); [] without draft.init_from_target. ConfigError when the family does
+    not name them (init_reads_named)."""
+    group = _plain(group)
+    if not group.get("init_from_target", False):
+        return []
+    fam = family(str(group.get("kind")))
+    if not init_reads_named(fam.kind):
+        raise ConfigError(f"draft.init_from_target: {fam.kind} does not name the target modules it copies")
+    return list(fam.draft.init_reads(build_config(group, target_model.config, tokenizer), target_model))
 
 
 def config_from_group(group: Mapping[str, Any]):

@@ -113,6 +113,19 @@ def load_hf_layer_into(layer: torch.nn.Module, hf_layer_state: Mapping[str, torc
     layer.load_state_dict(state, strict=True)
 
 
+def last_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The target layers a draft of `num_draft_layers` layers starts from by default: the last ones, in order."""
+    return list(range(num_target_layers - num_draft_layers, num_target_layers))
+
+
+def target_layer_names(hf_causal_lm: torch.nn.Module, layer_ids: Sequence[int]) -> list[str]:
+    """The module names of target decoder layers `layer_ids` in `hf_causal_lm` (`model.layers.<i>`; `layers.<i>` in
+    a bare DeepseekV4Model); ids outside the target are left out (init_draft_layers_from_target refuses them)."""
+    prefix = "model." if hasattr(hf_causal_lm, "model") else ""
+    n = len(getattr(hf_causal_lm, "model", hf_causal_lm).layers)
+    return [f"{prefix}layers.{int(i)}" for i in layer_ids if 0 <= int(i) < n]
+
+
 def init_draft_layers_from_target(
     draft: torch.nn.Module, hf_causal_lm: torch.nn.Module, source_layer_ids: Sequence[int] | None = None
 ) -> list[int]:
@@ -126,7 +139,7 @@ def init_draft_layers_from_target(
     target_layers = getattr(hf_causal_lm, "model", hf_causal_lm).layers
     n_draft = len(draft.layers)
     if source_layer_ids is None:
-        source_layer_ids = list(range(len(target_layers) - n_draft, len(target_layers)))
+        source_layer_ids = last_layer_ids(len(target_layers), n_draft)
     source_layer_ids = [int(i) for i in source_layer_ids]
     if len(source_layer_ids) != n_draft:
         raise ValueError(f"init_draft_layers_from_target: need {n_draft} source layers, got {source_layer_ids}")
@@ -140,4 +153,5 @@ def init_draft_layers_from_target(
     return source_layer_ids
 
 
-__all__ = ["hf_layer_to_draft_state", "draft_layer_to_hf_state", "load_hf_layer_into", "init_draft_layers_from_target"]
+__all__ = ["hf_layer_to_draft_state", "draft_layer_to_hf_state", "load_hf_layer_into", "init_draft_layers_from_target",
+           "last_layer_ids", "target_layer_names"]
