@@ -70,6 +70,19 @@ def tiny_llama_target(vocab: int):
     return FrozenTarget(LlamaForCausalLM(cfg), [0, 1])
 
 
+def vllm_or_skip() -> Path:
+    """The interpreter of vLLM's venv (dspark.serving.engine.vllm_python); without one the test skips, saying why, except
+    under DSPARK_REQUIRE_VLLM=1 (.ci/run: the vLLM checks must run, never skip)."""
+    from dspark.serving.engine import VLLMUnavailable, vllm_python
+
+    try:
+        return vllm_python()
+    except VLLMUnavailable as exc:
+        if os.environ.get("DSPARK_REQUIRE_VLLM") == "1":
+            raise
+        pytest.skip(str(exc))
+
+
 def wait_until(proc, what: str, cond, last_words, limit_s: float = 600.0) -> None:
     """Polls `cond` (what the child process has done: a file, a logged step) until it holds. The child ending first
     fails naming `what` and its `last_words()`; `limit_s` is a safety net against a hang, never the condition."""

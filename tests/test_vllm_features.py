@@ -17,7 +17,6 @@ taps, ~8 on the normed final. A tap from the neighbouring layer differs by O(max
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -25,22 +24,11 @@ import datasets
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, vllm_or_skip
 
 EPS32 = torch.finfo(torch.float32).eps
 TOL_ULPS = 128
 LAYERS = [2, 0]  # of the tiny target's 4: unsorted on purpose (the taps keep this order)
-
-
-def _vllm_or_skip() -> Path:
-    from dspark.serving.engine import VLLMUnavailable, vllm_python
-
-    try:
-        return vllm_python()
-    except VLLMUnavailable as exc:
-        if os.environ.get("DSPARK_REQUIRE_VLLM") == "1":  # CI: must run, never skip
-            raise
-        pytest.skip(str(exc))
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
@@ -176,7 +164,7 @@ def test_vllm_states_equal_frozen_target_taps_and_off_by_one_fails(tiny, tmp_pat
     from dspark.serving.engine import VLLMWorker
     from dspark.targets.hf_target import load_hf_target
 
-    python = _vllm_or_skip()
+    python = vllm_or_skip()
     target = load_hf_target(str(tiny), LAYERS, "float32")
     n = len(target.layers)
     rows = _rows()
@@ -233,7 +221,7 @@ def test_training_on_a_vllm_cache_follows_the_hf_cache(tiny, tmp_path):
     from dspark.data.feature_cache import FeatureCache
     from dspark.training.run import run_training
 
-    python = _vllm_or_skip()
+    python = vllm_or_skip()
     runs = {}
     for producer in ("hf", "vllm"):
         run_training(_train_cfg(tiny, tmp_path / f"run_{producer}", tmp_path / f"fc_{producer}", producer, python),
@@ -275,7 +263,7 @@ def test_streamed_training_with_the_real_vllm_producer(tiny, tmp_path, monkeypat
     from dspark.targets.hf_target import load_hf_target
     from dspark.training.run import run_training
 
-    python = _vllm_or_skip()
+    python = vllm_or_skip()
     monkeypatch.setattr(feature_stream, "SHARD_SIZE", 16)
     cfg = _train_cfg(tiny, tmp_path / "run", tmp_path / "fc", "vllm", python)
     cfg.data.feature_stream, cfg.trainer.max_steps, cfg.trainer.val_check_interval = True, 3, 3

@@ -11,7 +11,6 @@ a vLLM that exists but does not work fails the test.
 """
 from __future__ import annotations
 
-import os
 
 import json
 import shutil
@@ -19,22 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, vllm_or_skip
 
 pytestmark = pytest.mark.slow
 
 GAMMA = 4
-
-
-def _vllm_or_skip() -> Path:
-    from dspark.serving.engine import VLLMUnavailable, vllm_python
-
-    try:
-        return vllm_python()
-    except VLLMUnavailable as exc:
-        if os.environ.get("DSPARK_REQUIRE_VLLM") == "1":  # .ci/run: the parity gate must run, never skip
-            raise
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +30,7 @@ def served(tmp_path_factory):
     """(root, target dir, run dir, benchmark dir, vLLM python): trained DFlash run against the tiny target."""
     from dspark.serving.tiny_dense import build_tiny_llama, regenerate_answers, train_dense_run, write_benchmarks
 
-    python = _vllm_or_skip()
+    python = vllm_or_skip()
     root = tmp_path_factory.mktemp("vllm_parity")
     target = build_tiny_llama(root / "target")
     data = regenerate_answers(target, root / "regen.jsonl")

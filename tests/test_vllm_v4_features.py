@@ -35,7 +35,7 @@ import datasets
 import pytest
 import torch
 
-from conftest import REPO, TINY_RUN, compose
+from conftest import REPO, TINY_RUN, compose, vllm_or_skip
 
 EPS32 = torch.finfo(torch.float32).eps
 TOL_ULPS = 128
@@ -50,17 +50,6 @@ def _rows(lengths=(5, 30, 17, 64, 9), seed=0) -> datasets.Dataset:
     g = torch.Generator().manual_seed(seed)
     return datasets.Dataset.from_dict({"input_ids": [torch.randint(5, 2048, (n,), generator=g).tolist()
                                                      for n in lengths]})
-
-
-def _vllm_or_skip() -> Path:
-    from dspark.serving.engine import VLLMUnavailable, vllm_python
-
-    try:
-        return vllm_python()
-    except VLLMUnavailable as exc:
-        if os.environ.get("DSPARK_REQUIRE_VLLM") == "1":  # CI: must run, never skip
-            raise
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +314,7 @@ def test_dspark_v4_trains_on_a_vllm_producer_cache_like_on_the_hf_cache(tiny_v4_
 def test_capture_wraps_vllms_own_deepseek_v4_forward(tmp_path):
     """In the vLLM venv: install() wraps the class vLLM's registry builds for this platform; the wrapped forward
     (vLLM's own body: self.model(...) passed on) returns the normed final on the carrier."""
-    python = _vllm_or_skip()
+    python = vllm_or_skip()
     code = """
 import sys, types, torch
 sys.path.insert(0, "dspark/serving")
@@ -398,7 +387,7 @@ def test_vllm_v4_cache_matches_frozen_target_and_the_uncaptured_final_does_not(v
     from dspark.serving.tiny_v4_dims import TAPS as taps
     from dspark.targets.hf_target import load_hf_target
 
-    python = _vllm_or_skip()
+    python = vllm_or_skip()
     rows = _rows(lengths=(5, 30, 17, 64, 9, 120))
     kw = dict(dtype=torch.float32, shard_size=8, batch_size=8)
     vl = FeatureCache(build_feature_cache_vllm(v4_sized, taps, rows, tmp_path / "vl", target_dtype="bfloat16",
@@ -435,7 +424,7 @@ def test_dspark_v4_trains_on_a_real_vllm_cache(v4_sized, tmp_path):
     from dspark.data.feature_cache import FeatureCache
     from dspark.training.run import run_training
 
-    python = _vllm_or_skip()
+    python = vllm_or_skip()
     run_dir, cache = tmp_path / "run", tmp_path / "fc"
     run_training(compose(TINY_RUN + [
         "target=hf", f"target.path={v4_sized}", "target.dtype=bfloat16", "trainer.max_steps=3",
