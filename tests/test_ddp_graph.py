@@ -80,10 +80,12 @@ def test_gradient_coverage_names_a_parameter_left_out_of_the_graph():
     coverage.remove()
 
 
-def run_ranks(argv_of_rank, world: int, env: dict, safety_s: float = 240.0) -> list[subprocess.CompletedProcess]:
+def run_ranks(argv_of_rank, world: int, env: dict, safety_s: float = 900.0) -> list[subprocess.CompletedProcess]:
     """Starts `world` processes and waits for their exits as they happen (no polling, no sleep); the first one that
-    fails stops the others and fails the test with its stderr. `safety_s` only bounds a hang (then every rank is
-    killed and the test fails saying so)."""
+    fails stops the others and fails the test with its stderr. A collective that one rank never joins ends by the
+    process group's own timeout (the workers set 120 s: the waiting rank raises and exits non-zero), so `safety_s` is
+    only a net for a hang outside any collective, generous because 2 ranks importing torch on a loaded 2-core machine
+    took over 240 s once (then every rank is killed and the test fails saying so)."""
     procs = [subprocess.Popen(argv_of_rank(r), env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for r in range(world)]
     done: queue.Queue = queue.Queue()
