@@ -38,7 +38,7 @@ def complete_lines(path: Path) -> bytes:
     """The file's text up to its last newline, every line checked to be a JSON object with a string "id"."""
     data = path.read_bytes()
     data = data[: data.rfind(b"\n") + 1]
-    for lineno, line in enumerate(data.splitlines(), start=1):
+    for lineno, line in enumerate(data.split(b"\n"), start=1):
         if not line.strip():
             continue
         row = json.loads(line)

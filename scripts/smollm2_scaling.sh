@@ -5,10 +5,9 @@
 #
 #   bash scripts/smollm2_scaling.sh N [STEPS]          # e.g. 500 400; resumable: rerun to continue
 #
-# Data: the first 3N/4 records of the regenerated ShareGPT file and the first N/4 of the reasoning-gym file
-# (scripts/regenerate_at_scale.sh; `python scripts/pack_regenerated.py unpack ...` restores packed ones),
-# interleaved 3:1 into data/regenerated/smollm2_mix_N.jsonl once (the sources grow while regeneration runs; the
-# subset is frozen so that every draft of a size trains on the same bytes and the caches keep their key).
+# Data: scripts/mix_regenerated.py freezes data/regenerated/smollm2_mix_N.jsonl once (3N/4 regenerated ShareGPT +
+# N/4 reasoning-gym records, from scripts/regenerate_at_scale.sh; `python scripts/pack_regenerated.py unpack ...`
+# restores packed ones).
 # Each run: trainer.precision=bf16-mixed where the CPU has bf16 units (AVX512-BF16 / AMX), else fp32.
 # Environment: DRAFTS (default "dspark dflash dflash2"), NUM_PROMPTS (default 32), MAX_NEW_TOKENS (default 128),
 # EVALS (temperature:draft_sample_method pairs, default "0:greedy"; e.g. "0:greedy 1:greedy 1:probabilistic"), EXTRA (more train.py overrides), EVAL_EXTRA (more eval.py overrides), OUT (default runs/scaling).
@@ -22,32 +21,7 @@ SHAREGPT=${SHAREGPT:-data/regenerated/smollm2_sharegpt_5k.jsonl}
 RG=${RG:-data/regenerated/smollm2_reasoning_gym_1500.jsonl}
 MIX=data/regenerated/smollm2_mix_$N.jsonl
 
-if [ ! -f "$MIX" ]; then
-  "$PY" - "$SHAREGPT" "$RG" "$MIX" "$N" <<'PY'
-import sys
-from pathlib import Path
-
-sharegpt, rg, out, n = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
-n_rg = n // 4
-n_sg = n - n_rg
-def first(path, k):
-    lines = [l for l in path.read_text().splitlines(keepends=True) if l.endswith("\n")][:k]
-    if len(lines) < k:
-        sys.exit(f"{path}: {len(lines)} complete records, {k} needed: let scripts/regenerate_at_scale.sh run longer")
-    return lines
-a, b = first(sharegpt, n_sg), first(rg, n_rg)
-mixed = []
-for i, line in enumerate(a):  # 3 ShareGPT : 1 reasoning-gym, so the held-out tail holds both sources
-    mixed.append(line)
-    if i % 3 == 2 and b:
-        mixed.append(b.pop(0))
-mixed += b
-tmp = out.with_suffix(".tmp")
-tmp.write_text("".join(mixed))
-tmp.replace(out)
-print(f"{out}: {len(mixed)} records ({n_sg} ShareGPT + {n_rg} reasoning-gym)")
-PY
-fi
+[ -f "$MIX" ] || "$PY" scripts/mix_regenerated.py "$SHAREGPT" "$RG" "$MIX" "$N"
 
 if lscpu 2>/dev/null | grep -qE "avx512_bf16|amx_bf16"; then PRECISION=bf16-mixed; else PRECISION=32-true; fi
 for d in ${DRAFTS:-dspark dflash dflash2}; do

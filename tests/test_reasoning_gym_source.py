@@ -59,3 +59,11 @@ def test_gsm_symbolic_is_refused():
     """Its templates are GSM8K test questions: training on it would leak the GSM8K eval."""
     with pytest.raises(ValueError, match="gsm_symbolic"):
         list(iter_reasoning_gym(3, tasks=["leg_counting", "gsm_symbolic"]))
+
+
+def test_eval_prompts_keep_a_turn_with_a_unicode_line_separator(tmp_path):
+    """json.dumps(ensure_ascii=False) leaves U+2028 / U+0085 raw inside strings; a line is split at "\\n" only
+    (str.splitlines broke such a record in two and the read failed)."""
+    turn = "first line\u2028second\x85third"
+    (tmp_path / "bench.jsonl").write_text(json.dumps({"turns": [turn]}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert eval_prompts(tmp_path) == {normalise_prompt(turn)}
