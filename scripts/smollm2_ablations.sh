@@ -9,6 +9,8 @@
 #   bash scripts/smollm2_ablations.sh N [STEPS]                      # every variant below
 #   VARIANTS="ce_only no_markov" bash scripts/smollm2_ablations.sh 1500 400
 #   python scripts/scaling_table.py runs/ablations/n1500             # the table (base row: runs/scaling/nN/dspark)
+#   EVAL_EXTRA=compare_target=false ...   # more eval.py overrides (this one skips the plain-target decode: the
+#                                         # variants share DSpark's inference path, whose T = 0 exactness the base row checks)
 #
 # Variants (the override each makes to the DSpark recipe: loss 0.1 CE + 0.9 L1 + 1.0 conf, Markov rank 64, decay
 # gamma 4, 16 anchors per sequence):
@@ -59,6 +61,6 @@ for v in ${VARIANTS:-no_markov ce_only no_conf rank16 gamma8 anchors32 l1_only r
   dir=$run/eval_T0_greedy
   ls "$dir"/summary.T*.json >/dev/null 2>&1 && continue
   "$PY" eval.py run_dir="$run" num_prompts="${NUM_PROMPTS:-32}" max_new_tokens="${MAX_NEW_TOKENS:-128}" \
-    temperature=0 draft_sample_method=greedy plots=false out="$dir"
+    temperature=0 draft_sample_method=greedy plots=false out="$dir" ${EVAL_EXTRA:-}
 done
 "$PY" scripts/scaling_table.py "$OUT"
