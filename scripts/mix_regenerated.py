@@ -13,6 +13,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+from dspark.io import atomic_write_bytes  # noqa: E402
+
 
 def complete_records(path: Path, k: int) -> list[str]:
     """The first k newline-terminated lines of path (a partial last line, still being appended, is not one)."""
@@ -37,9 +40,7 @@ def mix(sharegpt: Path, reasoning_gym: Path, n: int) -> list[str]:
 def main(argv: list[str]) -> None:
     sharegpt, rg, out, n = Path(argv[0]), Path(argv[1]), Path(argv[2]), int(argv[3])
     mixed = mix(sharegpt, rg, n)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text("".join(mixed), encoding="utf-8")
-    tmp.replace(out)
+    atomic_write_bytes(out, "".join(mixed).encode("utf-8"))
     print(f"{out}: {len(mixed)} records ({n - n // 4} ShareGPT + {n // 4} reasoning-gym)")
 
 
