@@ -10,8 +10,8 @@ Reduced vocabulary (`draft_vocab_size` < vocab_size, vLLM / EAGLE-3 convention):
 Vd target tokens, draft id d <-> target id d + d2t[d] (buffer `d2t` [Vd] long; `t2d` [V] bool marks the
 kept target ids). Its LM head is the target's rows at those ids, markov_w2 is [Vd, r]; base_logits and
 the Markov bias are scattered back to target ids ([.., V], -inf / 0 elsewhere), so propose and verify
-keep working in target ids. Inference / export only: training a reduced draft is refused (prune a
-full-vocab draft at export, dspark.export.vocab).
+keep working in target ids. Trained reduced (dspark.training.draft_vocab picks the ids from the training data;
+the fused loss scores the kept rows only) or pruned from a full-vocab draft at export (dspark.export.vocab).
 Parameter names follow vLLM's Qwen3 DSpark / DFlash drafts (fc, hidden_norm, layers.{i}.self_attn.*,
 layers.{i}.mlp.*, norm, markov_head.*, confidence_head.proj).
 """
@@ -37,7 +37,8 @@ from dspark.ops.rope import ROPE_TYPES, RotaryEmbedding, apply_rope
 class DSparkDenseConfig:
     # draft-group keys at the top level of configs/draft/*.yaml (the rest sits under `arch`)
     GROUP_KEYS: ClassVar[tuple[str, ...]] = ("num_layers", "block_size", "mask_token_id", "target_layer_ids",
-                                             "markov_rank", "markov_head_type", "sliding_window", "layout")
+                                             "markov_rank", "markov_head_type", "sliding_window", "layout",
+                                             "draft_vocab_size")
     DRAFTS_KEY: ClassVar[str] = "block_size"  # the group key of the drafts per verify step
     DEFAULT_TARGET: ClassVar[str | None] = None  # target kind (configs/target) when a run records none
 
@@ -283,10 +284,6 @@ class DSparkDenseDraft(BlockDraft, SharedTargetWeights, nn.Module):
         lm_head = self._shared("lm_head_weight")
         if not self.reduced_vocab:
             return F.linear(self.head_input(h).to(lm_head.dtype), lm_head)  # [..., V]
-        if self.training:
-            raise RuntimeError("training a reduced-vocab dense draft is not implemented (the losses are over the "
-                               "target vocabulary): train at full vocabulary and reduce at export "
-                               "(python -m dspark.export dense --draft-vocab-size N --vocab-counts DATA)")
         ids = self.draft_to_target()
         small = F.linear(self.head_input(h).to(lm_head.dtype), lm_head[ids])  # [..., Vd]
         out = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))  # [..., V]

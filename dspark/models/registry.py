@@ -129,8 +129,9 @@ def config_values(group: Mapping[str, Any]) -> dict[str, Any]:
     if values.get("target_layer_ids") is not None:
         values["target_layer_ids"] = [int(i) for i in values["target_layer_ids"]]
     arch = dict(group.get("arch") or {})
-    # a group key repeated under arch with the same value is what draft_config.json files of earlier runs hold
-    clash = sorted(k for k in set(arch) & set(fam.group_keys) if k not in values or arch[k] != values[k])
+    # a group key repeated under arch with the same value is what draft_config.json files of earlier runs hold, and so
+    # is a key under arch alone that was an arch field then (draft_vocab_size)
+    clash = sorted(k for k in set(arch) & set(fam.group_keys) if k in values and arch[k] != values[k])
     if clash:
         raise ConfigError(f"draft.arch: {clash} belong at the draft level, not under arch")
     values.update(arch)

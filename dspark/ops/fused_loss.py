@@ -10,6 +10,14 @@ Gradient w.r.t. the draft logits (s = sign(q - p), c_n = sum_v q s):
     dloss/dd_n = a_n (q - onehot(label_n)) + b_n q (s - c_n)
 and from there grad x = dD W, grad e = dD W2, grad W2 = dD^T E.
 
+Reduced draft vocabulary (the draft scores Vd of the target's V tokens): w is the target head's rows at the kept
+ids [Vd, H] and labels are draft ids. The teacher is either restricted to the same rows (p = softmax over the kept
+ids, renormalised: the training step, as EAGLE-3 / speculators train reduced drafts) or, with `teacher_w` [Vt, H]
+(the full head) and `teacher_cols` [Vd] (the teacher-vocabulary id of every draft id), the target's full
+distribution: l1_n = sum_{kept} |q - p| + (1 - sum_{kept} p), the true total variation against a draft that puts no
+mass outside its vocabulary (held-out metrics); the gradient is the same formula with p taken at the kept ids.
+`y = None` runs no teacher GEMM at all (CE-only training): l1 and teacher_argmax come back as NaN / -1.
+
 Because the loss is a weighted sum with coefficients known in the forward, the forward computes the
 gradients too (row chunk by row chunk, in a few [chunk, V] buffers allocated once and reused by every chunk) and the
 backward only scales them by the incoming scalar gradient: no second pass over the vocabulary.
@@ -43,11 +51,20 @@ class LMLossParts:
     grad_w2: torch.Tensor | None = None  # [V, r] fp32
 
 
-def _check_inputs(x, y, w, latent, w2, labels, coef_ce, coef_l1) -> None:
-    if x.dim() != 2 or y.shape != x.shape:
+def _check_inputs(x, y, w, latent, w2, labels, coef_ce, coef_l1, teacher_w=None, teacher_cols=None) -> None:
+    if x.dim() != 2 or (y is not None and y.shape != x.shape):
         raise ValueError(f"lm_loss: draft rows [N, H] and teacher rows must match, got {tuple(x.shape)} "
-                         f"and {tuple(y.shape)}")
+                         f"and {None if y is None else tuple(y.shape)}")
     n, h = x.shape
+    if (teacher_w is None) != (teacher_cols is None):
+        raise ValueError("lm_loss: pass both teacher_w and teacher_cols, or neither")
+    if teacher_w is not None:
+        if y is None or teacher_w.dim() != 2 or teacher_w.shape[1] != h:
+            raise ValueError(f"lm_loss: teacher_w must be [Vt, {h}] with teacher rows, got "
+                             f"{tuple(teacher_w.shape)}")
+        if tuple(teacher_cols.shape) != (w.shape[0],) or (teacher_cols.numel() and (
+                int(teacher_cols.min()) < 0 or int(teacher_cols.max()) >= teacher_w.shape[0])):
+            raise ValueError(f"lm_loss: teacher_cols must be [{w.shape[0]}] ids in [0, {teacher_w.shape[0]})")
     if w.dim() != 2 or w.shape[1] != h:
         raise ValueError(f"lm_loss: lm_head must be [V, {h}], got {tuple(w.shape)}")
     v = w.shape[0]
@@ -109,23 +126,46 @@ def lm_loss_reference(
     *,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     need_grads: bool = True,
+    teacher_w: torch.Tensor | None = None,
+    teacher_cols: torch.Tensor | None = None,
 ) -> LMLossParts:
     """Chunked torch reference: rows in chunks of `chunk_rows`, peak extra memory ~3 x chunk_rows x V in the
     accumulation dtype (+ 1 in the LM head's dtype when that is lower), allocated once and reused by every chunk
     (a fresh [chunk, V] tensor per step costs page faults on CPU: about a third of the GEMM's time at V = 152 K).
 
-    x, y [N, H]; w [V, H]; latent [N, r] | None; w2 [V, r] | None; labels [N]; coef_ce, coef_l1 [N].
+    x, y [N, H] (y None: no teacher); w [V, H]; latent [N, r] | None; w2 [V, r] | None; labels [N]; coef_ce,
+    coef_l1 [N]; teacher_w [Vt, H] + teacher_cols [V] | None (module docstring).
     The LM-head GEMMs (and the Markov ones) run in w's dtype, everything else in float32 (float64 for float64
     inputs). Autocast is off inside: the dtypes here are explicit.
     """
-    _check_inputs(x, y, w, latent, w2, labels, coef_ce, coef_l1)
+    _check_inputs(x, y, w, latent, w2, labels, coef_ce, coef_l1, teacher_w, teacher_cols)
     if chunk_rows < 1:
         raise ValueError(f"lm_loss: chunk_rows must be >= 1, got {chunk_rows}")
     with torch.autocast(x.device.type, enabled=False), torch.no_grad():
-        return _lm_loss_chunks(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows, need_grads)
+        return _lm_loss_chunks(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows, need_grads,
+                               teacher_w, teacher_cols)
 
 
-def _lm_loss_chunks(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows, need_grads) -> LMLossParts:
+def _teacher_probs(s, y, w_t, tw_t, cols, low, t_arg) -> torch.Tensor | None:
+    """p at the draft's ids into s [m, V] (fp32); the teacher argmax into t_arg [m] (in the teacher's ids: the
+    draft's own when there is no teacher_w); returns the teacher mass outside the draft's ids [m] (None when the
+    teacher is restricted to them)."""
+    if tw_t is None:
+        _gemm_into(s, y, w_t, low)
+        p_max, t_arg[:] = s.max(-1)
+        s.sub_(p_max.unsqueeze(1)).exp_()
+        s.mul_(s.sum(-1).reciprocal().unsqueeze(1))
+        return None
+    full = torch.mm(y.to(tw_t.dtype), tw_t).to(s.dtype)  # [m, Vt]
+    p_max, t_arg[:] = full.max(-1)
+    full.sub_(p_max.unsqueeze(1)).exp_()
+    full.mul_(full.sum(-1).reciprocal().unsqueeze(1))
+    torch.index_select(full, 1, cols, out=s)
+    return (1.0 - s.sum(-1)).clamp_min(0.0)
+
+
+def _lm_loss_chunks(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows, need_grads, teacher_w=None,
+                    teacher_cols=None) -> LMLossParts:
     n, v = x.shape[0], w.shape[0]
     dev = x.device
     acc = _acc(w)
@@ -146,6 +186,11 @@ def _lm_loss_chunks(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows, n
     low_dtype = w.dtype if w.dtype != acc else None
     low = None if low_dtype is None else torch.empty(rows, v, device=dev, dtype=low_dtype)
     w_t = w.t()  # [H, V]
+    tw_t = None if teacher_w is None else teacher_w.t()  # [H, Vt]
+    teacher = y is not None
+    if not teacher:
+        l1.fill_(float("nan"))
+        t_arg.fill_(-1)
     w2_low = None if not markov else w2.to(w.dtype)  # Markov GEMMs in the LM head's dtype too
     for lo in range(0, n, chunk_rows):
         hi = min(n, lo + chunk_rows)
@@ -163,20 +208,21 @@ def _lm_loss_chunks(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows, n
         z = q.sum(-1)  # [m]
         ce[lo:hi] = z.log() + d_max - d_lab
         q.mul_(z.reciprocal().unsqueeze(1))
-        # teacher: p = softmax(y W^T)
-        _gemm_into(s, y[lo:hi], w_t, None if low is None else low[:m])
-        p_max, t_arg[lo:hi] = s.max(-1)
-        s.sub_(p_max.unsqueeze(1)).exp_()
-        s.mul_(s.sum(-1).reciprocal().unsqueeze(1))
-        torch.sub(q, s, out=s)  # q - p
-        l1[lo:hi] = torch.linalg.vector_norm(s, 1, dim=-1)
-        s.sign_()  # sign(q - p)
+        a = a_all[lo:hi].unsqueeze(1)  # [m, 1]
+        if teacher:  # p = softmax(y W^T) at the draft's ids, then s = sign(q - p)
+            outside = _teacher_probs(s, y[lo:hi], w_t, tw_t, teacher_cols, None if low is None else low[:m],
+                                     t_arg[lo:hi])
+            torch.sub(q, s, out=s)  # q - p
+            l1[lo:hi] = torch.linalg.vector_norm(s, 1, dim=-1) + (0.0 if outside is None else outside)
+            s.sign_()  # sign(q - p)
         if not need_grads:
             continue
-        a = a_all[lo:hi].unsqueeze(1)  # [m, 1]
-        b = b_all[lo:hi].unsqueeze(1)
-        c = torch.mul(q, s, out=T[:m]).sum(-1, keepdim=True)  # sum_v q sign(q - p)   [m, 1]
-        dd = torch.addcmul(a - b * c, s, b, out=s).mul_(q)  # q (a + b (sign - c)) = a q + b q (s - c)
+        if teacher:
+            b = b_all[lo:hi].unsqueeze(1)
+            c = torch.mul(q, s, out=T[:m]).sum(-1, keepdim=True)  # sum_v q sign(q - p)   [m, 1]
+            dd = torch.addcmul(a - b * c, s, b, out=s).mul_(q)  # q (a + b (sign - c)) = a q + b q (s - c)
+        else:
+            dd = torch.mul(q, a, out=s)  # a q
         dd.scatter_add_(1, lab, -a)  # - a onehot(label)
         if low is None:
             torch.mm(dd, w, out=gx[lo:hi])  # [m, H]
@@ -190,6 +236,8 @@ def _lm_loss_chunks(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows, n
             if markov:
                 ge[lo:hi] = torch.mm(dl, w2_low)
                 gw2.add_(torch.mm(dl.t(), e.to(low_dtype)))
+    if teacher_cols is not None:
+        d_arg = teacher_cols[d_arg]  # draft ids -> teacher ids, comparable with teacher_argmax
     return LMLossParts(ce, l1, d_arg, t_arg, gx, ge, gw2)
 
 
@@ -205,9 +253,10 @@ class _LMLoss(torch.autograd.Function):
     """loss = sum a ce + b l1 as a differentiable scalar; the gradients are computed in the forward."""
 
     @staticmethod
-    def forward(ctx, x, y, w, latent, w2, labels, coef_ce, coef_l1, impl, chunk_rows):
-        parts = impl(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows=chunk_rows, need_grads=True)
-        loss = (coef_ce.to(parts.ce.dtype) * parts.ce).sum() + (coef_l1.to(parts.l1.dtype) * parts.l1).sum()
+    def forward(ctx, x, y, w, latent, w2, labels, coef_ce, coef_l1, impl, chunk_rows, teacher):
+        parts = impl(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows=chunk_rows, need_grads=True,
+                     **teacher)
+        loss = _weighted_sum(parts, coef_ce, coef_l1, y is not None)
         ctx.save_for_backward(parts.grad_x, parts.grad_latent, parts.grad_w2)
         ctx.dtypes = (x.dtype, None if latent is None else latent.dtype, None if w2 is None else w2.dtype)
         rows = (parts.ce, parts.l1, parts.draft_argmax, parts.teacher_argmax)
@@ -221,12 +270,20 @@ class _LMLoss(torch.autograd.Function):
         out_x = (gx * g_loss).to(dx) if ctx.needs_input_grad[0] else None
         out_e = (ge * g_loss).to(de) if (ge is not None and ctx.needs_input_grad[3]) else None
         out_w2 = (gw2 * g_loss).to(dw2) if (gw2 is not None and ctx.needs_input_grad[4]) else None
-        return out_x, None, None, out_e, out_w2, None, None, None, None, None
+        return out_x, None, None, out_e, out_w2, None, None, None, None, None, None
+
+
+def _weighted_sum(parts: LMLossParts, coef_ce: torch.Tensor, coef_l1: torch.Tensor, teacher: bool) -> torch.Tensor:
+    """sum a ce + b l1 (the l1 term only where a teacher ran: without one l1 is NaN)."""
+    loss = (coef_ce.to(parts.ce.dtype) * parts.ce).sum()
+    if teacher:
+        loss = loss + (coef_l1.to(parts.l1.dtype) * parts.l1).sum()
+    return loss
 
 
 def lm_loss(
     x: torch.Tensor,
-    y: torch.Tensor,
+    y: torch.Tensor | None,
     w: torch.Tensor,
     latent: torch.Tensor | None,
     w2: torch.Tensor | None,
@@ -236,22 +293,27 @@ def lm_loss(
     *,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     backend: str | None = None,
+    teacher_w: torch.Tensor | None = None,
+    teacher_cols: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused DSpark LM loss (see module doc).
 
     x [N, H] draft rows at the LM head input (after the final norm), y [N, H] teacher final rows,
     w [V, H] frozen LM head, latent [N, r] Markov latent or None, w2 [V, r] markov_w2 weight or None,
-    labels [N], coef_ce / coef_l1 [N] (zero rows contribute nothing).
+    labels [N], coef_ce / coef_l1 [N] (zero rows contribute nothing); y None: no teacher (CE only); teacher_w [Vt, H]
+    + teacher_cols [V]: the teacher over its own vocabulary (a reduced draft's held-out metrics, module docstring).
     Returns (loss scalar fp32, differentiable w.r.t. x, latent, w2; ce [N]; l1 [N]; draft argmax [N];
     teacher argmax [N]); the per-row outputs carry no gradient.
     """
-    impl = _impl(_backend.resolve(x, backend))
+    teacher = {} if teacher_w is None else {"teacher_w": teacher_w, "teacher_cols": teacher_cols}
+    # the tilelang kernels take the plain form (a teacher over the draft's own rows); the others run the reference
+    impl = _impl(_backend.resolve(x, backend)) if (y is not None and not teacher) else lm_loss_reference
     needs = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, latent, w2))
     if needs:
-        return _LMLoss.apply(x, y, w, latent, w2, labels, coef_ce, coef_l1, impl, chunk_rows)
-    parts = impl(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows=chunk_rows, need_grads=False)
-    loss = (coef_ce.to(parts.ce.dtype) * parts.ce).sum() + (coef_l1.to(parts.l1.dtype) * parts.l1).sum()
+        return _LMLoss.apply(x, y, w, latent, w2, labels, coef_ce, coef_l1, impl, chunk_rows, teacher)
+    parts = impl(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows=chunk_rows, need_grads=False, **teacher)
+    loss = _weighted_sum(parts, coef_ce, coef_l1, y is not None)
     return loss, parts.ce, parts.l1, parts.draft_argmax, parts.teacher_argmax
 
 

@@ -63,6 +63,9 @@ class BlockDraftModule(DraftLightningModule):
         # the block mask as its rule (PackedBlockMask: each block scores only the keys it sees); False: the dense
         # [B, A*Lb, S + A*Lb] bool mask (the reference; scripts/bench_step.py compares the two)
         self.packed_attention_mask = True
+        if getattr(draft, "reduced_vocab", False) and not fused_loss:
+            raise ConfigError("train.fused_loss=false: a reduced draft vocabulary (draft.draft_vocab_size) trains "
+                              "through the fused loss only; set train.fused_loss=true")
 
     @staticmethod
     def check_keys(train) -> None:
@@ -80,6 +83,29 @@ class BlockDraftModule(DraftLightningModule):
         return cls(draft, target, decay_gamma=float(train.decay_gamma),
                    loss_weights=LossWeights(**OmegaConf.to_container(train.loss_weights)), optim=optim,
                    fused_loss=bool(train.fused_loss))
+
+    def lm_head_vocab(self) -> tuple[int, int]:
+        """(vocabulary rows the draft's LM-head GEMMs score in a training step, vocabulary rows the teacher's LM-head
+        GEMM scores in a training step; 0 when the training step runs no teacher GEMM)."""
+        cfg = self.draft.config
+        vd = int(getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size)
+        return vd, (vd if self._teacher_in_training() else 0)
+
+    def _teacher_in_training(self) -> bool:
+        """Whether a training step needs the teacher's distribution: for the L1 or confidence loss. A CE-only
+        objective (DFlash) runs no teacher GEMM in training (its agreement and tau_prob are held-out metrics)."""
+        return bool(self.loss_weights.l1 or self.loss_weights.conf)
+
+    def _scored_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the LM-head rows the draft scores [Vd, H], the draft id of every target id [V] long, -1 outside the
+        draft's vocabulary; None for a full-vocabulary draft)."""
+        lm_head = self.target.lm_head_weight
+        if not getattr(self.draft, "reduced_vocab", False):
+            return lm_head, None
+        ids = self.draft.draft_to_target()  # [Vd]
+        t2d = self.draft.t2d
+        draft_id = t2d.long().cumsum(0) - 1  # [V]
+        return lm_head.index_select(0, ids), draft_id.masked_fill_(~t2d, -1)
 
     # ---- forward ----------------------------------------------------------------------------------
     def _hidden(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Blocks, torch.Tensor]:
@@ -141,11 +167,18 @@ class BlockDraftModule(DraftLightningModule):
             b = r.blocks
             eval_mask = b.eval_mask.flatten(0, 1)  # [B*A, g]
             head = self.draft.markov_head
+            lm_head, draft_id = self._scored_head()
+            labels = flat(b.labels) if draft_id is None else draft_id[flat(b.labels)]  # [B*A, g] draft ids
+            teacher = not self.training or self._teacher_in_training()
+            # held out, a reduced draft is measured against the target's whole distribution (true L1 / tau_prob)
+            full_teacher = None if (draft_id is None or self.training) else (
+                self.target.lm_head_weight, self.draft.draft_to_target())
             losses = draft_losses_fused(
-                flat(self.draft.head_input(r.hidden)), flat(self._teacher_rows(r.final, b)),
-                self.target.lm_head_weight, flat(r.latent), None if head is None else head.markov_w2.weight,
-                flat(b.labels), eval_mask, flat(r.conf_logits),
-                normalizer=self._global_normalizer(eval_mask) if self.training else None, **kw)
+                flat(self.draft.head_input(r.hidden)), flat(self._teacher_rows(r.final, b)) if teacher else None,
+                lm_head, flat(r.latent), None if head is None else head.markov_w2.weight,
+                labels, eval_mask, flat(r.conf_logits),
+                normalizer=self._global_normalizer(eval_mask) if self.training else None,
+                teacher_head=full_teacher, **kw)
             return losses, b
         out = self.draft_outputs(batch)
         b = out.blocks

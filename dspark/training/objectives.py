@@ -127,6 +127,7 @@ def draft_losses_fused(
     normalizer: torch.Tensor | None = None,
     backend: str | None = None,
     chunk_rows: int | None = None,
+    teacher_head: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """draft_losses computed from hidden rows by the fused LM loss (dspark.ops.fused_loss): no [N, g, V]
     logits are ever materialised. Same returned dict and the same values as
@@ -134,9 +135,12 @@ def draft_losses_fused(
     lm_head(teacher_rows), conf_logits, ...).
 
     draft_rows [N, g, H] (the LM head input: the draft's normed hidden), teacher_rows [N, g, H] (target
-    final hidden), lm_head [V, H] (frozen), markov_latent [N, g, r] or None, markov_w2 [V, r] or None,
-    labels / eval_mask [N, g], conf_logits [N, g] or None. Only rows with eval_mask set are computed.
-    "ce" and "l1" are reported detached; "loss" carries the gradient of every part.
+    final hidden) or None (no teacher GEMM: CE only, no l1 / tau_prob / agreement), lm_head [V, H] (frozen; a
+    reduced draft: the target head's rows at its ids), markov_latent [N, g, r] or None, markov_w2 [V, r] or None,
+    labels / eval_mask [N, g] (labels in the draft's ids; -1: a token outside a reduced draft's vocabulary, no CE
+    there), conf_logits [N, g] or None, teacher_head (the full target head [Vt, H], the target id of every draft id
+    [V]) or None: the teacher over its whole vocabulary (a reduced draft's true L1, fused_loss docstring). Only rows
+    with eval_mask set are computed. "ce" and "l1" are reported detached; "loss" carries the gradient of every part.
     """
     from dspark.ops.fused_loss import DEFAULT_CHUNK_ROWS, lm_loss
 
@@ -146,21 +150,28 @@ def draft_losses_fused(
     idx = eval_mask.flatten().nonzero().squeeze(1)  # valid rows [M]
     rows = lambda t: t.flatten(0, 1).index_select(0, idx)  # noqa: E731  [N, g, ...] -> [M, ...]
     wv = rows(w) / denom  # [M]
+    lab = rows(labels)
+    in_vocab = lab >= 0  # [M] False: a label a reduced draft cannot produce (no CE row)
+    teacher = teacher_rows is not None
+    tw, cols = teacher_head if teacher_head is not None else (None, None)
     lm, ce_v, l1_v, d_arg, t_arg = lm_loss(
-        rows(draft_rows), rows(teacher_rows), lm_head,
+        rows(draft_rows), rows(teacher_rows) if teacher else None, lm_head,
         None if markov_latent is None else rows(markov_latent), markov_w2,
-        rows(labels), wv * weights.ce, wv * weights.l1,
-        backend=backend, chunk_rows=chunk_rows or DEFAULT_CHUNK_ROWS,
+        lab.clamp_min(0), wv * weights.ce * in_vocab, wv * weights.l1,
+        backend=backend, chunk_rows=chunk_rows or DEFAULT_CHUNK_ROWS, teacher_w=tw, teacher_cols=cols,
     )
+    out: dict[str, torch.Tensor] = {}
+    if weights.ce:
+        out["ce"] = (wv * ce_v * in_vocab).sum() / (wv * in_vocab).sum().clamp_min(1e-12) * wv.sum()
+    loss = lm if (weights.ce or (weights.l1 and teacher)) else torch.zeros((), device=draft_rows.device)
+    if not teacher:
+        out["loss"] = loss
+        return out
     scatter = lambda v, fill=0: torch.full((shape.numel(),), fill, dtype=v.dtype, device=v.device).index_copy(  # noqa: E731
         0, idx, v).view(shape)
     l1 = scatter(l1_v)  # [N, g]
     hit = scatter(d_arg, 0) == scatter(t_arg, -1)  # invalid rows never hit
-    out: dict[str, torch.Tensor] = {}
-    if weights.ce:
-        out["ce"] = (wv * ce_v).sum()
     if weights.l1:
         out["l1"] = (wv * l1_v).sum()
-    loss = lm if (weights.ce or weights.l1) else torch.zeros((), device=draft_rows.device)
     out["loss"] = _confidence_and_metrics(out, loss, w, denom, l1, hit, eval_mask, conf_logits, weights)
     return out

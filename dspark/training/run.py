@@ -22,6 +22,7 @@ from dspark.integrity import check_file, remove_checked, write_checked
 from dspark.io import atomic_write_json
 from dspark.training import draft_dir
 from dspark.training.callbacks import Throughput
+from dspark.training.draft_vocab import install_draft_vocab
 from dspark.training.resume import SHARDED_META
 from dspark.training.run_dir import claim_run_dir, is_launcher_process
 from dspark.training.sharding import gathered_draft_state
@@ -307,6 +308,7 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> 
     target = factory.build_target(cfg, dataset)
     draft = factory.build_draft(cfg, target)
     datamodule = factory.build_datamodule(cfg, target.tokenizer, dataset=dataset, target=target)
+    install_draft_vocab(draft, datamodule.train_rows, target.tokenizer)  # draft.arch.draft_vocab_size
     with producer_scope(datamodule.features):  # data.feature_stream: its producer finishes (or stops on an error)
         return _fit(cfg, run_dir, ckpt_path, callbacks, target, draft, datamodule, t0)
 

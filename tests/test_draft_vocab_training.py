@@ -1,0 +1,128 @@
+"""Training with a reduced draft vocabulary (draft.draft_vocab_size) and without a teacher GEMM (CE-only objectives).
+
+The fused loss is checked against naive materialised computations written here from the definitions
+(dspark.ops.fused_loss docstring): values and autograd gradients, on small float64 tensors.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspark.ops.fused_loss import lm_loss, lm_loss_reference
+
+N, H, V, R = 7, 5, 13, 3
+
+
+def _inputs(seed=0, markov=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, H, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(N, H, generator=g, dtype=torch.float64)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    kept = torch.tensor([0, 2, 3, 7, 8, 11])  # the draft's target ids, ascending
+    lat = torch.randn(N, R, generator=g, dtype=torch.float64, requires_grad=True) if markov else None
+    w2 = torch.randn(len(kept), R, generator=g, dtype=torch.float64, requires_grad=True) if markov else None
+    a = torch.rand(N, generator=g, dtype=torch.float64)
+    b = torch.rand(N, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, len(kept), (N,), generator=g)
+    return x, y, w, kept, lat, w2, a, b, labels
+
+
+def _draft_logits(x, w, kept, lat, w2):
+    d = x @ w[kept].T  # [N, Vd]
+    return d if lat is None else d + lat @ w2.T
+
+
+def _grads(loss, *ts):
+    return torch.autograd.grad(loss, [t for t in ts if t is not None])
+
+
+@pytest.mark.parametrize("markov", [True, False])
+def test_restricted_teacher_equals_naive(markov):
+    """Training form: head rows at the kept ids, teacher softmax over the same ids (renormalised)."""
+    x, y, w, kept, lat, w2, a, b, labels = _inputs(markov=markov)
+    d = _draft_logits(x, w, kept, lat, w2)
+    p = (y @ w[kept].T).softmax(-1)
+    ce = F.cross_entropy(d, labels, reduction="none")
+    l1 = (d.softmax(-1) - p).abs().sum(-1)
+    naive = (a * ce + b * l1).sum()
+    loss, ce_f, l1_f, d_arg, t_arg = lm_loss(x, y, w[kept], lat, w2, labels, a, b, chunk_rows=3)
+    torch.testing.assert_close(loss, naive)
+    torch.testing.assert_close(ce_f, ce.detach())
+    torch.testing.assert_close(l1_f, l1.detach())
+    assert torch.equal(d_arg, d.argmax(-1)) and torch.equal(t_arg, p.argmax(-1))
+    for got, want in zip(_grads(loss, x, lat, w2), _grads(naive, x, lat, w2)):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("markov", [True, False])
+def test_full_teacher_is_the_true_total_variation(markov):
+    """Held-out form: the draft's q is zero outside its ids; p is the target's whole distribution, so
+    l1 = ||q_V - p||_1 over the full vocabulary, and the ids compared for agreement are target ids."""
+    x, y, w, kept, lat, w2, a, b, labels = _inputs(seed=1, markov=markov)
+    d = _draft_logits(x, w, kept, lat, w2)
+    q_full = torch.zeros(N, V, dtype=d.dtype).index_copy(1, kept, d.softmax(-1))
+    p = (y @ w.T).softmax(-1)
+    l1 = (q_full - p).abs().sum(-1)
+    ce = F.cross_entropy(d, labels, reduction="none")
+    naive = (a * ce + b * l1).sum()
+    loss, ce_f, l1_f, d_arg, t_arg = lm_loss(x, y, w[kept], lat, w2, labels, a, b, chunk_rows=4,
+                                              teacher_w=w, teacher_cols=kept)
+    torch.testing.assert_close(loss, naive)
+    torch.testing.assert_close(l1_f, l1.detach())
+    assert torch.equal(d_arg, kept[d.argmax(-1)]) and torch.equal(t_arg, p.argmax(-1))
+    for got, want in zip(_grads(loss, x, lat, w2), _grads(naive, x, lat, w2)):
+        torch.testing.assert_close(got, want)
+
+
+def test_no_teacher_is_ce_only():
+    """y = None: no teacher GEMM; the loss and gradients are the CE part alone, l1 NaN, teacher argmax -1."""
+    x, y, w, kept, lat, w2, a, b, labels = _inputs(seed=2)
+    d = _draft_logits(x, w, kept, lat, w2)
+    naive = (a * F.cross_entropy(d, labels, reduction="none")).sum()
+    loss, ce_f, l1_f, d_arg, t_arg = lm_loss(x, None, w[kept], lat, w2, labels, a, b, chunk_rows=2)
+    torch.testing.assert_close(loss, naive)
+    assert torch.isnan(l1_f).all() and (t_arg == -1).all()
+    for got, want in zip(_grads(loss, x, lat, w2), _grads(naive, x, lat, w2)):
+        torch.testing.assert_close(got, want)
+
+
+def test_bad_teacher_arguments_are_refused():
+    x, y, w, kept, lat, w2, a, b, labels = _inputs()
+    with pytest.raises(ValueError, match="teacher_w and teacher_cols"):
+        lm_loss_reference(x.detach(), y, w[kept], None, None, labels, a, b, teacher_w=w)
+    with pytest.raises(ValueError, match="teacher_cols must be"):
+        lm_loss_reference(x.detach(), y, w[kept], None, None, labels, a, b, teacher_w=w,
+                          teacher_cols=torch.tensor([0, 1, 2, 3, 4, V]))
+
+
+def test_out_of_vocabulary_labels_get_no_ce():
+    """draft_losses_fused: a label outside a reduced draft's vocabulary (-1) adds no CE; the other rows' CE is the
+    naive one, normalised over the rows that have one."""
+    from dspark.training.objectives import LossWeights, draft_losses_fused, position_weights
+
+    x, y, w, kept, lat, w2, a, b, labels = _inputs(seed=3)
+    rows = lambda t: t.detach().view(1, N, *t.shape[1:])  # noqa: E731  [N, ...] -> [1, N, ...]
+    lab = labels.clone()
+    lab[2] = -1
+    mask = torch.ones(1, N, dtype=torch.bool)
+    out = draft_losses_fused(rows(x), None, w[kept], rows(lat), w2.detach(), lab.view(1, N), mask, None,
+                             decay_gamma=4.0, weights=LossWeights(ce=1.0, l1=0.0, conf=0.0))
+    wk = position_weights(mask, 4.0).view(N).double()
+    ce = F.cross_entropy(_draft_logits(x, w, kept, lat, w2).detach(), labels, reduction="none")
+    ok = lab >= 0
+    torch.testing.assert_close(out["loss"], (wk * ce * ok).sum() / wk.sum())
+    torch.testing.assert_close(out["ce"], (wk * ce * ok).sum() / (wk * ok).sum())
+    assert "tau_prob" not in out and "l1" not in out  # no teacher: no metric that needs one
+
+
+def test_mapping_from_training_rows_keeps_eos_and_counts_loss_tokens_only():
+    from dspark.data.vocab import build_vocab_mapping, count_tokens
+
+    rows = [{"input_ids": [5, 5, 6, 9, 1], "loss_mask": [0, 1, 1, 1, 0]},
+            {"input_ids": [6, 6, 3], "loss_mask": [1, 1, 0]}]
+    counts = count_tokens(rows, 10)
+    assert counts.tolist() == [0, 0, 0, 0, 0, 1, 3, 0, 0, 1]
+    d2t, t2d = build_vocab_mapping(counts, 3, always=[2])  # 2 never occurs but is forced
+    kept = torch.arange(3) + d2t
+    assert kept.tolist() == [2, 5, 6] and t2d.nonzero().flatten().tolist() == [2, 5, 6]
