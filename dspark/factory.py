@@ -139,6 +139,7 @@ def build_datamodule(cfg: DictConfig, tokenizer, dataset=None, target: FrozenTar
         total_batches=int(cfg.trainer.max_steps) * int(cfg.trainer.accumulate_grad_batches),
         val_examples=val, val_batch_size=int(tr.val_batch_size),
         seed=int(cfg.seed), num_workers=int(cfg.data.num_workers), features=features, first_pass_groups=groups,
+        group_by_length=bool(cfg.data.group_by_length),
     )
 
 

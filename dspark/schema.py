@@ -197,6 +197,8 @@ class DataKeys:
     min_loss_tokens: int = field(metadata=doc("drop sequences with fewer assistant tokens", **NON_NEGATIVE))
     val_examples: int = field(metadata=doc("held-out examples", **AT_LEAST_1))
     num_workers: int = field(metadata=doc("DataLoader workers", **NON_NEGATIVE))
+    group_by_length: bool = field(metadata=doc("training batches of similar lengths (less padding; the order is "
+                                               "still fixed by the seed)"))
     feature_cache: Optional[str] = field(metadata=doc("null | auto | a folder: offline target features"))
     feature_cache_dtype: Literal["bfloat16", "float32"] = field(metadata=doc("cache storage dtype"))
     feature_cache_layout: CacheLayoutKeys = field(metadata=doc("compact cache layout"))

@@ -30,6 +30,33 @@ def test_sampler_ranks_split_the_global_batch():
         assert b == x + y
 
 
+def _padded_tokens(batches, lengths) -> int:
+    return sum(len(b) * max(int(lengths[i]) for _, i in b) for b in batches)
+
+
+def test_length_grouped_batches_cover_each_pass_pad_less_and_resume_exactly():
+    n, bs = 200, 4
+    lengths = torch.randint(10, 500, (n,), generator=torch.Generator().manual_seed(0))
+    steps = 3 * (n // bs)  # three passes
+    grouped = list(ResumableBatchSampler(n, bs, steps, seed=5, lengths=lengths))
+    plain = list(ResumableBatchSampler(n, bs, steps, seed=5))
+    per_pass = n // bs
+    for p in range(3):
+        ids = sorted(i for b in grouped[p * per_pass:(p + 1) * per_pass] for (q, i) in b if q == p)
+        assert ids == list(range(n))  # every example once per pass
+    assert _padded_tokens(grouped, lengths) < 0.8 * _padded_tokens(plain, lengths)
+    assert grouped[:per_pass] != grouped[per_pass:2 * per_pass]  # passes differ
+    r = ResumableBatchSampler(n, bs, steps, seed=5, lengths=lengths)
+    r.start = 57
+    assert list(r) == grouped[57:]
+    # ranks still split each global batch
+    r0 = list(ResumableBatchSampler(n, bs // 2, steps, seed=5, rank=0, world_size=2, lengths=lengths))
+    r1 = list(ResumableBatchSampler(n, bs // 2, steps, seed=5, rank=1, world_size=2, lengths=lengths))
+    assert all(b == x + y for b, x, y in zip(grouped, r0, r1))
+    with pytest.raises(ValueError, match="lengths must be"):
+        ResumableBatchSampler(n, bs, steps, seed=5, lengths=lengths[:-1])
+
+
 def test_sampler_rejects_too_little_data():
     with pytest.raises(ValueError, match="batch_size"):
         ResumableBatchSampler(3, 4, 10, seed=0)

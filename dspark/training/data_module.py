@@ -111,11 +111,19 @@ class ResumableBatchSampler(Sampler[list[tuple[int, int]]]):
     `first_pass_groups` (a partition of the indices into ranges, e.g. the shards of a feature stream in the order
     they are written): pass 0 then walks the groups one after the other, each in its own permutation (seed, 0, g);
     later passes are the usual full permutations.
+
+    `lengths` ([num_examples] tokens per example; data.group_by_length): batches of similar lengths, so that padding
+    to the longest row of a batch costs little. Each window of GROUP_WINDOW consecutive global batches of a pass's
+    permutation is sorted by length and cut into global batches, whose order within the window is then shuffled
+    (seed, pass, window): every example is still seen once per pass, in an order fixed by the seed (exact resume).
+    A streamed first pass (first_pass_groups) keeps its shard order unsorted.
     """
+
+    GROUP_WINDOW = 32  # global batches per length-sorted window
 
     def __init__(self, num_examples: int, batch_size: int, total_batches: int, seed: int,
                  rank: int = 0, world_size: int = 1, shuffle: bool = True,
-                 first_pass_groups: list[range] | None = None):
+                 first_pass_groups: list[range] | None = None, lengths: torch.Tensor | None = None):
         self.global_batch = batch_size * world_size
         self.batches_per_pass = num_examples // self.global_batch
         if self.batches_per_pass == 0:
@@ -129,6 +137,9 @@ class ResumableBatchSampler(Sampler[list[tuple[int, int]]]):
         self.groups = None if first_pass_groups is None else [range(g.start, g.stop) for g in first_pass_groups]
         if self.groups is not None and sorted(i for g in self.groups for i in g) != list(range(num_examples)):
             raise ValueError(f"first_pass_groups must partition the {num_examples} examples")
+        if lengths is not None and tuple(lengths.shape) != (num_examples,):
+            raise ValueError(f"lengths must be [{num_examples}], got {tuple(lengths.shape)}")
+        self.lengths = lengths
 
     def __len__(self) -> int:
         return self.total_batches
@@ -140,7 +151,21 @@ class ResumableBatchSampler(Sampler[list[tuple[int, int]]]):
         if data_pass == 0 and self.groups is not None:
             return self._grouped_order()
         gen = torch.Generator().manual_seed(_seed_for(self.seed, data_pass))
-        return torch.randperm(self.num_examples, generator=gen)
+        order = torch.randperm(self.num_examples, generator=gen)
+        return order if self.lengths is None else self._by_length(order, data_pass)
+
+    def _by_length(self, order: torch.Tensor, data_pass: int) -> torch.Tensor:
+        """[num_examples] -> the same indices, each window of GROUP_WINDOW global batches sorted by length and its
+        batches shuffled (class docstring); the tail that fills no global batch stays where it is."""
+        gb, out = self.global_batch, order.clone()
+        full = self.batches_per_pass * gb
+        for w, lo in enumerate(range(0, full, self.GROUP_WINDOW * gb)):
+            hi = min(full, lo + self.GROUP_WINDOW * gb)
+            idx = order[lo:hi]
+            idx = idx[torch.sort(self.lengths[idx], stable=True).indices].view(-1, gb)  # [batches, gb]
+            gen = torch.Generator().manual_seed(_seed_for(self.seed, data_pass, 1_000_000 + w))
+            out[lo:hi] = idx[torch.randperm(idx.shape[0], generator=gen)].flatten()
+        return out
 
     def _grouped_order(self) -> torch.Tensor:
         """-> [num_examples] pass 0 as the groups in turn, each permuted by (seed, 0, group number)."""
@@ -172,7 +197,7 @@ class ChatDataModule(L.LightningDataModule):
 
     def __init__(self, dataset, *, pad_id: int, batch_size: int, num_anchors: int, total_batches: int,
                  val_examples: int, val_batch_size: int | None = None, seed: int = 0, num_workers: int = 0,
-                 features=None, first_pass_groups: list[range] | None = None):
+                 features=None, first_pass_groups: list[range] | None = None, group_by_length: bool = False):
         super().__init__()
         n = len(dataset)
         if val_examples <= 0 or val_examples >= n:
@@ -189,6 +214,7 @@ class ChatDataModule(L.LightningDataModule):
         self.total_batches, self.seed, self.num_workers = total_batches, seed, num_workers
         self.val_batch_size = val_batch_size or batch_size
         self.first_pass_groups = first_pass_groups
+        self.group_by_length = group_by_length  # batches of similar lengths (ResumableBatchSampler `lengths`)
         self._resume_batches = 0
 
     def _ranks(self) -> tuple[int, int]:
@@ -205,8 +231,10 @@ class ChatDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         rank, world = self._ranks()
+        lengths = torch.tensor([len(ids) for ids in self.train_rows["input_ids"]]) if self.group_by_length else None
         sampler = ResumableBatchSampler(len(self.train_rows), self.batch_size, self.total_batches,
-                                        self.seed, rank, world, first_pass_groups=self.first_pass_groups)
+                                        self.seed, rank, world, first_pass_groups=self.first_pass_groups,
+                                        lengths=lengths)
         sampler.start = self._resume_batches
         return self._loader(self.train_rows, self.train_index, sampler)
 
