@@ -126,3 +126,57 @@ def test_mapping_from_training_rows_keeps_eos_and_counts_loss_tokens_only():
     d2t, t2d = build_vocab_mapping(counts, 3, always=[2])  # 2 never occurs but is forced
     kept = torch.arange(3) + d2t
     assert kept.tolist() == [2, 5, 6] and t2d.nonzero().flatten().tolist() == [2, 5, 6]
+
+
+def test_a_reduced_dense_draft_trains_exports_and_imports_back(tmp_path):
+    """experiment with draft.draft_vocab_size: the mapping is the training rows' most frequent loss tokens (+ EOS),
+    the draft trains, draft/ carries d2t / t2d, the dense export has lm_head [Vd, H] + d2t, and the imported folder
+    scores exactly like the trained draft."""
+    import json
+
+    from conftest import compose
+    from safetensors.torch import load_file
+
+    from dspark.data.vocab import build_vocab_mapping, count_tokens
+    from dspark.export.__main__ import main as export_main
+    from dspark.export.dense import dense_config_from_folder, import_dense
+    from dspark.export.verify import verify_folder
+    from dspark.models.dspark_dense import DSparkDenseDraft
+    from dspark.pretrained import load_draft
+    from dspark.serving.tiny_dense import build_tiny_llama
+    from dspark.training.run import run_training
+
+    target = build_tiny_llama(tmp_path / "target")
+    run = tmp_path / "run"
+    vd = 300
+    cfg = compose(["experiment=dflash2_tiny", f"target.path={target}", "draft=dspark_smollm2",
+                   "draft.target_layer_ids=[0,2]", "draft.mask_token_id=4", "draft.num_layers=1", "draft.block_size=3",
+                   "draft.markov_rank=8", f"draft.draft_vocab_size={vd}", "train.loss_weights={ce: 0.1, l1: 0.9, conf: 1.0}",
+                   "trainer.max_steps=3", "trainer.val_check_interval=3", f"run_dir={run}",
+                   "trainer.enable_progress_bar=false"])
+    summary = run_training(cfg)
+    assert summary["global_step"] == 3 and 1.0 <= summary["final"]["val/tau_prob"] <= 4.0
+    weights = load_file(run / "draft" / "model.safetensors")
+    assert tuple(weights["markov_head.markov_w2.weight"].shape) == (vd, 8)
+    # the mapping is the training rows' choice (recomputed here from the same rows)
+    from dspark import factory
+
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(str(target))
+    rows = factory.build_dataset(cfg, tok)
+    train_rows = rows.select(range(len(rows) - int(cfg.data.val_examples)))
+    d2t, t2d = build_vocab_mapping(count_tokens(train_rows, 2048), vd, [tok.eos_token_id])
+    assert torch.equal(weights["d2t"], d2t) and torch.equal(weights["t2d"], t2d)
+    assert json.loads((run / "draft" / "draft_config.json").read_text())["draft_vocab_size"] == vd
+    # export -> verify -> import: the same logits as the trained draft
+    out = tmp_path / "export"
+    assert export_main(["dense", "--run-dir", str(run), "--out", str(out), "--dtype", "float32"]) == 0
+    assert verify_folder(out).ok
+    trained, _ = load_draft(run / "draft")
+    back = import_dense(out, DSparkDenseDraft(dense_config_from_folder(out)))
+    model = __import__("transformers").AutoModelForCausalLM.from_pretrained(str(target))
+    for d in (trained, back):
+        d.share_target_weights(model.get_input_embeddings().weight.detach(), model.lm_head.weight.detach())
+        d.eval()
+    h = torch.randn(2, 3, 64)
+    torch.testing.assert_close(back.base_logits(h), trained.base_logits(h))
+    assert torch.isinf(trained.base_logits(h)).sum() == 2 * 3 * (2048 - vd)  # -inf outside the draft's ids
