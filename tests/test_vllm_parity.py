@@ -110,6 +110,31 @@ def test_the_speculators_format_serves_like_eval_py(served):
     assert summary["parity"]
 
 
+def test_a_draft_trained_with_a_reduced_vocabulary_serves_like_eval_py(served):
+    """DFlash trained with draft.draft_vocab_size (d2t / t2d from the training data, LM head over the kept rows):
+    vLLM's DFlash loader reads lm_head [Vd, H] + d2t from the export and serves exactly what eval.py decodes."""
+    from safetensors.torch import load_file
+
+    from dspark.serve_check import run_serve_check
+    from dspark.serving.tiny_dense import train_dense_run
+
+    root, target = served[0], served[1]
+    run = train_dense_run(target, root / "regen.jsonl", root / "run_reduced", gamma=GAMMA,
+                          extra=("draft.draft_vocab_size=768",))
+    summary = run_serve_check(_cfg(served, f"run_dir={run}", f"out={root / 'check_reduced'}", "vllm_plain=false"))
+    folder = Path(summary["export"])
+    config = json.loads((folder / "config.json").read_text())
+    assert config["draft_vocab_size"] == 768 and config["vocab_size"] == 2048
+    tensors = load_file(folder / "model.safetensors")
+    assert tuple(tensors["lm_head.weight"].shape)[0] == 768 and tuple(tensors["d2t"].shape) == (768,)
+    assert summary["method"] == "dflash" and summary["load_ok"], summary["load_audit"]
+    for name, rep in summary["benchmarks"].items():
+        n = rep["num_requests"]
+        assert rep["eval"]["mean_acceptance_length"] > 1.2, "too little acceptance for the check to mean anything"
+        assert rep["steps_equal"] == f"{n}/{n}" and rep["outputs"]["vllm_equals_eval"] == f"{n}/{n}", rep["per_request"]
+    assert summary["parity"]
+
+
 def _broken_copy(src: Path, dst: Path, edit) -> Path:
     shutil.copytree(src, dst)
     edit(dst)

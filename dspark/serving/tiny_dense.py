@@ -58,8 +58,9 @@ def regenerate_answers(target: Path, out: Path, limit: int = 160, max_new_tokens
 
 
 def train_dense_run(target: Path, data: Path, run_dir: Path, *, dspark: bool = False, gamma: int = 4,
-                    steps: int = 150) -> Path:
-    """A DFlash (default) or dense DSpark draft trained by the project against the tiny target."""
+                    steps: int = 150, extra: tuple[str, ...] = ()) -> Path:
+    """A DFlash (default) or dense DSpark draft trained by the project against the tiny target (`extra`: more
+    train.py overrides)."""
     from hydra import compose, initialize_config_dir
 
     from dspark.training.run import run_training
@@ -76,6 +77,7 @@ def train_dense_run(target: Path, data: Path, run_dir: Path, *, dspark: bool = F
         f"run_dir={run_dir}"]
     if dspark:
         overrides.append("draft.markov_rank=16")
+    overrides += list(extra)
     with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
         run_training(compose(config_name="config", overrides=overrides))
     return Path(run_dir)
