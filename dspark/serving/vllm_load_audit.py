@@ -6,7 +6,7 @@ check never runs for it, and a missing `hidden_norm.weight` silently keeps its i
 poisons every floating parameter with NaN, lets the model's own `load_weights` (vLLM's name remapping,
 fusing, sharding) run, and reads back:
 
-- unloaded: parameters still all NaN; partial: parameters only partly written (e.g. a fused qkv with a
+- unloaded: parameters still all NaN (integer parameters, e.g. d2t's draft_id_to_target_id: their dtype's minimum); partial: parameters only partly written (e.g. a fused qkv with a
   missing k); both are restored to their previous values afterwards, so the engine then runs exactly as
   vLLM would have run it (the audit only reports).
 - skipped (standalone check only): tensors of the export that write nothing when loaded alone into a freshly
@@ -29,15 +29,35 @@ from pathlib import Path
 RECORDS: list[dict] = []
 
 
+def _poison_value(p):
+    """NaN for a floating parameter, the dtype's minimum for an integer one (e.g. DFlash's draft_id_to_target_id:
+    d2t offsets are never negative), None for others (bool)."""
+    import torch
+
+    if p.is_floating_point():
+        return float("nan")
+    if p.dtype in (torch.int64, torch.int32, torch.int16, torch.int8):
+        return torch.iinfo(p.dtype).min
+    return None
+
+
+def _unwritten(p):
+    """Bool mask of the elements still holding the poison value."""
+    import torch
+
+    return torch.isnan(p.data) if p.is_floating_point() else p.data == torch.iinfo(p.dtype).min
+
+
 def _poison(model) -> dict:
     import torch
 
     originals = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.is_floating_point() and p.numel():
+            value = _poison_value(p)
+            if value is not None and p.numel():
                 originals[name] = p.data.clone()
-                p.data.fill_(float("nan"))
+                p.data.fill_(value)
     return originals
 
 
@@ -50,7 +70,7 @@ def _read_back(model, originals: dict, restore: bool = True) -> tuple[list[str],
         for name, p in model.named_parameters():
             if name not in originals:
                 continue
-            nan = torch.isnan(p.data)
+            nan = _unwritten(p)
             if bool(nan.all()):
                 unloaded.append(name)
             elif bool(nan.any()):
@@ -63,8 +83,8 @@ def _read_back(model, originals: dict, restore: bool = True) -> tuple[list[str],
 def _any_written(model) -> bool:
     import torch
 
-    return any(not bool(torch.isnan(p.data).all()) for _, p in model.named_parameters()
-               if p.is_floating_point() and p.numel())
+    return any(not bool(_unwritten(p).all()) for _, p in model.named_parameters()
+               if _poison_value(p) is not None and p.numel())
 
 
 def _params(model) -> dict[str, list[int]]:
