@@ -29,7 +29,8 @@ VARIANTS = {
     "vocab16k": ["draft.draft_vocab_size=16384"],
     "vocab8k": ["draft.draft_vocab_size=8192"],
     "anchors32": ["train.num_anchors=32"],
-    "recipe": ["draft.draft_vocab_size=16384", "train.num_anchors=32"],
+    "init": ["draft.final_norm_init=0.25"],
+    "recipe": ["draft.draft_vocab_size=16384", "train.num_anchors=32", "draft.final_norm_init=0.25"],
 }
 
 

@@ -38,7 +38,7 @@ class DSparkDenseConfig:
     # draft-group keys at the top level of configs/draft/*.yaml (the rest sits under `arch`)
     GROUP_KEYS: ClassVar[tuple[str, ...]] = ("num_layers", "block_size", "mask_token_id", "target_layer_ids",
                                              "markov_rank", "markov_head_type", "sliding_window", "layout",
-                                             "draft_vocab_size")
+                                             "draft_vocab_size", "final_norm_init")
     DRAFTS_KEY: ClassVar[str] = "block_size"  # the group key of the drafts per verify step
     DEFAULT_TARGET: ClassVar[str | None] = None  # target kind (configs/target) when a run records none
 
@@ -63,6 +63,9 @@ class DSparkDenseConfig:
     draft_vocab_size: int | None = None  # None / == vocab_size: full vocabulary (no d2t)
     sliding_window: int | None = None  # DeepSpec dense drafts see the whole context
     initializer_range: float = 0.02
+    # the final norm's starting weight: the draft's logits are lm_head(w * h / rms(h)), so w sets their spread at step
+    # 0 (1.0: logit std 7.7 on SmolLM2, twice the target's 3.6, held-out CE 56; docs/benchmarks.md "Step-0 CE")
+    final_norm_init: float = 1.0
     # block layout: anchor (DSpark) | mask (DFlash 1+N); unset: anchor with a Markov head, else mask (the only
     # layout vLLM serves DFlash drafts with)
     layout: str | None = None
@@ -94,6 +97,8 @@ class DSparkDenseConfig:
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise bad("draft_vocab_size", f"must be in [1, vocab_size={self.vocab_size}] or null, "
                                           f"got {self.draft_vocab_size}")
+        if not self.final_norm_init > 0:
+            raise bad("final_norm_init", f"must be > 0, got {self.final_norm_init}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise bad("sliding_window", f"must be >= 1 or null, got {self.sliding_window}")
         rp = self.rope_parameters
@@ -232,6 +237,7 @@ class DSparkDenseDraft(BlockDraft, SharedTargetWeights, nn.Module):
                 continue  # the heads initialise themselves
             if p.dim() == 2:
                 nn.init.normal_(p, std=self.config.initializer_range)
+        nn.init.constant_(self.norm.weight, self.config.final_norm_init)
 
     # ---- reduced vocabulary ------------------------------------------------------------------------------
     def draft_to_target(self) -> torch.Tensor:

@@ -12,12 +12,19 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelSumm
 
 
 class Throughput(Callback):
-    """Tokens/s, blocks/s and peak memory over the training steps (first `skip` steps excluded)."""
+    """Tokens/s, blocks/s and peak memory over the training steps (first `skip` steps excluded); for a dense block
+    draft (dspark.training.flops.is_dense_block_module) also the step's FLOPs (counted from each timed batch's
+    shapes, dspark.training.flops), the loss tokens per second and the MFU against an LM-head GEMM's peak measured
+    in this process at the end of training (same dtype as the trainer's precision, same thread count)."""
 
-    def __init__(self, skip: int = 3):
+    def __init__(self, skip: int = 3, peak_budget_s: float = 1.0):
         self.skip, self.t0, self.n = skip, None, 0
         self.tokens = self.blocks = 0
         self.elapsed = 0.0
+        self.peak_budget_s = peak_budget_s
+        self.flops: dict[str, int] = {}  # part -> sum over the timed steps
+        self.flop_steps = self.loss_tokens = 0
+        self.peak: dict | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.t0 = time.perf_counter()
@@ -29,6 +36,51 @@ class Throughput(Callback):
         self.elapsed += time.perf_counter() - self.t0
         self.tokens += int(batch["attention_mask"].sum())
         self.blocks += int(batch["keep"].sum())
+        self._count_flops(trainer, pl_module, batch)  # after the clock stopped: not part of the step's time
+
+    def _count_flops(self, trainer, pl_module, batch) -> None:
+        from dspark.training import flops
+
+        if not flops.is_dense_block_module(pl_module):
+            return
+        parts, shapes = flops.module_step_flops(pl_module, batch, 1.0 / max(1, trainer.accumulate_grad_batches))
+        for k, v in parts.items():
+            self.flops[k] = self.flops.get(k, 0) + v
+        self.flop_steps += 1
+        self.loss_tokens += shapes.loss_rows
+
+    def on_train_end(self, trainer, pl_module):
+        if not (self.flop_steps and trainer.is_global_zero):
+            return
+        try:  # a measurement: it never fails the run it measures (the draft is written after fit)
+            self.peak = self.measure_peak(trainer, pl_module)
+        except Exception as e:  # noqa: BLE001
+            logging.getLogger("dspark.train").warning("throughput: no GEMM peak, so no mfu (%s: %s)",
+                                                      type(e).__name__, e)
+
+    def measure_peak(self, trainer, pl_module) -> dict:
+        """The GEMM peak (dspark.training.flops.gemm_peak) at the draft's LM-head shape and the trainer's precision."""
+        from dspark.training import flops
+
+        cfg = pl_module.draft.config
+        vocab = pl_module.lm_head_vocab()[0]
+        return flops.gemm_peak(int(cfg.hidden_size), int(vocab), flops.precision_dtype(trainer.precision),
+                               device=pl_module.device, budget_s=self.peak_budget_s)
+
+    def flop_summary(self) -> dict:
+        """flops_per_step (mean by part), loss_tokens_per_s, achieved_gflops, mfu, gemm_peak_*, threads; {} when
+        nothing was counted."""
+        if not self.flop_steps or self.elapsed <= 0:
+            return {}
+        per_step = {k: round(v / self.flop_steps) for k, v in self.flops.items()}
+        achieved = self.flops["total"] / self.elapsed  # FLOP/s
+        out = {"flops_per_step": per_step, "loss_tokens_per_s": round(self.loss_tokens / self.elapsed, 1),
+               "achieved_gflops": round(achieved / 1e9, 3)}
+        if self.peak is not None:
+            out.update(mfu=round(achieved / (self.peak["gflops"] * 1e9), 6), gemm_peak_gflops=self.peak["gflops"],
+                       gemm_peak_dtype=self.peak["dtype"], gemm_peak_shape=self.peak["shape"],
+                       threads=self.peak["threads"])
+        return out
 
     def summary(self) -> dict:
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -37,6 +89,7 @@ class Throughput(Callback):
             out.update(tokens_per_s=round(self.tokens / self.elapsed, 1),
                        blocks_per_s=round(self.blocks / self.elapsed, 1),
                        s_per_step=round(self.elapsed / max(1, self.n - self.skip), 4))
+        out.update(self.flop_summary())
         if torch.cuda.is_available():
             out["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
         return out
