@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Learning curves of the 10x-budget runs (scripts/smollm2_budget.sh): per draft, the held-out tau_prob and top-1
 agreement at every validation, eval.py's AL per benchmark at every quarter of the budget, and the DSpark / DFlash
-ratio; written as OUT/curves.md (+ curves.json) and OUT/curves.png.
+ratio; written into the given folder as a markdown table, its JSON and a plot (curves.*).
 
     python scripts/budget_curves.py runs/budget
 """

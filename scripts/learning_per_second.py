@@ -8,7 +8,8 @@
 2. Every variant (this checkout, the same experiment plus its overrides) is timed on `--timing-steps` steps, then
    trained for as many steps as fit in W / `--speedup` (3) at that pace, warmup + cosine over those steps.
 3. A table: s/step, loss tokens/s (valid loss rows / s), steps, training seconds, held-out tau_prob and
-   agreement at position 0, for every run; written to OUT/table.md and OUT/table.json as the runs finish.
+   agreement at position 0, for every run; written into the output folder (a markdown table and its JSON, table.*) as the
+   runs finish.
 Every run is resumable (rerun the command: finished runs are read back, a killed one resumes from its last.ckpt).
 Runs use trainer.precision=bf16-mixed where the CPU has bf16 units (AVX512-BF16 / AMX), else 32-true.
 """
