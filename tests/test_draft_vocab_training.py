@@ -171,6 +171,9 @@ def test_a_reduced_dense_draft_trains_exports_and_imports_back(tmp_path):
     out = tmp_path / "export"
     assert export_main(["dense", "--run-dir", str(run), "--out", str(out), "--dtype", "float32"]) == 0
     assert verify_folder(out).ok
+    with pytest.raises(SystemExit, match="trained with draft_vocab_size=300"):  # pruning it again is refused
+        export_main(["dense", "--run-dir", str(run), "--out", str(tmp_path / "again"), "--draft-vocab-size", "100",
+                     "--vocab-counts", str(tmp_path / "none.jsonl")])
     trained, _ = load_draft(run / "draft")
     back = import_dense(out, DSparkDenseDraft(dense_config_from_folder(out)))
     model = __import__("transformers").AutoModelForCausalLM.from_pretrained(str(target))

@@ -131,6 +131,9 @@ def _run_dense(target, draft, cfg, args, dtype, shard: int) -> None:
     _require(draft, DenseAdapter, args.run_dir, "dense DSpark/DFlash")
     if (args.draft_vocab_size is None) != (args.vocab_counts is None):
         raise SystemExit("--draft-vocab-size and --vocab-counts go together")
+    if args.draft_vocab_size is not None and getattr(draft, "reduced_vocab", False):
+        raise SystemExit(f"--draft-vocab-size: the run's draft was trained with draft_vocab_size="
+                         f"{draft.d2t.numel()} and exports with that vocabulary as it is: drop --draft-vocab-size")
     if args.draft_vocab_size is not None and args.draft_vocab_size < draft.config.vocab_size:
         from dspark.export.vocab import build_vocab_mapping, count_tokens, count_tokens_jsonl, reduce_dense_vocab
 

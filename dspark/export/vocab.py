@@ -1,13 +1,6 @@
-"""Reduced draft vocabulary at export: a full-vocab dense draft pruned to the ids dspark.data.vocab chooses.
-The mapping (vLLM / EAGLE-3 `d2t` / `t2d` convention) from token frequencies:
-
-    kept  = the Vd most frequent target ids (ties: lower id first), sorted ascending     [Vd] long
-    d2t   = kept - arange(Vd)   (draft id d -> target id d + d2t[d]; what vLLM's loader reads)  [Vd] long
-    t2d   = bool mask over the target vocabulary, True at kept ids (training-only in vLLM)     [V] bool
-Counts come from the tokens a draft has to predict: tokenized rows (`input_ids` + `loss_mask`: only
-loss_mask == 1 tokens count; without a loss_mask every token counts), or conversation records
-(`messages`) rendered with the target tokenizer's chat template (assistant tokens).
-"""
+"""Reduced draft vocabulary at export: a full-vocab dense draft pruned to the ids dspark.data.vocab chooses (its
+docstring: the d2t / t2d convention and what is counted). A draft trained with draft.draft_vocab_size is already
+reduced and exports as it is."""
 from __future__ import annotations
 
 import torch
