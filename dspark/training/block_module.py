@@ -96,16 +96,28 @@ class BlockDraftModule(DraftLightningModule):
         objective (DFlash) runs no teacher GEMM in training (its agreement and tau_prob are held-out metrics)."""
         return bool(self.loss_weights.l1 or self.loss_weights.conf)
 
-    def _scored_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _scored_head(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(the LM-head rows the draft scores [Vd, H], the draft id of every target id [V] long, -1 outside the
-        draft's vocabulary; None for a full-vocabulary draft)."""
+        draft's vocabulary (None for a full-vocabulary draft), the whole head [V, H]). Under autocast (bf16-mixed) the
+        heads are in the autocast dtype, so that the fused loss's GEMMs run at the step's precision like every other
+        linear of it (a float32 target's head would otherwise make them the step's only float32 GEMMs: 73 % of the
+        FLOPs at a sixth of the bf16 rate on an AMX CPU, docs/benchmarks.md); cached while the head, the dtype and the
+        mapping stay the same."""
         lm_head = self.target.lm_head_weight
-        if not getattr(self.draft, "reduced_vocab", False):
-            return lm_head, None
-        ids = self.draft.draft_to_target()  # [Vd]
-        t2d = self.draft.t2d
-        draft_id = t2d.long().cumsum(0) - 1  # [V]
-        return lm_head.index_select(0, ids), draft_id.masked_fill_(~t2d, -1)
+        dev = lm_head.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else lm_head.dtype
+        reduced = getattr(self.draft, "reduced_vocab", False)
+        key = (lm_head.data_ptr(), lm_head.device, dtype, reduced and self.draft.d2t._version)
+        if getattr(self, "_head_key", None) != key:
+            full = lm_head.detach().to(dtype)
+            if not reduced:
+                self._heads_cache = (full, None, full)
+            else:
+                t2d = self.draft.t2d
+                draft_id = (t2d.long().cumsum(0) - 1).masked_fill_(~t2d, -1)  # [V]
+                self._heads_cache = (full.index_select(0, self.draft.draft_to_target()), draft_id, full)
+            self._head_key = key
+        return self._heads_cache
 
     # ---- forward ----------------------------------------------------------------------------------
     def _hidden(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Blocks, torch.Tensor]:
@@ -167,12 +179,11 @@ class BlockDraftModule(DraftLightningModule):
             b = r.blocks
             eval_mask = b.eval_mask.flatten(0, 1)  # [B*A, g]
             head = self.draft.markov_head
-            lm_head, draft_id = self._scored_head()
+            lm_head, draft_id, full_head = self._scored_head()
             labels = flat(b.labels) if draft_id is None else draft_id[flat(b.labels)]  # [B*A, g] draft ids
             teacher = not self.training or self._teacher_in_training()
             # held out, a reduced draft is measured against the target's whole distribution (true L1 / tau_prob)
-            full_teacher = None if (draft_id is None or self.training) else (
-                self.target.lm_head_weight, self.draft.draft_to_target())
+            full_teacher = None if (draft_id is None or self.training) else (full_head, self.draft.draft_to_target())
             losses = draft_losses_fused(
                 flat(self.draft.head_input(r.hidden)), flat(self._teacher_rows(r.final, b)) if teacher else None,
                 lm_head, flat(r.latent), None if head is None else head.markov_w2.weight,
