@@ -26,11 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # name -> overrides on top of the experiment (this checkout); "base" is the shipped config on this checkout
 VARIANTS = {
+    "init": ["draft.final_norm_init=0.25"],
     "base": [],
     "vocab16k": ["draft.draft_vocab_size=16384"],
     "vocab8k": ["draft.draft_vocab_size=8192"],
     "anchors32": ["train.num_anchors=32"],
-    "init": ["draft.final_norm_init=0.25"],
     "recipe": ["draft.draft_vocab_size=16384", "train.num_anchors=32", "draft.final_norm_init=0.25"],
 }
 

@@ -8,7 +8,8 @@
 # Budget: today's 400 steps x 8 sequences x 16 anchors = 51,200 blocks; STEPS = 2000 with 32 anchors = 512,000
 # blocks (10x). Resumable at every stage: rerun the same command (a killed training resumes from its last.ckpt, the
 # evals already written are kept). Environment: OUT (default runs/budget), NUM_PROMPTS (32), MAX_NEW_TOKENS (128),
-# DATA (the mix jsonl), EXTRA (more train.py overrides), EVAL_EXTRA (more eval.py overrides).
+# DATA (the mix jsonl), EXTRA (more train.py overrides), EVAL_EXTRA (more eval.py overrides), PHASE (all | train |
+# eval: the training alone, or the evals of a finished training; default all).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DRAFT=${1:?usage: bash scripts/smollm2_budget.sh dspark|dflash|dflash2 [STEPS]}
@@ -24,7 +25,8 @@ case "$DRAFT" in
   dspark) RECIPE=(draft.markov_rank=256) ;;   # the ablation grid's best head (docs/benchmarks.md)
   *) RECIPE=() ;;
 esac
-if [ ! -f "$RUN/draft/model.safetensors" ]; then
+PHASE=${PHASE:-all}
+if [ "$PHASE" != eval ] && [ ! -f "$RUN/draft/model.safetensors" ]; then
   resume=()
   [ -e "$RUN/checkpoints/last.ckpt" ] && resume=(resume=last)
   "$PY" train.py experiment="${DRAFT}_smollm2" data.path="$DATA" trainer.max_steps="$STEPS" \
@@ -33,6 +35,7 @@ if [ ! -f "$RUN/draft/model.safetensors" ]; then
     callbacks.last_checkpoint.every_n_train_steps=$Q callbacks.last_checkpoint.save_top_k=-1 \
     run_dir="$RUN" "${resume[@]}" ${EXTRA:-}
 fi
+[ "$PHASE" = train ] && exit 0
 for k in 1 2 3 4; do
   step=$(( k * Q ))
   dir=$RUN/eval_q$k
