@@ -69,8 +69,14 @@ def check_data(values: dict) -> None:
     require(data["max_length"] > depth + 1, "data.max_length",
             f"{data['max_length']} is too short for draft.{depth_key} {depth}")
     if data["source"] != "sharegpt":
+        hint = ""
+        if data["source"] == "regenerated":  # the SmolLM2 answers the repository ships packed, or how to make them
+            hint = ("; the repository ships 5,023 regenerated SmolLM2 conversations: `python scripts/pack_regenerated.py "
+                    "unpack smollm2_sharegpt_5k` (+ smollm2_reasoning_gym_1500) writes data/regenerated/, then "
+                    "data.path=data/regenerated/smollm2_sharegpt_5k.jsonl; or regenerate your own with "
+                    "scripts/regenerate.py (README, 'A real target')")
         require(data["path"] is not None and Path(str(data["path"])).is_file(), "data.path",
-                f"{data['path']!r} is not a file")
+                f"{data['path']!r} is not a file{hint}")
         if data["strict"]:  # refuse a malformed line now, naming it, not after the target has loaded
             from itertools import islice
 

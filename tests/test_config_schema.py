@@ -159,3 +159,15 @@ def test_resume_override_of_an_architecture_key_is_refused(finished_run):
     with pytest.raises(ConfigError, match=r"resume_override: \['draft.num_layers'\] cannot change on resume"):
         run_training(compose(TINY_RUN + [f"run_dir={finished_run}", "resume=last",
                                          "resume_override=[draft.num_layers]", "draft.num_layers=2"]))
+
+
+def test_a_missing_regenerated_file_names_the_shipped_data_and_how_to_unpack_it():
+    """experiment=dspark_smollm2 on a fresh clone: data/regenerated/ does not exist yet. The one-line error names the
+    packed conversations the repository ships and the command that unpacks them (and the packed file is there)."""
+    cfg = compose(["experiment=dspark_smollm2", "data.path=data/regenerated/nowhere.jsonl"])
+    with pytest.raises(ConfigError, match="data.path") as err:
+        check_training_config(cfg, [])
+    text = str(err.value)
+    assert "scripts/pack_regenerated.py unpack smollm2_sharegpt_5k" in text and "scripts/regenerate.py" in text
+    assert (REPO / "benchmarks" / "data" / "smollm2_sharegpt_5k.jsonl.gz").is_file()
+    assert "\n" not in text
