@@ -16,7 +16,7 @@ from dspark.models import registry
 from dspark.targets.source import target_folder
 
 
-def _overrides() -> list[str]:
+def command_line_overrides() -> list[str]:
     """The command line's overrides when running under Hydra (else none)."""
     try:
         from hydra.core.hydra_config import HydraConfig
@@ -146,7 +146,7 @@ def check_draft(cfg: DictConfig) -> dict | None:
 def check_training_config(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     """Raises ConfigError naming the first bad key; loads no model weights. Returns the resolved plain config, its
     draft group resolved against the target when the target's config.json is readable here (`draft_resolved`)."""
-    values = schema.check_run_keys(cfg, _overrides() if overrides is None else overrides)
+    values = schema.check_run_keys(cfg, command_line_overrides() if overrides is None else overrides)
     check_train(values)
     check_trainer(values)
     check_data(values)

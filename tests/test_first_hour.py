@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -153,8 +154,16 @@ def test_the_printed_next_command_works_as_printed(tmp_path, experiment):
         assert noise not in console, (noise, console[-3000:])  # 7. no third-party noise
     log_file = (tmp_path / "run" / "train.log").read_text()  # 7. the final lines reach the run's log file too
     assert "dspark: training finished at step 2" in log_file and "next:           python eval.py" in log_file
+    # the resume hint is a whole command (its experiment and overrides included) that works when pasted
+    hint = next(ln for ln in r.stdout.splitlines() if "(resume: " in ln).split("(resume: ", 1)[1].rstrip(")")
+    resume = shlex.split(hint)
+    assert resume[:2] == ["python", "train.py"] and f"experiment={experiment}" in resume, hint
+    again = _cli(resume[1:])
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert "dspark: training finished at step 2" in again.stdout
     small = ["num_prompts=1", "max_new_tokens=4", "benchmarks=[gsm8k]", "sps_context=16"]
-    r = _cli(_next_command(r.stdout) + small)
+    train_out = r.stdout
+    r = _cli(_next_command(train_out) + small)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert json.loads((tmp_path / "run" / "eval" / next(
         p.name for p in (tmp_path / "run" / "eval").glob("gsm8k.*.json"))).read_text())["num_requests"] == 1

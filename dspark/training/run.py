@@ -247,7 +247,24 @@ def print_and_log(text: str) -> None:
             handler.handle(record)
 
 
-def final_report(summary: dict, run_dir: Path, seconds: float, pictures: list[Path] | tuple = ()) -> str:
+def resume_command(cfg: DictConfig, run_dir: Path) -> str:
+    """The train.py command that resumes this run when pasted: the run's own command-line overrides (its experiment
+    first; `experiment=<experiment_name>` when no command line is known and that experiment exists), its run_dir,
+    resume=last."""
+    import shlex
+
+    from dspark.preflight import command_line_overrides
+
+    keep = [o for o in command_line_overrides() if o.split("=", 1)[0].lstrip("+~") not in ("run_dir", "resume")]
+    if not any(o.startswith("experiment=") for o in keep):
+        name = str(cfg.get("experiment_name") or "")
+        if (Path(__file__).resolve().parents[2] / "configs" / "experiment" / f"{name}.yaml").is_file():
+            keep.insert(0, f"experiment={name}")
+    return "python train.py " + " ".join(shlex.quote(o) for o in [*keep, f"run_dir={run_dir}", "resume=last"])
+
+
+def final_report(summary: dict, run_dir: Path, seconds: float, pictures: list[Path] | tuple = (),
+                 resume: str | None = None) -> str:
     """The run's last console lines: where the outputs are and what the held-out result was, in words."""
     final, step0 = summary.get("final", {}), summary.get("step0", {})
     lines = [f"dspark: training finished at step {summary.get('global_step')} in {seconds:.0f} s."]
@@ -260,7 +277,8 @@ def final_report(summary: dict, run_dir: Path, seconds: float, pictures: list[Pa
                      + ", ".join(f"{k.removeprefix('val/agree_')}: {v:.2f}" for k, v in sorted(final.items())
                                  if k.startswith("val/agree_")))
     lines += [f"  trained draft:  {run_dir / draft_dir.DRAFT_DIR}/ (weights, config, target record, checksums)",
-              f"  checkpoints:    {run_dir / 'checkpoints'}/last.ckpt (resume: run_dir={run_dir} resume=last)",
+              f"  checkpoints:    {run_dir / 'checkpoints'}/last.ckpt (resume: "
+              f"{resume or f'python train.py run_dir={run_dir} resume=last'})",
               f"  metrics:        {run_dir / 'metrics.json'}, logs under {run_dir / 'logs'}/"]
     lines += [f"  picture:        {p} (train loss, lr and held-out tau_prob by step)" for p in pictures]
     lines.append(f"  next:           python eval.py run_dir={run_dir}")
@@ -347,5 +365,6 @@ def _fit(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks, targe
         for logger in trainer.loggers:
             logger.save()
         curves = write_curves(run_dir, title=f"{cfg.experiment_name}: {run_dir.name}")
-        print_and_log(final_report(summary, run_dir, time.perf_counter() - t0, [curves] if curves else []))
+        print_and_log(final_report(summary, run_dir, time.perf_counter() - t0, [curves] if curves else [],
+                                   resume=resume_command(cfg, run_dir)))
     return summary
