@@ -143,3 +143,41 @@ def test_config_errors_name_the_group_key_or_the_arch_key():
         registry.build_config({**group, "arch": {"o_groups": 3}}, hf)
     with pytest.raises(ConfigError, match=r"^draft\.kind: dspark_dense needs a dense target"):
         registry.build_config({**group, "kind": "dspark_dense"}, hf)
+
+
+def _target_configs(tmp_path) -> dict:
+    """{name: (HF config, tokenizer)} of every target architecture the project ships a config for: the tiny
+    DeepSeek-V4 / V4.1 / HY V4 folders and a Llama (SmolLM2's architecture: the tiny dense target)."""
+    from transformers import AutoConfig
+
+    from dspark.serving.tiny_dense import build_tiny_llama
+
+    assets = REPO / "dspark" / "assets"
+    folders = {name: assets / name for name in ("tiny_v4", "tiny_v41", "tiny_hy_v4")}
+    folders["tiny_llama"] = build_tiny_llama(tmp_path / "llama")
+    from transformers import AutoTokenizer
+
+    return {name: (AutoConfig.from_pretrained(str(f), local_files_only=True),
+                   AutoTokenizer.from_pretrained(str(f), local_files_only=True)) for name, f in folders.items()}
+
+
+def test_a_draft_against_a_target_of_another_architecture_is_one_config_error(tmp_path):
+    """Every shipped draft group against every shipped target architecture: the draft config builds, or the build
+    stops with one ConfigError line naming the draft key (never an AttributeError from deep inside a family)."""
+    import yaml
+
+    groups = {p.stem: yaml.safe_load(p.read_text()) for p in sorted((REPO / "configs" / "draft").glob("*.yaml"))}
+    refused = built = 0
+    targets = _target_configs(tmp_path)
+    for tname, (hf, tokenizer) in targets.items():
+        for gname, group in groups.items():
+            try:
+                registry.build_config(group, hf, tokenizer)
+                built += 1
+            except ConfigError as e:
+                assert str(e).startswith("draft.") and "\n" not in str(e), (gname, tname, str(e))
+                refused += 1
+    assert built and refused  # both outcomes occur: a real matrix, not all one way
+    with pytest.raises(ConfigError, match=r"^draft\.kind: dspark_v41 drafts cannot be built against this target "
+                                          r"\(model_type 'hy_v4'"):
+        registry.build_config(groups["dspark_v41"], *targets["tiny_hy_v4"])

@@ -196,6 +196,11 @@ def build_config(group: Mapping[str, Any], hf_config, tokenizer=None):
         raise
     except FieldError as e:
         raise ConfigError(f"{field_key(fam, e.field)}: {e}") from e
+    except (AttributeError, KeyError, TypeError) as e:  # the target's config lacks what this family reads
+        model_type = getattr(hf_config, "model_type", None)
+        raise ConfigError(f"draft.kind: {fam.kind} drafts cannot be built against this target (model_type "
+                          f"{model_type!r}, {type(hf_config).__name__}: {e}); choose the draft group of the target's "
+                          "architecture or another target") from e
     except (TypeError, ValueError) as e:
         raise ConfigError(f"draft: {e}") from e
 
