@@ -171,3 +171,14 @@ def test_a_missing_regenerated_file_names_the_shipped_data_and_how_to_unpack_it(
     assert "scripts/pack_regenerated.py unpack smollm2_sharegpt_5k" in text and "scripts/regenerate.py" in text
     assert (REPO / "benchmarks" / "data" / "smollm2_sharegpt_5k.jsonl.gz").is_file()
     assert "\n" not in text
+
+
+def test_the_package_metadata_builds_without_a_license_deprecation(tmp_path):
+    """pyproject's license is an SPDX string (a `{text = ...}` table makes setuptools print a deprecation warning on
+    every install, three times in CI): building the metadata prints no license warning."""
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-v", "-w", str(tmp_path), str(REPO)],
+                       capture_output=True, text=True, timeout=600)  # pip's isolated build, as install -e runs it
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout + r.stderr
+    assert "project.license" not in out and "License classifiers are deprecated" not in out, out[-2000:]
+    assert list(tmp_path.glob("dspark-*.whl"))
