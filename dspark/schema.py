@@ -146,14 +146,14 @@ def keys_of(schema: type) -> tuple[str, ...]:
 
 
 # ---- groups ---------------------------------------------------------------------------------------
-TARGET_KINDS = ("tiny_v4", "tiny_v41", "tiny_hy_v4", "smollm2", "hf")
+TARGET_KINDS = ("tiny_v4", "tiny_v41", "tiny_hy_v4", "tiny_llama", "smollm2", "hf")
 DATA_SOURCES = ("sharegpt", "jsonl", "regenerated")
 FEATURE_PRODUCERS = ("hf", "vllm")
 
 
 @dataclass
 class TargetKeys:
-    kind: Literal[TARGET_KINDS] = field(metadata=doc("tiny_v4 | tiny_v41 | tiny_hy_v4 | smollm2 | hf"))
+    kind: Literal[TARGET_KINDS] = field(metadata=doc("tiny_v4 | tiny_v41 | tiny_hy_v4 | tiny_llama | smollm2 | hf"))
     path: Optional[str] = field(metadata=doc("local HF folder or Hub id (kind hf); null: the kind's own"))
     dtype: Literal["float32", "bfloat16", "float16"] = field(metadata=doc("weights dtype of the frozen target"))
 

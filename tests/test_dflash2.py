@@ -3,6 +3,8 @@ transcriptions of vLLM 0.33.0's formulas, the training score = the walk's score,
 plain greedy decoding, config errors naming the key, and the tiny experiment training end to end."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -267,11 +269,17 @@ def test_the_tiny_run_exports_verifies_and_reimports(tiny_run):
         export_main(["dense", "--run-dir", str(run), "--out", str(root / "dense"), "--dtype", "float32"])
 
 
-def test_the_tiny_experiment_without_a_target_folder_is_one_clear_error():
-    """experiment=dflash2_tiny has target=hf, whose `path: ???` must be given: ConfigError naming target.path (it was
-    omegaconf's MissingMandatoryValue traceback)."""
+def test_the_tiny_experiment_builds_its_target_once_the_same_everywhere(tmp_path, monkeypatch):
+    """experiment=dflash2_tiny needs no target.path (it used to stop at `target.path: set it`, the build command only
+    in a config comment): target=tiny_llama builds the seeded tiny Llama once into the dspark cache, and two
+    independent builds are the same bytes (the same weight fingerprint on every machine)."""
     from conftest import compose
+    from dspark.serving.tiny_dense import build_tiny_llama
     from dspark.targets.source import target_folder
 
-    with pytest.raises(ConfigError, match=r"^target\.path: set it"):
-        target_folder(compose(["experiment=dflash2_tiny"]))
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    folder = Path(target_folder(compose(["experiment=dflash2_tiny"])))
+    assert folder == tmp_path / "cache" / "tiny_llama" and (folder / "config.json").is_file()
+    assert Path(target_folder(compose(["experiment=dflash2_tiny"]))) == folder  # built once, then reused
+    other = build_tiny_llama(tmp_path / "again")
+    assert (folder / "model.safetensors").read_bytes() == (other / "model.safetensors").read_bytes()

@@ -262,7 +262,7 @@ def target_config_json(group) -> dict | None:
     kind, path = group.get("kind"), group.get("path")
     file: Path | None = None
     if path in (None, "???"):
-        if kind in ("tiny_v4", "tiny_v41", "tiny_hy_v4"):
+        if kind in ("tiny_v4", "tiny_v41", "tiny_hy_v4", "tiny_llama"):
             file = Path(factory.target_folder(OmegaConf.create({"target": dict(group)}))) / "config.json"
     elif Path(str(path)).expanduser().is_dir():
         file = Path(str(path)).expanduser() / "config.json"

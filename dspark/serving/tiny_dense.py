@@ -38,6 +38,28 @@ def build_tiny_llama(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def tiny_llama_folder(cache_dir: Path | None = None) -> Path:
+    """The tiny dense Llama as a target folder (target=tiny_llama): built once, seed 0, into the dspark cache
+    ($DSPARK_CACHE or ~/.cache/dspark)/tiny_llama, through a staging folder renamed into place (a killed build leaves
+    nothing half-written). The build is deterministic, so every machine gets the same weights (and fingerprint)."""
+    import os
+
+    from dspark.targets.gguf_convert import default_cache_dir
+
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = root / "tiny_llama"
+    if (final / "config.json").is_file():
+        return final
+    staging = root / f".tiny_llama.{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    build_tiny_llama(staging)
+    try:
+        staging.rename(final)
+    except OSError:  # another process finished first: keep its folder
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
 def regenerate_answers(target: Path, out: Path, limit: int = 160, max_new_tokens: int = 48) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
