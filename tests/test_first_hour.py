@@ -4,6 +4,7 @@ noise, and the skip summary of the test run."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shlex
@@ -400,3 +401,15 @@ def test_init_from_target_on_a_family_without_it_is_refused_before_any_model_loa
     with pytest.raises(factory.ConfigError, match=r"draft.init_from_target: not implemented for dspark_v4 .*dspark_v41"):
         check_training_config(compose(TINY_RUN + [f"run_dir={tmp_path}", "draft.init_from_target=true"]), [])
     check_training_config(compose(TINY_RUN + [f"run_dir={tmp_path}"]), [])  # the same config without it passes
+
+
+def test_the_model_summary_says_whose_parameters_are_frozen(caplog):
+    """The one-line model summary counted the draft's own frozen parameters as 'frozen 8', which read as an
+    8-parameter target: it says they are the draft's and that the target is not in the model."""
+    from dspark.training.callbacks import OneLineModelSummary
+
+    caplog.set_level(logging.INFO, logger="dspark.train")
+    OneLineModelSummary.summarize([("Name", ["draft"]), ("Type", ["DSparkDenseDraft"]), ("Params", ["790 K"])],
+                                  790_008, 790_000, 3.2, None)
+    line = caplog.text
+    assert "draft parameters: 790 K trainable, 8 frozen" in line and "frozen target is not part of the model" in line

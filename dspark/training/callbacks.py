@@ -143,7 +143,8 @@ class OneLineModelSummary(ModelSummary):
         parts = [f"{n} ({t}, {p})" for n, t, p in zip(columns.get("Name", []), columns.get("Type", []),
                                                       columns.get("Params", []))]
         logging.getLogger("dspark.train").info(
-            "model: %s; trainable params %s, frozen %s, %.1f MB", ", ".join(parts) or "-",
+            "model: %s; draft parameters: %s trainable, %s frozen (the frozen target is not part of the model: it is "
+            "never trained or checkpointed); %.1f MB", ", ".join(parts) or "-",
             get_human_readable_count(int(trainable_parameters)).strip(),
             get_human_readable_count(int(total_parameters - trainable_parameters)).strip(), model_size)
 
