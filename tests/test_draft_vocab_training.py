@@ -183,3 +183,50 @@ def test_a_reduced_dense_draft_trains_exports_and_imports_back(tmp_path):
     h = torch.randn(2, 3, 64)
     torch.testing.assert_close(back.base_logits(h), trained.base_logits(h))
     assert torch.isinf(trained.base_logits(h)).sum() == 2 * 3 * (2048 - vd)  # -inf outside the draft's ids
+
+
+def test_the_verifier_refuses_a_vocabulary_map_that_does_not_match(tmp_path):
+    """A reduced export whose d2t maps outside the vocabulary, is not increasing, or disagrees with its t2d is refused
+    by `python -m dspark.export verify`, naming the map."""
+    from safetensors.torch import load_file, save_file
+
+    from dspark.export.dense import export_dense
+    from dspark.export.verify import verify_folder
+    from dspark.integrity import write_manifest
+    from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
+
+    cfg = DSparkDenseConfig(hidden_size=16, vocab_size=40, num_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                            head_dim=8, intermediate_size=32, block_size=3, mask_token_id=1, target_layer_ids=[0],
+                            markov_rank=4, draft_vocab_size=10)
+    draft = DSparkDenseDraft(cfg)
+    kept = torch.tensor([0, 2, 3, 5, 8, 13, 21, 30, 34, 39])
+    t2d = torch.zeros(40, dtype=torch.bool)
+    t2d[kept] = True
+    draft.set_vocab_mapping(kept - torch.arange(10), t2d)
+    draft.share_target_weights(torch.randn(40, 16), torch.randn(40, 16))
+    good = tmp_path / "good"
+    export_dense(draft, good, dtype=torch.float32, num_target_layers=2)
+    assert verify_folder(good).ok
+
+    def broken(name, edit):
+        folder = tmp_path / name
+        __import__("shutil").copytree(good, folder)
+        t = load_file(folder / "model.safetensors")
+        edit(t)
+        save_file(t, folder / "model.safetensors", metadata={"format": "pt"})
+        write_manifest(folder)  # the checksums are right: only the map is wrong
+        return verify_folder(folder)
+
+    def outside(t):
+        t["d2t"][-1] += 5  # last id 44 >= 40
+
+    def unordered(t):
+        t["d2t"][1] -= 2  # ids 0, 0, ...
+
+    def disagree(t):
+        t["t2d"][1] = True
+
+    for name, edit, why in (("outside", outside, "d2t: draft id"), ("unordered", unordered, "not increasing"),
+                            ("disagree", disagree, "t2d: does not mark")):
+        report = broken(name, edit)
+        assert not report.ok and any(why in p for p in report.problems), (name, report.problems)

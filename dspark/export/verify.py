@@ -141,7 +141,35 @@ def _verify_layout(folder: Path) -> Report:
     (report.notes if config.get(NOT_FOR_VLLM) else report.problems).extend(serving)
     report.notes += adapter.notes(config)
     present_optional = {k: v for k, v in optional.items() if k in found and k not in expected}
-    return _compare(report, {**expected, **present_optional}, found)
+    report = _compare(report, {**expected, **present_optional}, found)
+    if "d2t" in found and not report.problems:  # names and shapes right: the reduced-vocabulary map's values
+        report.problems += _vocab_map_problems(folder, config)
+    return report
+
+
+def _vocab_map_problems(folder: Path, config: dict) -> list[str]:
+    """A reduced vocabulary's d2t (vLLM: target id = draft id + d2t[draft id]) must map the Vd draft ids to strictly
+    increasing target ids in [0, vocab_size); t2d, where shipped, must mark exactly those ids."""
+    import torch
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    tensors = {}
+    for fname in files:
+        with safe_open(str(folder / fname), framework="pt") as fh:
+            tensors.update({k: fh.get_tensor(k) for k in ("d2t", "t2d") if k in fh.keys()})
+    v = int(config.get("vocab_size") or 0)
+    ids = torch.arange(tensors["d2t"].numel()) + tensors["d2t"].long()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v or not bool((ids[1:] > ids[:-1]).all())):
+        return [f"d2t: draft id + d2t must be strictly increasing target ids in [0, vocab_size={v}); got range "
+                f"[{int(ids.min())}, {int(ids.max())}]{'' if bool((ids[1:] > ids[:-1]).all()) else ', not increasing'}"]
+    if "t2d" in tensors:
+        mark = torch.zeros(v, dtype=torch.bool)
+        mark[ids] = True
+        if not torch.equal(mark, tensors["t2d"].bool()):
+            return ["t2d: does not mark exactly the target ids d2t maps to (the two maps disagree)"]
+    return []
 
 
 def _compare(report: Report, expected: dict, found: dict) -> Report:
