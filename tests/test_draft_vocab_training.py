@@ -230,3 +230,23 @@ def test_the_verifier_refuses_a_vocabulary_map_that_does_not_match(tmp_path):
                             ("disagree", disagree, "t2d: does not mark")):
         report = broken(name, edit)
         assert not report.ok and any(why in p for p in report.problems), (name, report.problems)
+
+
+@pytest.mark.parametrize("change, key", [(["draft.draft_vocab_size=4096"], "draft.draft_vocab_size"),
+                                         (["draft.draft_vocab_size=0"], "draft.draft_vocab_size"),
+                                         (["draft.draft_vocab_size=256", "train.fused_loss=false"], "train.fused_loss")])
+def test_an_unservable_vocabulary_setting_is_one_line_before_any_model_loads(tmp_path, change, key):
+    """Larger than the target's vocabulary (2048), not positive, or through the materialised loss: one ConfigError
+    line naming the key, from the checks that run before any model loads."""
+    from conftest import compose
+
+    from dspark.errors import ConfigError
+    from dspark.preflight import check_training_config
+    from dspark.serving.tiny_dense import build_tiny_llama
+
+    target = build_tiny_llama(tmp_path / "target")
+    cfg = compose(["experiment=dflash2_tiny", f"target.path={target}", "draft=dspark_smollm2",
+                   "draft.target_layer_ids=[0,2]", "draft.mask_token_id=4", *change])
+    with pytest.raises(ConfigError) as err:
+        check_training_config(cfg, [])
+    assert str(err.value).startswith(key + ":") and "\n" not in str(err.value), str(err.value)
