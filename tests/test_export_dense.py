@@ -144,11 +144,15 @@ def test_reduced_propose_drafts_only_kept_target_ids():
     assert p_full.tokens.shape == p_small.tokens.shape
 
 
-def test_reduced_training_is_refused():
-    _, small, _ = _reduced()
+def test_a_reduced_draft_scores_alike_in_training_mode():
+    """Reduced drafts train now (draft.draft_vocab_size; tests/test_draft_vocab_training.py): in training mode the
+    draft's logits are the eval-mode ones (it was refused before), -inf outside its ids."""
+    _, small, t2d = _reduced()
+    small.eval()
+    ref = _logits(small)
     small.train()
-    with pytest.raises(RuntimeError, match="reduce at export"):
-        _logits(small)
+    got = _logits(small)
+    assert torch.equal(got, ref) and torch.isinf(got[..., ~t2d]).all() and torch.isfinite(got[..., t2d]).all()
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "speculators"])
