@@ -10,7 +10,8 @@ decoded greedily (T = 0) by vLLM (its own venv, dspark.serving.engine) in two en
 prompts: the target alone, and the target with the export as its speculative draft (method from the export's config,
 num_speculative_tokens = its block size). For each batch size B the prompts go in groups of B (one generate call each);
 tokens/s = generated tokens / the calls' summed wall time, after one warm-up call. Greedy outputs of the two engines
-must be identical (checked, reported); the draft engine's acceptance counters give AL = 1 + accepted / drafts.
+are compared (identical in float32; in bf16 near-ties may flip, counted); the draft engine's acceptance counters give
+AL = 1 + accepted / drafts.
 Written to OUT/served_speedup.json and printed as a table.
 """
 from __future__ import annotations
@@ -36,9 +37,9 @@ def prompts(target: Path, num: int) -> list[list[int]]:
         lines = (REPO / "dspark" / "assets" / "eval" / f"{name}.jsonl").read_text().splitlines()[:num]
         for line in lines:
             turn = json.loads(line)["turns"][0]
-            ids = tok.apply_chat_template([{"role": "user", "content": turn}], add_generation_prompt=True,
-                                          tokenize=True)
-            out.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+            text = tok.apply_chat_template([{"role": "user", "content": turn}], add_generation_prompt=True,
+                                           tokenize=False)
+            out.append(list(tok(text, add_special_tokens=False)["input_ids"]))
     return out
 
 
@@ -96,7 +97,8 @@ def main(argv: list[str]) -> int:
     for r in rows:
         base = next(x for x in rows if x["batch"] == r["batch"] and x["engine"] == "target alone")
         r["speedup"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
-        r["outputs_equal_target"] = outputs[(r["engine"], r["batch"])] == outputs[("target alone", r["batch"])]
+        mine, plain = outputs[(r["engine"], r["batch"])], outputs[("target alone", r["batch"])]
+        r["outputs_equal_target"] = f"{sum(a == b for a, b in zip(mine, plain))}/{len(plain)}"
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "served_speedup.json").write_text(json.dumps({"export": str(a.export), "target": str(a.target),
                                                            "dtype": a.dtype, "prompts": len(ids), "rows": rows}, indent=1))
@@ -106,7 +108,10 @@ def main(argv: list[str]) -> int:
         al = "-" if r["al"] is None else f"{r['al']:.3f}"
         print(f"| {r['engine']} | {r['batch']} | {r['tokens_per_s']} | {r['speedup']:.2f}x | {al} | "
               f"{r['outputs_equal_target']} |")
-    return 0 if all(r["outputs_equal_target"] for r in rows) else 1
+    # float32: greedy speculative decoding must equal plain decoding exactly; in bf16 a (k+1)-token verify forward and a
+    # one-token decode step round differently, so near-ties may flip (reported, not an error)
+    exact = all(r["outputs_equal_target"].split("/")[0] == r["outputs_equal_target"].split("/")[1] for r in rows)
+    return 0 if exact or a.dtype != "float32" else 1
 
 
 if __name__ == "__main__":
