@@ -67,9 +67,8 @@ def write_table(out: Path, rows: list[dict]) -> None:
     lines = ["| run | steps | s/step | loss tokens/s | training s | held-out tau_prob | agree pos 0 | step-0 CE |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lps = r["loss_tokens_per_s"]
-        lps = lps.get("value") if isinstance(lps, dict) else lps
-        lines.append(f"| {r['run']} | {r['steps']} | {fmt(r['s_per_step'])} | {fmt(lps, 0)} | {fmt(r['train_s'], 0)} | "
+        lines.append(f"| {r['run']} | {r['steps']} | {fmt(r['s_per_step'])} | {fmt(r['loss_tokens_per_s'], 0)} | "
+                     f"{fmt(r['train_s'], 0)} | "
                      f"{fmt(r['tau_prob'])} | {fmt(r['agree_0'])} | {fmt(r['step0_ce'], 2)} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
