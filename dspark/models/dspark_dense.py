@@ -246,6 +246,10 @@ class DSparkDenseDraft(BlockDraft, SharedTargetWeights, nn.Module):
             return torch.arange(self.config.vocab_size, device=self.fc.weight.device)
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
+    def target_to_draft(self) -> torch.Tensor:
+        """[V] long: the draft id of every target id, -1 where the draft has none (a reduced-vocab draft only)."""
+        return (self.t2d.long().cumsum(0) - 1).masked_fill_(~self.t2d, -1)
+
     def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install a mapping (dspark.export.vocab.build_vocab_mapping); checks that d2t and t2d agree."""
         if not self.reduced_vocab:

@@ -113,9 +113,8 @@ class BlockDraftModule(DraftLightningModule):
             if not reduced:
                 self._heads_cache = (full, None, full)
             else:
-                t2d = self.draft.t2d
-                draft_id = (t2d.long().cumsum(0) - 1).masked_fill_(~t2d, -1)  # [V]
-                self._heads_cache = (full.index_select(0, self.draft.draft_to_target()), draft_id, full)
+                self._heads_cache = (full.index_select(0, self.draft.draft_to_target()), self.draft.target_to_draft(),
+                                     full)
             self._head_key = key
         return self._heads_cache
 
