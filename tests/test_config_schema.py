@@ -116,16 +116,30 @@ def finished_run(tmp_path_factory):
 @pytest.mark.parametrize("override,named", [
     ("draft.num_layers=2", "draft.num_layers: 1 in the checkpoint, 2 now"),
     ("train.lr=1e-4", "train.lr: 0.003 in the checkpoint, 0.0001 now); pass resume_override=[train.lr]"),
-    ("seed=3", "seed: 0 in the checkpoint, 3 now); that is a new run"),
+    ("seed=3", "seed: 0 in the checkpoint, 3 now): resume it with its own command: python train.py"),
 ])
 def test_resume_refuses_a_changed_run_before_any_model_loads(finished_run, monkeypatch, override, named):
     import dspark.factory as factory
     from dspark.training.run import run_training
 
     monkeypatch.setattr(factory, "load_hf_target", lambda *a, **k: pytest.fail("the target loaded"))
-    with pytest.raises(ConfigError, match="^resume: the run config differs") as e:
+    with pytest.raises(ConfigError, match="^resume: (the run config differs|this run was started with other)") as e:
         run_training(compose(TINY_RUN + [f"run_dir={finished_run}", "trainer.max_steps=2", "resume=last", override]))
     assert named in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["trainer.max_steps=5"], r"^resume: this run finished at step 2 \(trainer.max_steps=2\); this config says "
+                              r"trainer.max_steps=5.*resume_override=\[trainer.max_steps\] to train on to step 5$"),
+    (["trainer.max_steps=1"], r"^resume: trainer.max_steps=1 is below the checkpoint's step 2"),
+])
+def test_a_finished_run_is_not_trained_on_unless_asked(finished_run, monkeypatch, overrides, message):
+    import dspark.factory as factory
+    from dspark.training.run import run_training
+
+    monkeypatch.setattr(factory, "load_hf_target", lambda *a, **k: pytest.fail("the target loaded"))
+    with pytest.raises(ConfigError, match=message):
+        run_training(compose(TINY_RUN + [f"run_dir={finished_run}", "resume=last", *overrides]))
 
 
 def test_resume_override_is_applied_to_the_restored_optimizer(finished_run):
@@ -146,7 +160,7 @@ def test_resume_override_is_applied_to_the_restored_optimizer(finished_run):
                 seen["base"] = trainer.lr_scheduler_configs[0].scheduler.base_lrs[0]
 
     run_training(compose(TINY_RUN + [f"run_dir={finished_run}", "trainer.max_steps=4", "resume=last",
-                                     "resume_override=[train.lr]", "train.lr=1e-4"]), callbacks=(Probe(),))
+                                     "resume_override=[train.lr,trainer.max_steps]", "train.lr=1e-4"]), callbacks=(Probe(),))
     assert seen["step"] == 2 and seen["base"] == pytest.approx(1e-4)
     assert seen["lr"] == pytest.approx(1e-4 * warmup_cosine(2, 4, 0.04, 0.05))
     ckpt = torch.load(str(finished_run / "checkpoints" / "last.ckpt"), map_location="cpu", weights_only=True)

@@ -162,6 +162,22 @@ def test_the_printed_next_command_works_as_printed(tmp_path, experiment):
     again = _cli(resume[1:])
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert "dspark: training finished at step 2" in again.stdout
+    assert "resume: the run finished at step 2; redoing only its end-of-run steps" in again.stdout
+    # 2. resumed without its trainer.max_steps, the finished run is not trained on to the experiment's 300 steps
+    draft = (tmp_path / "run" / "draft" / "model.safetensors").read_bytes()
+    plain = _cli(["train.py", f"experiment={experiment}", f"run_dir={tmp_path / 'run'}", "resume=last"])
+    assert plain.returncode == 2, (plain.stdout + plain.stderr)[-3000:]
+    assert re.search(r"resume: this run was started with other settings \(data\.limit: .*; \.\.\.\): resume it with "
+                     rf"its own command: {re.escape(hint)} \(or choose", plain.stderr.strip()), plain.stderr
+    without = [o for o in resume[1:] if not o.startswith("trainer.max_steps=")]
+    plain = _cli(without)
+    assert plain.returncode == 2, (plain.stdout + plain.stderr)[-3000:]
+    assert "this run finished at step 2 (trainer.max_steps=2)" in plain.stderr and "trainer.max_steps=2 to redo" \
+        in plain.stderr and len(plain.stderr.strip().splitlines()) == 1, plain.stderr
+    other = _cli(["train.py", "experiment=dspark_v41", *without[2:]])
+    assert other.returncode == 2 and f"was made with experiment={experiment}, not dspark_v41: resume it with its " \
+        f"own command: {hint} (or choose" in other.stderr, other.stderr
+    assert (tmp_path / "run" / "draft" / "model.safetensors").read_bytes() == draft
     small = ["num_prompts=1", "max_new_tokens=4", "benchmarks=[gsm8k]", "sps_context=16"]
     train_out = r.stdout
     r = _cli(_next_command(train_out) + small)

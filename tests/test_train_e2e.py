@@ -91,14 +91,16 @@ class Crash(L.Callback):
             raise RuntimeError("simulated crash")
 
 
-def test_resume_continues_the_same_loss_curve(tmp_path):
+def test_resume_continues_the_same_loss_curve(tmp_path, capsys):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     run_training(compose(TINY_RUN + [f"run_dir={straight}"]))
     with pytest.raises(RuntimeError, match="simulated crash"):
         run_training(compose(TINY_RUN + [f"run_dir={crashed}"]), callbacks=(Crash(4),))
     ckpt = torch.load(crashed / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
     assert 1 <= ckpt["global_step"] < 6
+    capsys.readouterr()
     run_training(compose(TINY_RUN + [f"run_dir={crashed}", "resume=last"]))
+    assert f"resume: continuing from step {ckpt['global_step']} to 6" in capsys.readouterr().out
     a, b = train_losses(straight), train_losses(crashed)
     assert sorted(a) == sorted(b) and len(a) == 6
     for step in a:

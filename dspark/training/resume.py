@@ -25,13 +25,21 @@ FREE = ("resume", "resume_override", "run_dir", "experiment_name", "validate_at_
         "trainer.max_steps", "trainer.max_time", "trainer.log_every_n_steps", "trainer.val_check_interval",
         "trainer.limit_val_batches", "trainer.enable_progress_bar", "trainer.enable_model_summary",
         "trainer.default_root_dir", "trainer.num_sanity_val_steps")
-OVERRIDABLE = ("train.lr", "train.weight_decay", "train.betas", "train.warmup_ratio", "train.min_lr_ratio",
+OVERRIDABLE = ("trainer.max_steps", "train.lr", "train.weight_decay", "train.betas", "train.warmup_ratio", "train.min_lr_ratio",
                "train.decay_gamma", "train.loss_weights", "train.fused_loss", "train.mtp_beta", "train.mtp_loss_weights",
                "train.val_batch_size", "trainer.gradient_clip_val", "ops_backend")
 
 # keys added after checkpoints were written, with the value that does what those runs did: a checkpoint without the
 # key resumes as if it held that value (any other value is a change like any other)
 ADDED_KEYS = {"data.feature_stream": False}
+
+
+class ResumeRefused(ConfigError):
+    """The run config differs from the checkpoint's in keys that cannot change on resume (`keys`)."""
+
+    def __init__(self, message: str, refused: dict[str, tuple]):
+        super().__init__(message)
+        self.refused = refused  # key -> (checkpoint value, new value)
 
 
 def _flat(d, prefix: str = "") -> dict[str, object]:
@@ -45,16 +53,35 @@ def _flat(d, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def _under(key: str, prefixes) -> bool:
+def under(key: str, prefixes) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
-def checkpoint_config(path: Path) -> dict:
-    """The resolved run config a checkpoint was written with (memory-mapped: the tensors are not read)."""
+def checkpoint_config(path: Path) -> tuple[dict, int]:
+    """(the resolved run config a checkpoint was written with, the step it holds); memory-mapped: the tensors are
+    not read."""
     if Path(path).is_dir():  # a sharded checkpoint folder (trainer=fsdp2): the run state is in its meta.pt
         path = Path(path) / SHARDED_META
     ckpt = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-    return dict(ckpt.get("hyper_parameters") or {})
+    return dict(ckpt.get("hyper_parameters") or {}), int(ckpt.get("global_step") or 0)
+
+
+def planned_steps(then: dict, step: int, max_steps: int, asked: bool) -> str:
+    """How far a resumed run goes, in one line for the console; ConfigError when a finished run would be trained on
+    (and its draft/ replaced) without the user naming trainer.max_steps (`asked`: on the command line or in
+    resume_override), or when max_steps is below the checkpoint's step."""
+    planned = int((then.get("trainer") or {}).get("max_steps") or 0)
+    if max_steps < step:
+        raise ConfigError(f"resume: trainer.max_steps={max_steps} is below the checkpoint's step {step}: use "
+                          f"trainer.max_steps={planned if planned >= step else step} or more")
+    if step >= planned > 0 and max_steps > step and not asked:
+        raise ConfigError(f"resume: this run finished at step {step} (trainer.max_steps={planned}); this config says "
+                          f"trainer.max_steps={max_steps}, which would train it on and replace its draft/: pass "
+                          f"trainer.max_steps={planned} to redo only its end-of-run steps, or "
+                          f"resume_override=[trainer.max_steps] to train on to step {max_steps}")
+    if max_steps > step:
+        return f"resume: continuing from step {step} to {max_steps}"
+    return f"resume: the run finished at step {step}; redoing only its end-of-run steps (draft/, metrics, curves)"
 
 
 def compare_on_resume(now: dict, then: dict) -> dict[str, tuple]:
@@ -66,18 +93,18 @@ def compare_on_resume(now: dict, then: dict) -> dict[str, tuple]:
     a, b = _flat(then), _flat(now)
     a.update({k: v for k, v in ADDED_KEYS.items() if k not in a and k in b})
     overrides = list(now.get("resume_override") or [])
-    bad = [k for k in overrides if not _under(k, OVERRIDABLE)]
+    bad = [k for k in overrides if not under(k, OVERRIDABLE)]
     if bad:
         raise ConfigError(f"resume_override: {bad} cannot change on resume (allowed: {', '.join(OVERRIDABLE)}); "
                           "start a new run_dir")
     changed = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
-    refused = {k: v for k, v in changed.items() if not _under(k, FREE) and not _under(k, overrides)}
+    refused = {k: v for k, v in changed.items() if not under(k, FREE) and not under(k, overrides)}
     if refused:
         what = "; ".join(f"{k}: {v[0]!r} in the checkpoint, {v[1]!r} now" for k, v in refused.items())
-        hint = ("pass resume_override=[" + ",".join(k for k in refused if _under(k, OVERRIDABLE)) + "] to change them"
-                if all(_under(k, OVERRIDABLE) for k in refused) else "that is a new run: choose another run_dir=")
-        raise ConfigError(f"resume: the run config differs from the checkpoint's ({what}); {hint}")
-    applied = {k: v for k, v in changed.items() if _under(k, overrides)}
+        hint = ("pass resume_override=[" + ",".join(k for k in refused if under(k, OVERRIDABLE)) + "] to change them"
+                if all(under(k, OVERRIDABLE) for k in refused) else "that is a new run: choose another run_dir=")
+        raise ResumeRefused(f"resume: the run config differs from the checkpoint's ({what}); {hint}", refused)
+    applied = {k: v for k, v in changed.items() if under(k, overrides)}
     for k, (old, new) in applied.items():
         log.info("resume: %s changed from %r to %r (resume_override)", k, old, new)
     return applied

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from dspark import factory
 from dspark.data.feature_cache_build import rows_before_target
 from dspark.data.feature_stream import producer_scope
-from dspark.errors import require
+from dspark.errors import ConfigError, require
 from dspark.integrity import check_file, remove_checked, write_checked
 from dspark.io import atomic_write_json
 from dspark.training import draft_dir
@@ -51,6 +51,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         remove_checked(Path(path))
 
 
+RESUME_RECORD = "resume.json"  # {"resume": the train.py command that resumes this run}, written at every start
 CKPT_HINT = "resume from an earlier checkpoint (resume=<path to a stepNNNNNNN.ckpt>) or start a new run_dir"
 
 
@@ -299,19 +300,40 @@ def run_training(cfg: DictConfig, callbacks: tuple[Callback, ...] = ()) -> dict:
     with claim_run_dir(run_dir):
         ckpt_path = resolve_resume(cfg, run_dir)
         if ckpt_path is not None:
-            check_resumed_config(values, Path(ckpt_path))
+            print_and_log(check_resumed_config(values, Path(ckpt_path), run_dir))
+        if is_launcher_process():
+            atomic_write_json(run_dir / RESUME_RECORD, {"resume": resume_command(cfg, run_dir)})
         return _train(cfg, run_dir, ckpt_path, callbacks)
 
 
-def check_resumed_config(values: dict, ckpt: Path) -> None:
-    """The resolved config against the checkpoint's, before any model loads (dspark.training.resume)."""
-    from dspark.training.resume import checkpoint_config, compare_on_resume
+def check_resumed_config(values: dict, ckpt: Path, run_dir: Path) -> str:
+    """The resolved config against the checkpoint's, before any model loads (dspark.training.resume) -> the one
+    line that says how far the resumed run goes. A refused config names the command this run was last started
+    with (run_dir/resume.json), when it has one: a resume that forgot the experiment or an override is one line."""
+    from dspark.preflight import command_line_overrides
+    from dspark.training.resume import (OVERRIDABLE, ResumeRefused, checkpoint_config, compare_on_resume,
+                                        planned_steps, under)
 
-    then = checkpoint_config(ckpt)
+    then, step = checkpoint_config(ckpt)
     now = {k: v for k, v in values.items() if k != "draft_resolved"}
     if not values["draft_resolved"] and isinstance(then.get("draft"), dict):  # a Hub target: sizes unknown here
         now["draft"] = {**then["draft"], **{k: v for k, v in now["draft"].items() if k != "arch" and v is not None}}
-    compare_on_resume(now, then)
+    try:
+        compare_on_resume(now, then)
+    except ResumeRefused as e:
+        record = run_dir / RESUME_RECORD
+        own = json.loads(record.read_text()).get("resume") if record.is_file() else None
+        if own is None or all(under(k, OVERRIDABLE) for k in e.refused):
+            raise
+        was, is_ = then.get("experiment_name"), now.get("experiment_name")
+        shown = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in list(e.refused.items())[:3])
+        other = (f"was made with experiment={was}, not {is_}" if was != is_ else
+                 f"was started with other settings ({shown}{'; ...' if len(e.refused) > 3 else ''})")
+        raise ConfigError(f"resume: this run {other}: resume it with its own command: {own} (or choose another "
+                          "run_dir= for a new run)") from None
+    named = [o.split("=", 1)[0].lstrip("+~") for o in command_line_overrides()]
+    asked = "trainer.max_steps" in named or "trainer.max_steps" in list(values.get("resume_override") or [])
+    return planned_steps(then, step, int(values["trainer"]["max_steps"]), asked)
 
 
 def _train(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> dict:
