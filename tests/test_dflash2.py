@@ -238,6 +238,12 @@ def test_the_tiny_experiment_trains_the_selector_and_the_convolutions(tiny_run):
     saved = json.loads((run / "metrics.json").read_text())
     for part in ("step0", "final"):
         assert 1.0 <= saved[part]["val/tau_prob"] <= 1.0 + cfg.draft.block_size
+    # the tiny Llama has random weights: its distribution is near-uniform, and the run says what tau_prob then means
+    health = saved["target_health"]
+    assert health["entropy"] >= 0.9 * health["ln_vocab"], health
+    from dspark.targets.health import degenerate_warning
+
+    assert degenerate_warning(health).startswith("warning: the target is near-uniform")
     weights = load_file(run / "draft" / "model.safetensors")
     group = json.loads((run / "draft" / "draft_config.json").read_text())
     assert group["kind"] == "dflash2" and group["selector_top_k"] == 8

@@ -318,6 +318,13 @@ def test_the_console_summary_is_readable():
     assert "accept: share of drafted tokens accepted" in text and "overhead: share of the speculative" in text
     assert "speedup < 1 is expected here: on a tiny target on CPU" in text and "AL is the measure" in text
     assert text.splitlines()[-1] == "picture: /r/eval/acceptance.T0.g3.png (conditional acceptance)"
+    assert "exact: requests whose greedy speculative output equals the plain target's" in text
+    exact = ev.format_summary({"gsm8k": {**_report(2.0, 1.2), "greedy_outputs_equal_target": "6/6"}}, Path("/r"))
+    row = next(ln for ln in exact.splitlines() if ln.startswith("gsm8k"))
+    assert row.split()[:6] == ["gsm8k", "2.000", "0.250", "1.20x", "2.0%", "6/6"], row
+    warned = ev.format_summary({"humaneval": {**_report(4.0, 1.8), "target_warning": "warning: the target repeats"}},
+                               Path("/r"))
+    assert "warning: the target repeats" in warned
     assert "speedup < 1" not in ev.format_summary({"gsm8k": _report(2.0, 1.2)}, Path("/r"))
 
 
@@ -330,7 +337,32 @@ def test_calibration_temperatures_at_the_fit_bounds_are_named():
     conf = {"split": {"heldout_blocks": 40}, "calibration": {
         "pooled": {"ece_before": 0.1, "ece_after": 0.03}, "temperatures": [0.24, 0.05],
         "fit_bounds": [0.05, 20.0], "temperatures_at_bound": [{"k": 2, "T": 0.05, "bound": "lower"}]}}
-    assert "position 2 (T = 0.05, lower) hit the end of the fit range [0.05, 20]" in ev.format_confidence(conf)
+    text = ev.format_confidence(conf)
+    assert "position 2 (T = 0.05, lower) hit the end of the allowed range [0.05, 20]" in text
+    assert "STS (the confidence head's calibration: one temperature per draft position" in text
+
+
+def test_adaptive_verification_is_said_in_words_and_a_draft_without_a_head_says_so():
+    av = {"engine_steps": 40, "estimator": {"tokens_per_s": 418.2, "refits": 3}, "verify_all": {"tokens_per_s": 400.0},
+          "head": {"tokens_per_s": 436.6}, "head_vs_estimator": 436.6 / 418.2, "head_pays": True}
+    text = ev.format_adaptive("gsm8k", av)
+    assert "vLLM verifies fewer drafted tokens when they look unlikely to be accepted" in text
+    assert "confidence head 436.6 tok/s, vLLM's acceptance estimator 418.2 tok/s, verifying all drafts 400.0 tok/s; " \
+           "the confidence head is worth using here (x1.044 vs the estimator)" in text
+    no_head = ev.format_adaptive("gsm8k", {**av, "head": None})
+    assert "n/a" not in no_head and "confidence head" not in no_head.split("(this draft")[0]
+    assert no_head.endswith("(this draft has no confidence head)")
+
+
+def test_the_reliability_plot_has_a_title(tmp_path, monkeypatch):
+    from dspark.evaluation import plots
+
+    seen = {}
+    monkeypatch.setattr(plots, "_save", lambda plt, fig, ax, path: seen.setdefault("title", ax.get_title()))
+    table = {"confidence": [0.2, 0.8], "accuracy": [0.1, 0.9], "counts": [3, 4]}
+    plots.plot_reliability({"pooled": {"ece_before": 0.1, "ece_after": 0.05, "reliability_before": table,
+                                       "reliability_after": table}}, tmp_path / "r.png")
+    assert seen["title"] == "confidence head reliability (held-out blocks)"
 
 
 def test_eval_keeps_decoded_samples_names_its_pictures_and_rounds_al(v4_run, tmp_path, capsys, caplog):
@@ -344,6 +376,8 @@ def test_eval_keeps_decoded_samples_names_its_pictures_and_rounds_al(v4_run, tmp
     assert samples == report["samples"] and len(samples) == 3  # 2 conversations x 2 turns, first 3 kept
     assert [(s["conversation"], s["turn"]) for s in samples] == [(0, 1), (0, 2), (1, 1)]
     assert all(s["prompt"] and isinstance(s["output"], str) and s["output"] == s["target_output"] for s in samples)
+    health = report["target_output_health"]  # 4. the target's own output tokens, counted
+    assert health["tokens"] == report["generated_tokens"] and 0 < health["top_token_share"] <= 1
     assert re.search(r"mt-bench: AL \d\.\d{3}$", caplog.text, re.M)
     last = capsys.readouterr().out.strip().splitlines()[-2:]
     assert last == [f"picture: {tmp_path / 'acceptance.T0.g4.png'} (conditional acceptance per draft position)",
@@ -429,3 +463,42 @@ def test_the_model_summary_says_whose_parameters_are_frozen(caplog):
                                   790_008, 790_000, 3.2, None)
     line = caplog.text
     assert "draft parameters: 790 K trainable, 8 frozen" in line and "frozen target is not part of the model" in line
+
+
+# ---- 4. a degenerate target is named, in one line that says what the number then means ---------------------------
+def test_degenerate_targets_are_named_and_healthy_ones_are_not():
+    import torch
+
+    from dspark.targets.health import degenerate_warning, distribution_health, output_health
+
+    uniform = distribution_health(torch.zeros(16, 50))  # [N, V]: every row uniform
+    assert uniform["entropy"] == pytest.approx(uniform["ln_vocab"]) == pytest.approx(3.912023, abs=1e-5)
+    assert "near-uniform (mean entropy 3.91 of ln V = 3.91 nats on 16 held-out positions" \
+        in degenerate_warning(uniform, what="tau_prob")
+    peaked = torch.full((4, 50), -10.0)
+    peaked[:, 7] = 10.0  # every row's top choice is token 7
+    one = distribution_health(peaked)
+    assert one["top_token"] == 7 and one["top_token_share"] == 1.0
+    assert "repeats one token (id 7: its top choice at 100% of 4 held-out positions)" in degenerate_warning(one)
+    varied = peaked.clone()
+    varied[torch.arange(4), torch.tensor([1, 2, 3, 4])] = 20.0  # four different top choices, sharp
+    assert degenerate_warning(distribution_health(varied)) is None
+    outputs = output_health([[5, 5, 5, 5], [5, 5, 9]])
+    assert outputs == {"tokens": 7, "top_token": 5, "top_token_share": 6 / 7}
+    assert "(id 5: 86% of its 7 output tokens): AL then measures" in degenerate_warning(outputs, what="AL")
+    assert degenerate_warning(output_health([[1, 2, 3], [4, 5, 6]]), what="AL") is None
+    assert degenerate_warning(output_health([[], []])) is None
+
+
+def test_the_final_report_warns_of_a_degenerate_target(tmp_path):
+    from dspark.targets.health import distribution_health
+    from dspark.training.run import final_report
+
+    import torch
+
+    summary = {"global_step": 4, "final": {"val/tau_prob": 3.2, "val/agree_0": 0.0},
+               "target_health": distribution_health(torch.zeros(8, 2048))}
+    text = final_report(summary, tmp_path, 1.0)
+    assert "warning: the target is near-uniform" in text and "tau_prob then measures" in text
+    summary["target_health"] = distribution_health(torch.randn(64, 2048) * 8)
+    assert "warning" not in final_report(summary, tmp_path, 1.0)

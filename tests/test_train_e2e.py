@@ -56,6 +56,11 @@ def test_tiny_run_writes_checkpoint_metrics_and_draft(tmp_path):
     for part in ("step0", "final"):
         assert 1.0 <= saved[part]["val/tau_prob"] <= 1.0 + cfg.draft.block_size
     assert saved["throughput"]["tokens_per_s"] > 0
+    from dspark.targets.health import degenerate_warning  # the trained tiny target is a real one: no warning
+
+    health = saved["target_health"]
+    assert health["positions"] > 0 and health["entropy"] < 0.9 * health["ln_vocab"] and health["top_token_share"] < 0.5
+    assert degenerate_warning(health) is None
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
     assert all(k.startswith("draft.") for k in ckpt["state_dict"])  # the frozen target is not saved
     assert ckpt["ChatDataModule"]["batches_consumed"] == 6

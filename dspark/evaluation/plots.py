@@ -79,5 +79,6 @@ def plot_reliability(calibration: dict, path: Path) -> Path:
         table = pooled[key]
         pts = [(c, a) for c, a, n in zip(table["confidence"], table["accuracy"], table["counts"]) if n]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    ax.set(xlabel="predicted P(prefix accepted)", ylabel="observed frequency", xlim=(0, 1), ylim=(0, 1))
+    ax.set(xlabel="predicted P(prefix accepted)", ylabel="observed frequency", xlim=(0, 1), ylim=(0, 1),
+           title="confidence head reliability (held-out blocks)")
     return _save(plt, fig, ax, path)

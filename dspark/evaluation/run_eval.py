@@ -34,6 +34,7 @@ from dspark.evaluation.speculative import DRAFT_SAMPLE_METHODS, Decoded, Timing,
     speculative_generate_batch
 from dspark.integrity import check_file
 from dspark.io import atomic_write_json, unwritable
+from dspark.targets.health import degenerate_warning, output_health
 from dspark.targets.hf_target import FrozenTarget
 from dspark.training import draft_dir
 
@@ -551,6 +552,11 @@ def run_eval(cfg: DictConfig, target_from_run: bool = False) -> dict[str, dict]:
         spec_batches += spec.batches
         reports[name] = {"benchmark": name, **common, **benchmark_report(spec, plain, temperature),
                          "samples": decoded_samples(target.tokenizer, convs, spec, plain, n_samples)}
+        target_outputs = plain if plain is not None else (spec if temperature == 0 else None)  # greedy: the same
+        if target_outputs is not None:
+            health = output_health([t.tolist() for turns in target_outputs.outputs for t in turns])
+            reports[name]["target_output_health"] = health
+            reports[name]["target_warning"] = degenerate_warning(health, target.tokenizer, what=f"{name}'s AL")
         if cfg.get("adaptive_verification", False) and any(d.steps and any(d.steps) for d in spec.batches):
             reports[name]["adaptive_verification"] = {
                 **adaptive.simulate([d.steps for d in spec.batches], sps()),
@@ -581,16 +587,20 @@ def run_eval(cfg: DictConfig, target_from_run: bool = False) -> dict[str, dict]:
 
 
 def format_adaptive(name: str, av: dict) -> str:
-    """One line: realised tokens/s of vLLM's adaptive verification with the head / the estimator vs verifying all."""
+    """One line in words: the tokens/s vLLM's adaptive verification would realise (simulated from this run's
+    acceptance) when the verify length is chosen by the draft's confidence head, by vLLM's acceptance-rate
+    estimator, or not chosen at all (verify every drafted token)."""
     def tps(p):
-        return "-" if p is None or p["tokens_per_s"] is None else f"{p['tokens_per_s']:.1f}"
+        return "-" if p is None or p["tokens_per_s"] is None else f"{p['tokens_per_s']:.1f} tok/s"
 
     head = av.get("head")
-    verdict = "" if head is None else (f"; head/estimator x{av['head_vs_estimator']:.3f}: the head "
-                                       + ("pays" if av["head_pays"] else "does not pay"))
-    return (f"{name}: adaptive verification (simulated, {av['engine_steps']} steps, estimator refits "
-            f"{av['estimator']['refits']}): head {tps(head) if head else 'n/a'} tok/s, estimator "
-            f"{tps(av['estimator'])} tok/s, verify all {tps(av['verify_all'])} tok/s{verdict}")
+    by_head = (f"confidence head {tps(head)}, " if head else "")
+    verdict = ("" if head is None else f"; the confidence head is {'worth' if av['head_pays'] else 'not worth'} "
+               f"using here (x{av['head_vs_estimator']:.3f} vs the estimator)")
+    return (f"{name}: adaptive verification (vLLM verifies fewer drafted tokens when they look unlikely to be "
+            f"accepted; simulated over {av['engine_steps']} engine steps): verify length chosen by {by_head}"
+            f"vLLM's acceptance estimator {tps(av['estimator'])}, verifying all drafts {tps(av['verify_all'])}"
+            + (verdict if head else " (this draft has no confidence head)"))
 
 
 def format_confidence(conf: dict) -> str:
@@ -607,21 +617,25 @@ def format_confidence(conf: dict) -> str:
     if at_bound:
         lo, hi = cal.get("fit_bounds", (None, None))
         where = ", ".join(f"{b['k']} (T = {b['T']:g}, {b['bound']})" for b in at_bound)
-        lines.append(f"STS: the temperature of position{'s' if len(at_bound) > 1 else ''} {where} hit the end of the fit range [{lo:g}, {hi:g}]: "
-                     "a bound, not a fitted optimum (usually drafts there are almost never, or always, accepted "
-                     "in the fit split; more prompts give a real fit)")
+        lines.append(f"STS (the confidence head's calibration: one temperature per draft position, fitted on half the "
+                     f"requests): position{'s' if len(at_bound) > 1 else ''} {where} hit the end of the allowed range "
+                     f"[{lo:g}, {hi:g}]: a bound, not a fitted optimum (usually drafts there are almost never, or "
+                     "always, accepted in the fit split; more prompts give a real fit)")
     return "\n".join(lines)
 
 
 LEGEND = ("AL: mean acceptance length, tokens per verify step incl. the bonus token (vLLM's); accept: share of "
           "drafted tokens accepted; speedup: speculative vs plain-target tokens/s; overhead: share of the speculative "
-          "wall time outside model forwards (Python harness)")
+          "wall time outside model forwards (Python harness); exact: requests whose greedy speculative output equals "
+          "the plain target's, token for token (it must be all of them)")
 
 
 def format_summary(reports: dict[str, dict], out_dir: Path, pictures: list[tuple[Path, str]] | tuple = (),
                    tiny_cpu: bool = False) -> str:
-    lines = [f"{'benchmark':<12} {'AL':>6} {'accept':>7} {'speedup':>8} {'overhead':>8}  per-position rate (cumulative)"]
+    lines = [f"{'benchmark':<12} {'AL':>6} {'accept':>7} {'speedup':>8} {'overhead':>8} {'exact':>7}  "
+             "per-position rate (cumulative)"]
     for name, r in reports.items():
+        exact = r.get("greedy_outputs_equal_target") or "-"
         al = r["mean_acceptance_length"]
         rate = r["draft_acceptance_rate"]
         sp = r.get("speedup_vs_target")
@@ -629,7 +643,8 @@ def format_summary(reports: dict[str, dict], out_dir: Path, pictures: list[tuple
         pos = " ".join(f"{x:.2f}" for x in r["per_position_rate"] if x is not None)
         lines.append(f"{name:<12} {'-' if al is None else f'{al:6.3f}':>6} "
                      f"{'-' if rate is None else f'{rate:7.3f}':>7} {'-' if sp is None else f'{sp:7.2f}x':>8} "
-                     f"{'-' if ov is None else f'{100 * ov:7.1f}%':>8}  {pos}")
+                     f"{'-' if ov is None else f'{100 * ov:7.1f}%':>8} {exact:>7}  {pos}")
+    lines += [r["target_warning"] for r in reports.values() if r.get("target_warning")]
     lines.append(LEGEND)
     if any(r.get("speedup_vs_target") is not None and r["speedup_vs_target"] < 1 for r in reports.values()):
         lines.append("speedup < 1" + (

@@ -176,6 +176,17 @@ class DraftLightningModule(L.LightningModule):
             return TargetFeatures(aux=batch["aux"].to(dtype), final=batch["final"].to(dtype))
         return self.target.features(batch["input_ids"], batch["attention_mask"], pre_head=pre_head)
 
+    @torch.no_grad()
+    def measure_target(self, batch: dict[str, torch.Tensor], max_positions: int = 128) -> dict | None:
+        """The target's next-token distribution at up to `max_positions` held-out loss positions of `batch` (is it
+        near-uniform, or one repeated token? dspark.targets.health); None when the batch has no loss position."""
+        from dspark.targets.health import distribution_health
+
+        final = self.features(batch).final  # [B, S, H]
+        predicts = (batch["loss_mask"] * batch["attention_mask"])[:, 1:].bool()  # position t predicts token t+1
+        rows = final[:, :-1][predicts][:max_positions]  # [N, H]
+        return distribution_health(self.target.logits_from_final(rows)) if rows.shape[0] else None
+
     # ---- the objective -----------------------------------------------------------------------------
     def losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -210,6 +221,8 @@ class DraftLightningModule(L.LightningModule):
         self._val = {}
 
     def validation_step(self, batch, batch_idx):
+        if getattr(self, "target_health", None) is None:  # once per run (dspark.targets.health)
+            self.target_health = self.measure_target(batch)
         for key, value in self._run(lambda: self.validation_sums(batch)).items():
             v = value.detach().double()
             self._val[key] = self._val[key] + v if key in self._val else v

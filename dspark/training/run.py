@@ -265,8 +265,11 @@ def resume_command(cfg: DictConfig, run_dir: Path) -> str:
 
 
 def final_report(summary: dict, run_dir: Path, seconds: float, pictures: list[Path] | tuple = (),
-                 resume: str | None = None) -> str:
-    """The run's last console lines: where the outputs are and what the held-out result was, in words."""
+                 resume: str | None = None, tokenizer=None) -> str:
+    """The run's last console lines: where the outputs are and what the held-out result was, in words (with a
+    warning when the target is degenerate: dspark.targets.health)."""
+    from dspark.targets.health import degenerate_warning
+
     final, step0 = summary.get("final", {}), summary.get("step0", {})
     lines = [f"dspark: training finished at step {summary.get('global_step')} in {seconds:.0f} s."]
     tau = final.get("val/tau_prob")
@@ -277,6 +280,9 @@ def final_report(summary: dict, run_dir: Path, seconds: float, pictures: list[Pa
                      f"incl. the bonus token; per-position agreement: "
                      + ", ".join(f"{k.removeprefix('val/agree_')}: {v:.2f}" for k, v in sorted(final.items())
                                  if k.startswith("val/agree_")))
+    warning = degenerate_warning(summary.get("target_health"), tokenizer, what="tau_prob")
+    if warning:
+        lines.append(f"  {warning}")
     lines += [f"  trained draft:  {run_dir / draft_dir.DRAFT_DIR}/ (weights, config, target record, checksums)",
               f"  checkpoints:    {run_dir / 'checkpoints'}/last.ckpt (resume: "
               f"{resume or f'python train.py run_dir={run_dir} resume=last'})",
@@ -380,6 +386,7 @@ def _fit(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks, targe
     summary.update(
         final=dict(getattr(module, "last_val_metrics", {})), global_step=trainer.global_step,
         draft_parameters=n_params, throughput=throughput.summary(), experiment=cfg.experiment_name,
+        target_health=getattr(module, "target_health", None),
     )
     if trainer.is_global_zero:
         draft_dir.seal(out, target_record(cfg, target.fingerprint()))
@@ -388,5 +395,5 @@ def _fit(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks, targe
             logger.save()
         curves = write_curves(run_dir, title=f"{cfg.experiment_name}: {run_dir.name}")
         print_and_log(final_report(summary, run_dir, time.perf_counter() - t0, [curves] if curves else [],
-                                   resume=resume_command(cfg, run_dir)))
+                                   resume=resume_command(cfg, run_dir), tokenizer=target.tokenizer))
     return summary
