@@ -256,7 +256,7 @@ def test_the_tiny_experiment_trains_the_selector_and_the_convolutions(tiny_run):
 
 
 @pytest.mark.slow  # ~40 s with the tiny run (CI runs slow tests too, .ci/run)
-def test_the_tiny_run_exports_verifies_and_reimports(tiny_run):
+def test_the_tiny_run_exports_verifies_and_reimports(tiny_run, capsys):
     from dspark.export.__main__ import main as export_main
     from dspark.export.dflash2 import import_dflash2
     from dspark.export.verify import verify_folder
@@ -266,6 +266,9 @@ def test_the_tiny_run_exports_verifies_and_reimports(tiny_run):
     out = root / "export"
     assert export_main(["dflash2", "--run-dir", str(run), "--out", str(out), "--dtype", "float32"]) == 0
     assert verify_folder(out).ok
+    hint = capsys.readouterr().out.strip().splitlines()[-1]  # the next step: a draft model of its own for vLLM
+    assert hint.startswith("next: vllm serve <target> --speculative-config '{\"method\": \"dflash\", "
+                           f"\"num_speculative_tokens\": {cfg.draft.block_size}, \"model\": \"{out}\"}}'"), hint
     weights = load_file(run / "draft" / "model.safetensors")
     group = __import__("json").loads((run / "draft" / "draft_config.json").read_text())
     fresh = import_dflash2(out, DFlash2Draft(registry.config_from_group(group)))

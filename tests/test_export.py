@@ -275,7 +275,21 @@ def test_cli_exports_verifies_and_reimports_a_tiny_v4_run(tmp_path):
     out = tmp_path / "out"
     res = _cli("v4", "--run-dir", str(run), "--target", "tiny_v4", "--out", str(out), "--dtype", "float32")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.strip().splitlines()[-1].startswith("OK ")
+    *_, ok, hint = res.stdout.strip().splitlines()
+    assert ok.startswith("OK ")
+    # the next step is printed as commands: a V4 sidecar is merged into the target before vLLM reads it
+    assert hint.startswith("next: vLLM reads this draft from inside the target's checkpoint: merge it"), hint
+    merge = hint.split("(", 1)[1].split(")", 1)[0].split()
+    assert merge[:4] == ["python", "-m", "dspark.export", "v4"] and "--merge-into" in merge, merge
+    from dspark.targets.tiny_v4 import TINY_V4_DIR
+
+    merged = tmp_path / "merged"
+    filled = [str(TINY_V4_DIR) if a == "<target" else str(merged) if a == "<merged" else a for a in merge[3:]
+              if a not in ("checkpoint", "folder>")]
+    res = _cli(*filled, "--target", "tiny_v4", "--dtype", "float32")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.strip().splitlines()[-1] == (f"next: vllm serve {merged} --speculative-config "
+                                                   "'{\"method\": \"dspark\", \"num_speculative_tokens\": 4}'")
     assert json.loads((out / "dspark_config.json").read_text())["n_mtp_layers"] == 2
     back = factory.build_draft(cfg, target)
     assert not torch.equal(_logits(draft), _logits(back))

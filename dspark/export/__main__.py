@@ -249,6 +249,26 @@ FORMATS = {
 }
 
 
+def next_step(args: argparse.Namespace, draft) -> str:
+    """What to do with the folder just written, as commands: DeepSeek-V4 / V4.1 / MTP drafts are read by vLLM from
+    inside the target checkpoint (a sidecar must be merged first); dense / DFlash2 folders are a draft model of
+    their own (speculative_config `model`)."""
+    import json
+
+    cfg = draft.config
+    spec = {"method": cfg.vllm_method, "num_speculative_tokens": int(getattr(cfg, type(cfg).DRAFTS_KEY))}
+    run = args.run_dir
+    if args.cmd in ("v4", "v41", "mtp"):
+        if getattr(args, "merge_into", None) is None:
+            return (f"next: vLLM reads this draft from inside the target's checkpoint: merge it into a copy of the "
+                    f"target (python -m dspark.export {args.cmd} --run-dir {run} --merge-into <target checkpoint "
+                    f"folder> --out <merged folder>), then serve that folder: vllm serve <merged folder> "
+                    f"--speculative-config '{json.dumps(spec)}'")
+        return f"next: vllm serve {args.out} --speculative-config '{json.dumps(spec)}'"
+    return (f"next: vllm serve <target> --speculative-config '{json.dumps({**spec, 'model': str(args.out)})}'; "
+            f"python -m dspark.serve_check run_dir={run} export={args.out} compares vLLM's acceptance with eval.py's")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark.export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -288,7 +308,10 @@ def main(argv: list[str] | None = None) -> int:
         target, draft, cfg = _load_run_draft(args.run_dir, *resolve_target(args))
         FORMATS[args.cmd][3](target, draft, cfg, args, getattr(torch, args.dtype), int(args.max_shard_gb * 2**30))
     print(f"wrote {args.out}")
-    return 0 if args.no_verify else main_verify(args.out)
+    status = 0 if args.no_verify else main_verify(args.out)
+    if status == 0:
+        print(next_step(args, draft))
+    return status
 
 
 if __name__ == "__main__":
