@@ -502,3 +502,21 @@ def test_the_final_report_warns_of_a_degenerate_target(tmp_path):
     assert "warning: the target is near-uniform" in text and "tau_prob then measures" in text
     summary["target_health"] = distribution_health(torch.randn(64, 2048) * 8)
     assert "warning" not in final_report(summary, tmp_path, 1.0)
+
+
+# ---- 5. the chat template's generation prompt is what an assistant turn starts with ---------------------------
+@pytest.mark.parametrize("name", ["tiny_v4", "tiny_hy_v4"])
+def test_the_generation_prompt_starts_the_assistant_turn_the_target_was_trained_on(name):
+    """eval renders [user] + the generation prompt; the target was trained on whole rendered conversations. The
+    rendered prompt must be a prefix of the rendered [user, assistant] conversation, up to the assistant's text (a
+    wrong generation prompt, e.g. one missing its newline or repeating the role, makes the target write the role)."""
+    from transformers import AutoTokenizer
+
+    from dspark.targets.assets import asset_dir
+
+    tok = AutoTokenizer.from_pretrained(asset_dir(name))
+    user = [{"role": "user", "content": "What is 2 + 2?"}]
+    prompt = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    whole = tok.apply_chat_template(user + [{"role": "assistant", "content": "4"}], tokenize=False)
+    assert whole.startswith(prompt) and whole[len(prompt):].startswith("4"), (prompt, whole)
+    assert prompt.endswith("<|im_start|>assistant\n")  # ChatML, the template both tiny targets were trained with

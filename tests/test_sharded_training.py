@@ -29,14 +29,48 @@ def test_trainer_fsdp2_builds_the_fsdp2_strategy(tmp_path):
     assert type(full.strategy) is FSDP2Strategy and not full.strategy._save_distributed_checkpoint
 
 
-def test_an_incomplete_sharded_checkpoint_is_refused_before_any_model_loads(tmp_path):
-    folder = tmp_path / "checkpoints" / "last.ckpt"
+def _sharded_folder(folder, step: int, complete: bool = True):
+    """A stand-in sharded checkpoint folder: two ranks' shards, .metadata, meta.pt; sealed when `complete`."""
+    from dspark.training.sharding import seal_sharded_checkpoint
+
     folder.mkdir(parents=True)
-    (folder / "__0_0.distcp").write_bytes(b"")
-    with pytest.raises(ConfigError, match=r"resume.*meta\.pt"):
+    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata"):
+        (folder / name).write_bytes(name.encode())
+    torch.save({"global_step": step}, folder / "meta.pt")
+    if complete:
+        seal_sharded_checkpoint(folder)
+    return folder
+
+
+def test_resume_last_takes_the_newest_complete_sharded_checkpoint_and_skips_an_unsealed_one(tmp_path, caplog):
+    ckpts = tmp_path / "checkpoints"
+    last = ckpts / "last.ckpt"
+    last.mkdir(parents=True)
+    (last / "__0_0.distcp").write_bytes(b"")  # what an in-place write interrupted by a crash left (issue 40)
+    with pytest.raises(ConfigError, match=r"holds no complete checkpoint to resume"):
         resolve_resume(compose([f"run_dir={tmp_path}", "resume=last"]), tmp_path)
-    torch.save({"global_step": 2}, folder / "meta.pt")
-    assert resolve_resume(compose([f"run_dir={tmp_path}", "resume=last"]), tmp_path) == str(folder)
+    step4 = _sharded_folder(ckpts / "step0000004.ckpt", 4)
+    _sharded_folder(ckpts / "step0000008.ckpt", 8, complete=False)  # killed while writing: no completion record
+    with caplog.at_level("INFO", logger="dspark.train"):
+        assert resolve_resume(compose([f"run_dir={tmp_path}", "resume=last"]), tmp_path) == str(step4)
+    assert "last.ckpt has no completion record" in caplog.text and "step0000008.ckpt has no completion" in caplog.text
+    assert "resume=last: step0000004.ckpt (step 4, the newest complete checkpoint)" in caplog.text
+    # an explicit incomplete folder is refused naming the complete alternative
+    with pytest.raises(ConfigError, match=rf"step0000008.ckpt' is incomplete .* resume={step4}$"):
+        resolve_resume(compose([f"run_dir={tmp_path}", f"resume={ckpts / 'step0000008.ckpt'}"]), tmp_path)
+    # a complete folder whose files changed since: refused naming the file
+    (step4 / "__1_0.distcp").write_bytes(b"altered")
+    from dspark.errors import IntegrityError
+
+    with pytest.raises(IntegrityError, match=r"__1_0\.distcp"):
+        resolve_resume(compose([f"run_dir={tmp_path}", f"resume={step4}"]), tmp_path)
+    # last.ckpt complete at the same step as a step folder: last.ckpt
+    import shutil
+
+    shutil.rmtree(last)
+    _sharded_folder(last, 4)
+    (step4 / "__1_0.distcp").write_bytes(b"__1_0.distcp")
+    assert resolve_resume(compose([f"run_dir={tmp_path}", "resume=last"]), tmp_path) == str(last)
 
 
 def _train_py(args, timeout=600):
@@ -96,3 +130,69 @@ def test_fsdp2_two_processes_match_one_process_and_resume_from_a_sharded_checkpo
     assert sorted(e1) == sorted(e2)
     for k in e1:
         torch.testing.assert_close(e2[k], e1[k], rtol=0, atol=1e-4)
+
+
+# ---- issue 40: sharded checkpoints are crash-safe -------------------------------------------------------------------
+def _fsdp2_cmd(run, max_steps: int, resume: bool) -> list[str]:
+    return [sys.executable, str(REPO / "train.py"), *TINY_RUN, f"run_dir={run}", f"trainer.max_steps={max_steps}",
+            "train.batch_size=2", "trainer=fsdp2", "trainer.accelerator=cpu", "trainer.devices=2",
+            "trainer.precision=32-true", "trainer.enable_progress_bar=false", "data.num_workers=0",
+            "trainer.val_check_interval=4", "callbacks.last_checkpoint.every_n_train_steps=2",
+            *(["resume=last"] if resume else [])]
+
+
+def _launch_and_kill_when(cmd, log, what: str, cond) -> None:
+    """Starts a 2-rank job in its own process group and SIGKILLs every rank once `cond` (a file the job wrote)
+    holds; never a wall-clock moment."""
+    import signal
+
+    from conftest import wait_until
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(proc, what, cond, log.read_text, 900)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_fsdp2_killed_mid_write_and_after_a_write_resumes_onto_the_uninterrupted_run(tmp_path):
+    """A 2-rank FSDP2 run (checkpoint every 2 steps, 8 steps) killed -9 twice: (b) while step 4's checkpoint is being
+    written (its staging folder is there, or it is already complete), then (a) right after step 6's checkpoint is
+    complete, with last.ckpt/ replaced by what an in-place write interrupted by a crash leaves (only the ranks'
+    .distcp shards). Each time resume=last takes the newest complete checkpoint (the unsealed last.ckpt/ is skipped
+    with a warning); the finished draft equals the uninterrupted run's."""
+    import shutil
+
+    ref, run = tmp_path / "reference", tmp_path / "killed"
+    r = subprocess.run(_fsdp2_cmd(ref, 8, False), env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                       cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpts = run / "checkpoints"
+    for name in ("step0000004.ckpt", "step0000006.ckpt"):  # final names appear only when complete
+        assert not (ref / "checkpoints" / f".{name}.partial").exists()
+    # (b) inside step 4's checkpoint write
+    _launch_and_kill_when(_fsdp2_cmd(run, 8, False), tmp_path / "b.log", "step 4's checkpoint write",
+                          lambda: (ckpts / ".step0000004.ckpt.partial").exists() or (ckpts / "step0000004.ckpt").exists())
+    for folder in [p for p in ckpts.glob("*.ckpt") if p.is_dir()]:  # every visible folder is complete
+        assert (folder / "dspark_manifest.json").is_file() and (folder / "meta.pt").is_file(), folder
+    # (a) right after step 6's checkpoint is complete; last.ckpt/ as an interrupted in-place write leaves it
+    _launch_and_kill_when(_fsdp2_cmd(run, 8, True), tmp_path / "a.log", "step 6's complete checkpoint",
+                          lambda: (ckpts / "step0000006.ckpt" / "dspark_manifest.json").is_file())
+    shutil.rmtree(ckpts / "last.ckpt", ignore_errors=True)
+    (ckpts / "last.ckpt").mkdir()
+    for shard in (ckpts / "step0000006.ckpt").glob("*.distcp"):
+        shutil.copy(shard, ckpts / "last.ckpt" / shard.name)
+    r = subprocess.run(_fsdp2_cmd(run, 8, True), env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                       cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = r.stdout + r.stderr + (run / "train.log").read_text()
+    assert "last.ckpt has no completion record" in said and "resume: continuing from step 6 to 8" in said, said[-3000:]
+    w_ref, w_run = load_file(ref / "draft" / "model.safetensors"), load_file(run / "draft" / "model.safetensors")
+    assert sorted(w_ref) == sorted(w_run)
+    for k in w_ref:  # same ranks, shapes and threads on both sides: equal up to fp32 reduction noise at most
+        torch.testing.assert_close(w_run[k], w_ref[k], rtol=0, atol=1e-6)
+    assert not list(ckpts.glob(".*.partial")) and not list(ckpts.glob(".*.old"))

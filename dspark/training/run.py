@@ -18,7 +18,7 @@ from dspark import factory
 from dspark.data.feature_cache_build import rows_before_target
 from dspark.data.feature_stream import producer_scope
 from dspark.errors import ConfigError, require
-from dspark.integrity import check_file, remove_checked, write_checked
+from dspark.integrity import MANIFEST_NAME, check_file, check_manifest, remove_checked, write_checked
 from dspark.io import atomic_write_json
 from dspark.training import draft_dir
 from dspark.training.callbacks import Throughput
@@ -107,37 +107,60 @@ def resolve_resume(cfg: DictConfig, run_dir: Path) -> str | None:
         return None
     if cfg.resume == "last":
         path = newest_checkpoint(run_dir / "checkpoints")
-        require(path is not None, "resume", f"{run_dir / 'checkpoints'} holds no checkpoint to resume (resume=last)")
+        require(path is not None, "resume", f"{run_dir / 'checkpoints'} holds no complete checkpoint to resume "
+                                            "(resume=last)")
     else:
         path = Path(str(cfg.resume))
     if path.is_dir():  # a sharded checkpoint (trainer=fsdp2): one file per rank + the run state in meta.pt
-        require((path / SHARDED_META).is_file(), "resume",
-                f"checkpoint folder {str(path)!r} has no {SHARDED_META}: not a complete trainer=fsdp2 checkpoint "
-                "(DeepSpeed checkpoint folders are not resumable by dspark yet)")
+        if not sharded_complete(path):
+            other = newest_checkpoint(path.parent)
+            instead = f"resume from the newest complete one: resume={other}" if other else \
+                "no other checkpoint beside it is complete: start a new run_dir"
+            require(False, "resume", f"checkpoint folder {str(path)!r} is incomplete (no {MANIFEST_NAME}, the "
+                                     f"completion record written when every rank's shard and {SHARDED_META} are "
+                                     f"in: a write interrupted by a crash, or a copy); {instead}")
+        check_manifest(path, hint=CKPT_HINT, since="the checkpoint was written")
         return str(path)
     require(path.is_file(), "resume", f"checkpoint {str(path)!r} does not exist")
     check_file(path, hint=CKPT_HINT)
     return str(path)
 
 
+def sharded_complete(folder: Path) -> bool:
+    """A sharded checkpoint folder is complete when its completion record (dspark.training.sharding) is there."""
+    return (folder / MANIFEST_NAME).is_file() and (folder / SHARDED_META).is_file()
+
+
 def newest_checkpoint(folder: Path) -> Path | None:
-    """What resume=last resumes: last.ckpt, unless a stepNNNNNNN.ckpt holds a later step (a kill between the two
-    writes of one step leaves the step file newer, or last.ckpt not yet written). A last.ckpt whose step cannot be
-    read is still the one chosen, so its damage is reported rather than silently skipped. None: no checkpoint."""
+    """What resume=last resumes: the newest COMPLETE checkpoint, file or sharded folder, by the step it holds;
+    last.ckpt on a tie (a kill between the two writes of one step leaves the step file newer, or last.ckpt not yet
+    written). A sharded folder without its completion record is skipped with a warning; a last.ckpt file whose
+    step cannot be read is still the one chosen, so its damage is reported rather than silently skipped. The
+    choice is logged with its reason. None: no checkpoint."""
     if not folder.is_dir():
         return None
-    steps = [(s, p) for p in sorted(folder.glob("step*.ckpt")) if (s := _saved_step(p)) is not None]
-    newest = max(steps, default=None, key=lambda sp: sp[0])
     last = folder / "last.ckpt"
-    if last.is_dir():  # sharded (trainer=fsdp2): the run's state is in the folder's meta.pt
-        return last
-    if last.is_file():
-        last_step = _saved_step(last)
-        if last_step is None or newest is None or last_step >= newest[0]:
-            return last
-        log.warning("resume=last: %s holds step %d, the newer %s step %d: resuming from that", last.name,
-                    last_step, newest[1].name, newest[0])
-    return None if newest is None else newest[1]
+    found: list[tuple[int, int, Path]] = []  # (step, 1 for last.ckpt, path)
+    for path in [last, *sorted(p for p in folder.glob("step*.ckpt"))]:
+        if path.is_dir() and not sharded_complete(path):
+            log.warning("resume=last: %s has no completion record (%s): an interrupted write, skipped", path.name,
+                        MANIFEST_NAME)
+            continue
+        if not path.exists():
+            continue
+        step = _saved_step(path)
+        if step is None and path == last and path.is_file():
+            return last  # unreadable: resuming from it reports the damage (checksum) instead of skipping it
+        if step is not None:
+            found.append((step, int(path == last), path))
+    if not found:
+        return None
+    step, _, chosen = max(found)
+    if chosen != last and (last.exists()):
+        log.warning("resume=last: %s holds an older step than %s (step %d): resuming from that", last.name,
+                    chosen.name, step)
+    log.info("resume=last: %s (step %d, the newest complete checkpoint)", chosen.name, step)
+    return chosen
 
 
 def target_record(cfg: DictConfig, fingerprint: str | None) -> dict:
@@ -153,7 +176,10 @@ def export_draft(draft: torch.nn.Module, cfg: DictConfig, out_dir: Path, fingerp
 
 
 def _saved_step(path: Path) -> int | None:
-    """The global_step a checkpoint file holds (its tensors memory-mapped, not read), None if unreadable."""
+    """The global_step a checkpoint file (or sharded folder: its meta.pt) holds (tensors memory-mapped, not read),
+    None if unreadable."""
+    if path.is_dir():
+        path = path / SHARDED_META
     try:
         return int(torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)["global_step"])
     except Exception:  # noqa: BLE001 (not a checkpoint this run can read: left alone)

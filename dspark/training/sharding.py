@@ -17,6 +17,9 @@ Lightning's FSDPStrategy refuses accelerator='cpu'; ModelParallelStrategy runs o
 """
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -34,6 +37,26 @@ class FSDP2Strategy(ModelParallelStrategy):
     def __init__(self, save_distributed_checkpoint: bool = True, **kwargs: Any):
         super().__init__(data_parallel_size=1, tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """A sharded checkpoint appears under its name only when complete: every rank writes its shard into a
+        hidden staging folder beside it (`.NAME.partial`); after a barrier, rank 0 writes the folder's completion
+        record (dspark_manifest.json: every file, the ranks' shards, .metadata and meta.pt, with its sha256) and
+        renames the folder into place (an older folder of that name is moved aside first, then removed). A crash
+        at any point leaves either the previous complete folder or none under NAME, never a partial one."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(str(filepath)))
+        staging = path.with_name(f".{path.name}.partial")
+        if self.global_rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.barrier("dspark_checkpoint_staging")
+        super().save_checkpoint(checkpoint, staging, storage_options)
+        self.barrier("dspark_checkpoint_written")
+        if self.global_rank == 0:
+            seal_sharded_checkpoint(staging)
+            move_into_place(staging, path)
+        self.barrier("dspark_checkpoint_renamed")
 
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_nodes * self.num_processes  # known before the process group starts
@@ -105,3 +128,30 @@ def gathered_draft_state(draft: nn.Module, is_global_zero: bool) -> dict[str, to
         with deepspeed.zero.GatheredParameters(list(draft.parameters()), modifier_rank=None):
             return ({k: v.detach().cpu().clone() for k, v in draft.state_dict().items()} if is_global_zero else {})
     return None
+
+
+def seal_sharded_checkpoint(folder: Path) -> None:
+    """The completion record of a sharded checkpoint folder: every file in it (the hidden .metadata of
+    torch.distributed.checkpoint included) with its sha256 (dspark.integrity's manifest), written last."""
+    from dspark.integrity import MANIFEST_NAME, write_manifest
+
+    names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
+    write_manifest(folder, names)
+
+
+def move_into_place(staging: Path, path: Path) -> None:
+    """Renames the complete `staging` folder to `path`, an existing `path` moved aside (`.NAME.old`) first and
+    removed after; the parent folder is synced so the rename survives a power loss."""
+    old = path.with_name(f".{path.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.is_dir():
+        os.replace(path, old)
+    elif path.exists():
+        path.unlink()
+    os.replace(staging, path)
+    shutil.rmtree(old, ignore_errors=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
