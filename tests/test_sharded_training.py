@@ -196,3 +196,40 @@ def test_fsdp2_killed_mid_write_and_after_a_write_resumes_onto_the_uninterrupted
     for k in w_ref:  # same ranks, shapes and threads on both sides: equal up to fp32 reduction noise at most
         torch.testing.assert_close(w_run[k], w_ref[k], rtol=0, atol=1e-6)
     assert not list(ckpts.glob(".*.partial")) and not list(ckpts.glob(".*.old"))
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_ends_the_job_in_one_line_naming_it_and_the_resume_command(tmp_path):
+    """kill -9 of rank 1 of 2 once training has written its step-2 checkpoint: rank 0 ends with exit 2 and one line naming rank 1,
+    how it ended, and the command that resumes the run; the run dir's lock is released."""
+    import signal
+
+    from conftest import wait_until
+    from dspark.training.run_dir import LOCK_NAME
+
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "job.log"
+    with open(log, "w") as out, open(tmp_path / "err.log", "w") as err:
+        proc = subprocess.Popen(_fsdp2_cmd(run, 200, False), env=env, cwd=REPO, stdout=out, stderr=err,
+                                start_new_session=True)
+    try:
+        wait_until(proc, "step 2's checkpoint", lambda: (run / "checkpoints" / "step0000002.ckpt").is_dir(), 900)
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        ranks = [int(p) for p in children if "LOCAL_RANK=1" in open(f"/proc/{p}/environ", "rb").read().decode(
+            errors="replace").replace("\0", " ")]
+        assert len(ranks) == 1, children
+        os.kill(ranks[0], signal.SIGKILL)
+        rc = proc.wait(timeout=600)  # a safety net: rank 0 ends on its own once its peer is gone
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    stderr = (tmp_path / "err.log").read_text()
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    assert rc == 2 and "Traceback" not in stderr, stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(f"train.py: error: rank 1 of 2 (pid {ranks[0]}, killed by SIGKILL) "
+                                                    "died during training"), lines
+    assert lines[0].split("resume it from its newest complete checkpoint: ")[1].startswith("python train.py ")
+    assert "resume=last" in lines[0] and f"run_dir={run}" in lines[0]
+    assert not (run / LOCK_NAME).exists()

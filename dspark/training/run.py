@@ -23,6 +23,7 @@ from dspark.io import atomic_write_json
 from dspark.training import draft_dir
 from dspark.training.callbacks import Throughput
 from dspark.training.draft_vocab import install_draft_vocab
+from dspark.training.rank_loss import rank_lost_error
 from dspark.training.resume import SHARDED_META
 from dspark.training.run_dir import claim_run_dir, is_launcher_process
 from dspark.training.sharding import gathered_draft_state
@@ -400,7 +401,13 @@ def _fit(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks, targe
         summary["step0"] = dict(getattr(module, "last_val_metrics", {}))
         if trainer.is_global_zero:
             atomic_write_json(summary_path, summary)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    except Exception as err:  # noqa: BLE001 (a rank that died: one line, dspark.training.rank_loss)
+        lost = rank_lost_error(err, trainer, resume_command(cfg, run_dir))
+        if lost is None:
+            raise
+        raise lost from None
     link_same_step_checkpoints(trainer)
     out = run_dir / draft_dir.DRAFT_DIR
     full = gathered_draft_state(draft, trainer.is_global_zero)  # FSDP2 / ZeRO-3 shards (a collective: every rank)
