@@ -122,7 +122,7 @@ def build_datamodule(cfg: DictConfig, tokenizer, dataset=None, target: FrozenTar
     follows the order the shards are written in."""
     from dspark.data import feature_stream
     from dspark.data.feature_cache_build import cache_wanted, prepare_feature_cache, stream_wanted
-    from dspark.training.data_module import ChatDataModule
+    from dspark.training.data_module import ChatDataModule, held_out_count
 
     if cache_wanted(cfg) and target is None:
         raise ValueError("build_datamodule: data.feature_cache needs the target (pass target=)")
@@ -130,7 +130,7 @@ def build_datamodule(cfg: DictConfig, tokenizer, dataset=None, target: FrozenTar
     dataset = dataset if dataset is not None else build_dataset(cfg, tokenizer)
     features = prepare_feature_cache(cfg, target, dataset)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    val = int(cfg.data.val_examples)
+    val = held_out_count(cfg.data.val_examples, len(dataset))  # auto -> its count (run.choose_held_out says it)
     # streamed: the first pass follows the producer's shards (whether or not the cache is complete by now)
     groups = feature_stream.first_pass_groups(len(dataset), val, feature_stream.SHARD_SIZE) \
         if stream_wanted(cfg) else None

@@ -77,10 +77,11 @@ def check_data(values: dict) -> None:
                     "scripts/regenerate.py (README, 'A real target')")
         require(data["path"] is not None and Path(str(data["path"])).is_file(), "data.path",
                 f"{data['path']!r} is not a file{hint}")
+        from dspark.data.jsonl import iter_jsonl_records, require_usable_records
+
+        require_usable_records(str(data["path"]), strict=bool(data["strict"]))  # 0 usable lines: refused now
         if data["strict"]:  # refuse a malformed line now, naming it, not after the target has loaded
             from itertools import islice
-
-            from dspark.data.jsonl import iter_jsonl_records
 
             for _ in islice(iter_jsonl_records(str(data["path"]), strict=True), data["limit"]):
                 pass

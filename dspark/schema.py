@@ -38,7 +38,7 @@ from dspark.errors import ConfigError
 def _range(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False):
     """field metadata: the value must lie in the range (bounds inclusive unless *_open)."""
     def check(v) -> str | None:
-        if v is None:
+        if v is None or isinstance(v, str):  # a word (e.g. "auto") is checked by its Literal
             return None
         if lo is not None and (v <= lo if lo_open else v < lo):
             return f"must be {'>' if lo_open else '>='} {lo}"
@@ -195,7 +195,8 @@ class DataKeys:
     strict: bool = field(metadata=doc("jsonl: refuse the file at a malformed line (else skip and count)"))
     max_length: int = field(metadata=doc("tokens per training sequence", **_range(3)))
     min_loss_tokens: int = field(metadata=doc("drop sequences with fewer assistant tokens", **NON_NEGATIVE))
-    val_examples: int = field(metadata=doc("held-out examples", **AT_LEAST_1))
+    val_examples: Union[int, Literal["auto"]] = field(metadata=doc(
+        "held-out examples; auto: a tenth of the conversations, at most 64, at least 1", **AT_LEAST_1))
     num_workers: int = field(metadata=doc("DataLoader workers", **NON_NEGATIVE))
     group_by_length: bool = field(metadata=doc("training batches of similar lengths (less padding; the order is "
                                                "still fixed by the seed)"))

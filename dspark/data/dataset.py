@@ -159,6 +159,13 @@ def cached_chat_dataset(
     stats = ChatDatasetStats()
     ds = build_chat_dataset(records_fn(), tokenizer, max_length, min_loss_tokens,
                             chat_template_kwargs=chat_template_kwargs, stats=stats)
+    if len(ds) == 0:  # never cached: a later run with the same key would silently train on nothing
+        from dspark.errors import ConfigError
+
+        raise ConfigError(f"data: {source_name.split(':')[0]} yielded 0 usable conversations ({stats.records} read, "
+                          f"{stats.dropped_few_loss_tokens} with fewer than {min_loss_tokens} answer tokens within "
+                          f"data.max_length={max_length}, {stats.dropped_render_errors} that the chat template could "
+                          "not render); nothing to train on")
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     ds.save_to_disk(str(tmp))
     meta = {"source": source_name, "max_length": max_length, "min_loss_tokens": min_loss_tokens,

@@ -80,9 +80,7 @@ def cache_dir_for_key(cfg: DictConfig, key: str) -> Path:
 
 def rows_before_target(cfg: DictConfig, dataset_builder):
     """The training rows (`dataset_builder(cfg, tokenizer)`, factory.build_dataset) made with the target's tokenizer
-    alone, before any model loads (plan_feature_cache needs them); None when data.feature_cache is null."""
-    if not cache_wanted(cfg):
-        return None
+    alone, before any model loads: the held-out split is checked against them, and plan_feature_cache needs them."""
     from dspark.targets.hf_target import load_target_tokenizer, resolve_target_source
 
     return dataset_builder(cfg, load_target_tokenizer(resolve_target_source(target_folder(cfg))))

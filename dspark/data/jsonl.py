@@ -95,6 +95,7 @@ def iter_jsonl_records(
     *,
     strict: bool = False,
     stats: JsonlStats | None = None,
+    warn: bool = True,
 ) -> Iterator[dict]:
     """Yield conversation records from a JSON Lines prompt file (see the module docstring).
 
@@ -102,6 +103,7 @@ def iter_jsonl_records(
         path: the .jsonl file.
         strict: raise :class:`JsonlFormatError` on the first malformed line instead of skipping it.
         stats: a :class:`JsonlStats` to fill in (records, skipped count, first bad line numbers).
+        warn: log the skipped lines once the file is read (off for a caller that reports them itself).
     """
     path = Path(path)
     stats = stats if stats is not None else JsonlStats()
@@ -125,7 +127,7 @@ def iter_jsonl_records(
                 continue
             stats.records += 1
             yield record
-    if stats.skipped:
+    if stats.skipped and warn:
         more = ", ..." if stats.skipped > len(stats.bad_lines) else ""
         logger.warning(
             "%s: skipped %d malformed line(s) (lines %s%s; first error: %s)",
@@ -141,3 +143,29 @@ def read_jsonl_records(
 ) -> list[dict]:
     """All records of a prompt file as a list; same rules as :func:`iter_jsonl_records`."""
     return list(iter_jsonl_records(path, strict=strict, stats=stats))
+
+
+def looks_like_sharegpt(path: str | os.PathLike) -> bool:
+    """Is the file's first non-empty line a ShareGPT record ({"conversations": [{"from": ..., "value": ...}]})?"""
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        line = next((ln for ln in fh if ln.strip()), "")
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return False
+    conv = obj.get("conversations") if isinstance(obj, dict) else None
+    return isinstance(conv, list) and bool(conv) and isinstance(conv[0], dict) and "from" in conv[0]
+
+
+def require_usable_records(path: str | os.PathLike, strict: bool) -> None:
+    """ConfigError (one line) unless the file yields at least one conversation: how many lines were skipped, the
+    first reason, and data.source=sharegpt when the lines are ShareGPT records. Reads up to the first usable line."""
+    from dspark.errors import ConfigError
+
+    stats = JsonlStats()
+    if next(iter_jsonl_records(path, strict=strict, stats=stats, warn=False), None) is not None:
+        return
+    hint = ("; the lines are ShareGPT records ({\"conversations\": [{\"from\", \"value\"}]}): use data.source=sharegpt"
+            if looks_like_sharegpt(path) else "; each line needs 'messages' (role / content) or 'turns'")
+    raise ConfigError(f"data.path: {path} has 0 usable conversations ({stats.skipped} line(s) skipped; first: "
+                      f"{stats.first_error or 'the file is empty'}){hint}")

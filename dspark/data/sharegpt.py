@@ -140,7 +140,8 @@ def sharegpt_to_record(obj: object, index: int, stats: ShareGPTStats) -> dict | 
 
 
 def _iter_json_array(fh, stats: ShareGPTStats) -> Iterator[object]:
-    """Yield the elements of a (possibly truncated) top-level JSON array read from text handle ``fh``."""
+    """Yield the elements of a (possibly truncated) top-level JSON array read from text handle ``fh``, or the
+    records of a JSON Lines file (one ShareGPT object per line: the same loop, with no brackets)."""
     decoder = json.JSONDecoder()
     buf = ""
     pos = 0
@@ -167,13 +168,14 @@ def _iter_json_array(fh, stats: ShareGPTStats) -> Iterator[object]:
     skip(_WHITESPACE)
     if pos >= len(buf):
         raise ValueError("ShareGPT file is empty")
-    if buf[pos] != "[":
-        raise ValueError(f"ShareGPT file must hold a JSON array; it starts with {buf[pos:pos + 20]!r}")
-    pos += 1
+    lines = buf[pos] == "{"
+    if buf[pos] != "[" and not lines:
+        raise ValueError(f"ShareGPT file must hold a JSON array or JSON Lines; it starts with {buf[pos:pos + 20]!r}")
+    pos += 0 if lines else 1
     while True:
-        skip(_WHITESPACE + ",")
-        if pos >= len(buf):  # EOF between elements, array never closed
-            stats.truncated = True
+        skip(_WHITESPACE + ("" if lines else ","))
+        if pos >= len(buf):  # EOF between elements: the end of JSON Lines, an array never closed
+            stats.truncated = not lines
             return
         if buf[pos] == "]":
             return

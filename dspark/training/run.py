@@ -349,6 +349,8 @@ def check_resumed_config(values: dict, ckpt: Path, run_dir: Path) -> str:
 
     then, step = checkpoint_config(ckpt)
     now = {k: v for k, v in values.items() if k != "draft_resolved"}
+    if now["data"].get("val_examples") == "auto":  # auto keeps the run's own split (choose_held_out)
+        now["data"] = {**now["data"], "val_examples": (then.get("data") or {}).get("val_examples", "auto")}
     if not values["draft_resolved"] and isinstance(then.get("draft"), dict):  # a Hub target: sizes unknown here
         now["draft"] = {**then["draft"], **{k: v for k, v in now["draft"].items() if k != "arch" and v is not None}}
     try:
@@ -376,14 +378,34 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> 
     t0 = time.perf_counter()
     L.seed_everything(int(cfg.seed), workers=True)
     torch.set_float32_matmul_precision("high")
-    # with data.feature_cache, the rows come first: a complete cache (a hit) loads only the target's head
+    # the rows come first (tokenizer only): the held-out split is checked against them before any model loads, and
+    # with data.feature_cache a complete cache (a hit) loads only the target's head
     dataset = rows_before_target(cfg, factory.build_dataset)
+    choose_held_out(cfg, len(dataset), ckpt_path)
     target = factory.build_target(cfg, dataset)
     draft = factory.build_draft(cfg, target)
     datamodule = factory.build_datamodule(cfg, target.tokenizer, dataset=dataset, target=target)
     install_draft_vocab(draft, datamodule.train_rows, target.tokenizer)  # draft.arch.draft_vocab_size
     with producer_scope(datamodule.features):  # data.feature_stream: its producer finishes (or stops on an error)
         return _fit(cfg, run_dir, ckpt_path, callbacks, target, draft, datamodule, t0)
+
+
+def choose_held_out(cfg: DictConfig, n: int, ckpt_path: str | None) -> int:
+    """cfg.data.val_examples as the number of held-out conversations of the `n` usable ones (auto: a tenth, at most
+    64; a resumed run keeps the checkpoint's), said in one line when auto holds out fewer than 64."""
+    from dspark.training.data_module import AUTO_HELD_OUT_MAX, held_out_count
+
+    setting = cfg.data.val_examples
+    if setting == "auto" and ckpt_path is not None:
+        from dspark.training.resume import checkpoint_config
+
+        setting = (checkpoint_config(Path(ckpt_path))[0].get("data") or {}).get("val_examples", setting)
+    count = held_out_count(setting, n)
+    if cfg.data.val_examples == "auto" and count < AUTO_HELD_OUT_MAX and ckpt_path is None:
+        print_and_log(f"data.val_examples=auto: {count} of {n} usable conversations held out for validation (a "
+                      f"tenth; {AUTO_HELD_OUT_MAX} on larger data)")
+    cfg.data.val_examples = count
+    return count
 
 
 def _fit(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks, target, draft, datamodule,
