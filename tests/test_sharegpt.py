@@ -68,11 +68,13 @@ def test_cut_between_records_is_truncation(tmp_path):
     assert stats.truncated and stats.truncated_chars == 0
 
 
-def test_not_an_array_is_refused(tmp_path):
+def test_neither_an_array_nor_json_lines_is_refused(tmp_path):
     path = tmp_path / "obj.json"
-    path.write_text(json.dumps(GOOD_1))
-    with pytest.raises(ValueError, match="JSON array"):
+    path.write_text(json.dumps("a string"))
+    with pytest.raises(ValueError, match="JSON array or JSON Lines"):
         list(iter_sharegpt(path))
+    path.write_text(json.dumps(GOOD_1))  # one object: a JSON Lines file of one record
+    assert len(list(iter_sharegpt(path, english_only=False))) == 1
 
 
 def test_missing_id_gets_index_and_english_filter(tmp_path):
