@@ -233,3 +233,11 @@ def test_a_rank_killed_mid_run_ends_the_job_in_one_line_naming_it_and_the_resume
     assert lines[0].split("resume it from its newest complete checkpoint: ")[1].startswith("python train.py ")
     assert "resume=last" in lines[0] and f"run_dir={run}" in lines[0]
     assert not (run / LOCK_NAME).exists()
+
+
+def test_a_deepspeed_folder_is_refused_with_what_to_use_instead(tmp_path):
+    folder = tmp_path / "checkpoints" / "last.ckpt"
+    (folder / "checkpoint").mkdir(parents=True)
+    (folder / "latest").write_text("checkpoint")
+    with pytest.raises(ConfigError, match=r"is a DeepSpeed checkpoint folder .* train with trainer=fsdp2"):
+        resolve_resume(compose([f"run_dir={tmp_path}", f"resume={folder}"]), tmp_path)

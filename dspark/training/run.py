@@ -113,6 +113,10 @@ def resolve_resume(cfg: DictConfig, run_dir: Path) -> str | None:
     else:
         path = Path(str(cfg.resume))
     if path.is_dir():  # a sharded checkpoint (trainer=fsdp2): one file per rank + the run state in meta.pt
+        require(not (path / "latest").is_file(), "resume",
+                f"{str(path)!r} is a DeepSpeed checkpoint folder (trainer=deepspeed_zero2|3), which dspark does not "
+                "resume (its completeness cannot be checked here): for a run you may need to resume, train with "
+                "trainer=fsdp2 (weights, gradients and AdamW sharded like ZeRO-3; crash-safe checkpoints)")
         if not sharded_complete(path):
             other = newest_checkpoint(path.parent)
             instead = f"resume from the newest complete one: resume={other}" if other else \
