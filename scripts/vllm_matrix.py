@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--t1-kinds", nargs="*", default=["dflash"], help="kinds also checked at T=1")
     args = ap.parse_args(argv)
-    from dspark.serving.tiny_dense import build_tiny_llama, regenerate_answers, write_benchmarks
+    from dspark.serving.tiny_dense import regenerate_answers, write_benchmarks
+    from dspark.targets.tiny_llama import build_tiny_llama
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -214,7 +214,7 @@ def test_bad_config_names_the_key(llama_target, change, key):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     from conftest import compose
-    from dspark.serving.tiny_dense import build_tiny_llama
+    from dspark.targets.tiny_llama import build_tiny_llama
     from dspark.training.run import run_training
 
     root = tmp_path_factory.mktemp("dflash2_tiny")
@@ -283,7 +283,7 @@ def test_the_tiny_experiment_builds_its_target_once_the_same_everywhere(tmp_path
     in a config comment): target=tiny_llama builds the seeded tiny Llama once into the dspark cache, and two
     independent builds are the same bytes (the same weight fingerprint on every machine)."""
     from conftest import compose
-    from dspark.serving.tiny_dense import build_tiny_llama
+    from dspark.targets.tiny_llama import build_tiny_llama
     from dspark.targets.source import target_folder
 
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))

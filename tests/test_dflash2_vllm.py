@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 def export(tmp_path_factory):
     from dspark.export.__main__ import main as export_main
     from dspark.serving.engine import VLLMUnavailable, vllm_python
-    from dspark.serving.tiny_dense import build_tiny_llama
+    from dspark.targets.tiny_llama import build_tiny_llama
     from dspark.training.run import run_training
 
     try:

@@ -143,7 +143,7 @@ def test_a_reduced_dense_draft_trains_exports_and_imports_back(tmp_path):
     from dspark.export.verify import verify_folder
     from dspark.models.dspark_dense import DSparkDenseDraft
     from dspark.pretrained import load_draft
-    from dspark.serving.tiny_dense import build_tiny_llama
+    from dspark.targets.tiny_llama import build_tiny_llama
     from dspark.training.run import run_training
 
     target = build_tiny_llama(tmp_path / "target")
@@ -242,7 +242,7 @@ def test_an_unservable_vocabulary_setting_is_one_line_before_any_model_loads(tmp
 
     from dspark.errors import ConfigError
     from dspark.preflight import check_training_config
-    from dspark.serving.tiny_dense import build_tiny_llama
+    from dspark.targets.tiny_llama import build_tiny_llama
 
     target = build_tiny_llama(tmp_path / "target")
     cfg = compose(["experiment=dflash2_tiny", f"target.path={target}", "draft=dspark_smollm2",

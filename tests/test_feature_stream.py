@@ -44,7 +44,7 @@ GATED_PRODUCER = r"""
 import json, os, sys, time
 from pathlib import Path
 import dspark.data.feature_cache as fc
-from dspark.data import feature_stream
+from dspark import produce_features
 gate, crash, spec = Path(sys.argv[1]), sys.argv[2] == "crash", sys.argv[3]
 free = json.loads(Path(spec).read_text())["held_out_shards"]
 real, written = fc.save_safetensors_atomic, []
@@ -62,7 +62,7 @@ def gated(tensors, path, metadata=None):
     written.append(path)
     return real(tensors, path, metadata=metadata)
 fc.save_safetensors_atomic = gated
-sys.exit(feature_stream.main([spec]))
+sys.exit(produce_features.main([spec]))
 """
 
 # train.py with small shards and the gated producer (for a run this test kills)

@@ -144,7 +144,7 @@ def test_precision_dtype_and_gemm_peak():
 # ---- the bench script and a run's metrics.json ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    from dspark.serving.tiny_dense import build_tiny_llama
+    from dspark.targets.tiny_llama import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("flops") / "target")
 

@@ -16,7 +16,7 @@ import torch
 from conftest import TINY_RUN, compose
 from dspark import factory
 from dspark.data.feature_cache import target_identity
-from dspark.data.vllm_features import CheckpointReader
+from dspark.targets.checkpoint import CheckpointReader
 from dspark.errors import ConfigError
 from dspark.targets.head_only import HeadOnlyError, HeadOnlyTarget, HeadOnlyUnsupported, load_head_only_target
 from dspark.targets.hf_target import FrozenTarget, load_hf_target

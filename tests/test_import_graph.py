@@ -41,3 +41,64 @@ def test_the_check_sees_function_local_and_relative_imports(tmp_path):
     f = tmp_path / "probe.py"
     f.write_text("def g():\n    from dspark.evaluation.speculative import score\n    from ..training import blocks\n")
     assert {"dspark.evaluation.speculative", "dspark.training.blocks"} <= imported_modules(f, "dspark.models")
+
+
+def module_graph() -> dict[str, set[str]]:
+    """dspark module -> the dspark modules its import statements name (function-local ones included; `from a import
+    b` counts as a.b when a.b is a module, else as a)."""
+    files = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for module in imported_modules(path, package):
+            while module and module not in files:
+                module = module.rpartition(".")[0]
+            if module and module != name and module != "dspark":
+                deps.add(module)
+        graph[name] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles():
+    """No two dspark modules import each other, directly or around a circle (issue 36): a circle makes each of its
+    modules unusable without all the others and hides which one owns what."""
+    assert cycles(module_graph()) == []
+
+
+def test_the_circle_check_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

@@ -150,7 +150,7 @@ def _target_configs(tmp_path) -> dict:
     DeepSeek-V4 / V4.1 / HY V4 folders and a Llama (SmolLM2's architecture: the tiny dense target)."""
     from transformers import AutoConfig
 
-    from dspark.serving.tiny_dense import build_tiny_llama
+    from dspark.targets.tiny_llama import build_tiny_llama
 
     assets = REPO / "dspark" / "assets"
     folders = {name: assets / name for name in ("tiny_v4", "tiny_v41", "tiny_hy_v4")}

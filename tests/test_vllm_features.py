@@ -38,7 +38,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from dspark.serving.tiny_dense import build_tiny_llama
+    from dspark.targets.tiny_llama import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("vllm_features") / "target")
 
@@ -55,7 +55,7 @@ def test_checkpoint_identity_is_the_loaded_targets(tiny, tmp_path, dtype):
     from safetensors.torch import load_file, save_file
 
     from dspark.data.feature_cache import target_identity
-    from dspark.data.vllm_features import checkpoint_identity
+    from dspark.targets.checkpoint import checkpoint_identity
     from dspark.targets.hf_target import load_hf_target
 
     assert checkpoint_identity(tiny, LAYERS, dtype) == target_identity(load_hf_target(str(tiny), LAYERS, dtype))
@@ -75,7 +75,7 @@ def test_checkpoint_identity_reads_sharded_and_bf16_checkpoints(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from dspark.data.feature_cache import target_identity
-    from dspark.data.vllm_features import checkpoint_identity
+    from dspark.targets.checkpoint import checkpoint_identity
     from dspark.targets.hf_target import load_hf_target
 
     model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.bfloat16)

@@ -28,7 +28,8 @@ GAMMA = 4
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(root, target dir, run dir, benchmark dir, vLLM python): trained DFlash run against the tiny target."""
-    from dspark.serving.tiny_dense import build_tiny_llama, regenerate_answers, train_dense_run, write_benchmarks
+    from dspark.serving.tiny_dense import regenerate_answers, train_dense_run, write_benchmarks
+    from dspark.targets.tiny_llama import build_tiny_llama
 
     python = vllm_or_skip()
     root = tmp_path_factory.mktemp("vllm_parity")

@@ -40,6 +40,7 @@ import torch
 from dspark.errors import IntegrityError
 from dspark.integrity import digest_bytes, digest_file
 from dspark.io import atomic_write_json, save_safetensors_atomic
+from dspark.targets.checkpoint import VOLATILE_CONFIG_KEYS, config_digest
 from dspark.targets.hf_target import FrozenTarget
 
 log = logging.getLogger(__name__)
@@ -52,15 +53,10 @@ PROGRESS_NAME = "progress.json"
 SHARD_SIZE = 256  # examples per shard unless a build says otherwise
 CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Config entries that do not change what the model computes.
-_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache")
 
 
 def shard_name(k: int) -> str:
     return f"shard-{k:05d}.safetensors"
-
-
-def _digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -236,10 +232,10 @@ def target_identity(target: FrozenTarget) -> dict:
     if hasattr(target, "cache_identity"):
         return target.cache_identity
     cfg = target.model.config
-    cfg_dict = {k: v for k, v in cfg.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    cfg_dict = {k: v for k, v in cfg.to_dict().items() if k not in VOLATILE_CONFIG_KEYS}
     return {
         "name_or_path": str(getattr(cfg, "_name_or_path", "") or ""),
-        "config_hash": _digest(cfg_dict),
+        "config_hash": config_digest(cfg_dict),
         "weights_hash": _weights_hash(target.model),
         "dtype": str(target.embed_weight.dtype).removeprefix("torch."),
         "layer_ids": list(target.layer_ids),
@@ -268,7 +264,7 @@ def dataset_fingerprint(rows) -> dict:
     for lengths, values in _input_id_chunks(rows):
         h_len.update(lengths.tobytes())
         h_val.update(values.tobytes())
-    return {"num_rows": len(rows), "input_ids_hash": _digest([h_len.hexdigest(), h_val.hexdigest()])}
+    return {"num_rows": len(rows), "input_ids_hash": config_digest([h_len.hexdigest(), h_val.hexdigest()])}
 
 
 def cache_key(target_id: dict, dataset_fp: dict, dtype: torch.dtype, layout: CacheLayout | None = None) -> str:
@@ -277,7 +273,7 @@ def cache_key(target_id: dict, dataset_fp: dict, dtype: torch.dtype, layout: Cac
     key = {"v": FORMAT_VERSION, "target": target_id, "dataset": dataset_fp, "dtype": dtype_name(dtype)}
     if layout is not None and not layout.is_default:
         key.update(v=COMPACT_FORMAT_VERSION, layout=layout.as_dict())
-    return _digest(key)
+    return config_digest(key)
 
 
 def _differences(meta: dict, target_id: dict | None, dataset_fp: dict | None) -> list[str]:

@@ -105,7 +105,7 @@ def plan_feature_cache(cfg: DictConfig, dataset) -> CachePlan | None:
     if not cache_wanted(cfg):
         return None
     from dspark.data.feature_cache import META_NAME, FeatureCache, dataset_fingerprint
-    from dspark.data.vllm_features import checkpoint_identity
+    from dspark.targets.checkpoint import checkpoint_identity
     from dspark.targets.hf_target import resolve_target_source
 
     layer_ids = [int(i) for i in (cfg.draft.get("target_layer_ids") or [])]
@@ -217,7 +217,8 @@ def build_feature_cache_offline(cfg: DictConfig, dataset_builder, shard_size: in
     cache where train.py looks for it (`auto`: the same key, the identity computed from the checkpoint). Also the
     vllm producer of a feature stream (dspark.data.feature_stream, with the stream's `shard_size`)."""
     from dspark.data.feature_cache import SHARD_SIZE
-    from dspark.data.vllm_features import build_feature_cache_vllm, checkpoint_identity
+    from dspark.data.vllm_features import build_feature_cache_vllm
+    from dspark.targets.checkpoint import checkpoint_identity
     from dspark.targets.hf_target import resolve_target_source
 
     if not cache_wanted(cfg):
@@ -240,7 +241,7 @@ def build_feature_cache_offline(cfg: DictConfig, dataset_builder, shard_size: in
 
 
 def produce_feature_cache(cfg: DictConfig, dataset_builder, shard_size: int) -> Path:
-    """The build a feature stream's child process runs (dspark.data.feature_stream.main): vllm as
+    """The build a feature stream's child process runs (dspark.produce_features): vllm as
     `build_feature_cache_offline`, hf with the whole target loaded in this (the child) process."""
     from dspark.data.feature_cache import build_feature_cache
     from dspark.targets.hf_target import load_hf_target
@@ -286,7 +287,7 @@ def start_feature_stream(cfg: DictConfig, target, dataset):
 
 
 def _producer_spec(cfg: DictConfig, num_examples: int, path: Path, key: str, shard_size: int) -> dict:
-    """What the stream's child process is told (dspark.data.feature_stream.main): the resolved run config, the cache
+    """What the stream's child process is told (dspark.produce_features): the resolved run config, the cache
     folder and key, the shard size and the production order (held-out shards first)."""
     from dspark.data import feature_stream as fs
 

@@ -1,7 +1,7 @@
 """Online feature mode (`data.feature_stream=true`): training reads the target features while a producer writes them.
 
 The producer is the ordinary offline build (dspark.data.feature_cache.write_feature_cache: hf, or vLLM through
-`build_feature_cache_offline`) run in a child process of the trainer (`python -m dspark.data.feature_stream SPEC`),
+`build_feature_cache_offline`) run in a child process of the trainer (`python -m dspark.produce_features SPEC`),
 so the trainer loads only the target's head (dspark.targets.head_only). Three things differ from an offline build:
 
 * production order: the shards holding the held-out tail (validation) first, then the rest in index order
@@ -27,7 +27,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -269,7 +268,7 @@ class FeatureStream:
 # ---- the producer process (launching side) ----------------------------------------------------------
 def producer_command(spec_path: Path) -> list[str]:
     """The child's command line (tests wrap it to slow or break the producer)."""
-    return [sys.executable, "-m", "dspark.data.feature_stream", str(spec_path)]
+    return [sys.executable, "-m", "dspark.produce_features", str(spec_path)]
 
 
 def _child_env() -> dict:
@@ -341,44 +340,3 @@ def producer_scope(features):
         producer.stop()
         raise
     producer.finish()
-
-
-# ---- the producer process (child side) --------------------------------------------------------------
-def _exit_with_parent(parent: int) -> None:
-    """The child ends when the trainer that started it is gone (killed with SIGKILL included)."""
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(0.2)
-        os._exit(3)
-
-    if os.getppid() != parent:
-        os._exit(3)
-    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
-
-
-def main(argv: list[str]) -> int:
-    """`python -m dspark.data.feature_stream SPEC`: the build of SPEC's cache in SPEC's order. The producer lock came
-    with the process (descriptor SPEC["lock_fd"], kept open until the process ends)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    spec = json.loads(Path(argv[0]).read_text())
-    _exit_with_parent(int(spec["parent"]))
-    folder = Path(spec["path"])
-    from omegaconf import OmegaConf
-
-    from dspark.data.feature_cache import production_plan
-    from dspark.data.feature_cache_build import produce_feature_cache
-    from dspark.factory import build_dataset
-    from dspark.io import remove_stale_tmp
-
-    remove_stale_tmp(folder)  # a killed producer's torn write (no other writer while this process holds the lock)
-    log.info("producer: %s, %d shards of %d examples, order %s...", folder, len(spec["order"]), spec["shard_size"],
-             spec["order"][:8])
-    with production_plan(spec["order"], spec["key"]):
-        produce_feature_cache(OmegaConf.create(spec["config"]), build_dataset, int(spec["shard_size"]))
-    (folder / LOCK_NAME).unlink(missing_ok=True)  # complete: an ordinary offline cache (the lock ends with us)
-    log.info("producer: %s complete", folder)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

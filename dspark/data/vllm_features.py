@@ -45,132 +45,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark.data.feature_cache import _VOLATILE_CONFIG_KEYS, CacheLayout, _digest, _rows_input_ids, \
-    write_feature_cache
+from dspark.data.feature_cache import CacheLayout, _rows_input_ids, write_feature_cache
+from dspark.targets.checkpoint import CheckpointReader, checkpoint_identity, meta_model
 
 log = logging.getLogger(__name__)
-
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
-              "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
-
-
-# ---- checkpoint reading without loading the model ------------------------------------------------
-class CheckpointReader:
-    """Tensors of an HF safetensors checkpoint folder by name (single file or sharded with an index), memory-mapped."""
-
-    def __init__(self, folder):
-        self.folder = Path(folder)
-        index = self.folder / "model.safetensors.index.json"
-        if index.is_file():
-            files = json.loads(index.read_text())["weight_map"]
-        elif (self.folder / "model.safetensors").is_file():
-            files = None
-        else:
-            raise FileNotFoundError(f"{self.folder}: no model.safetensors or model.safetensors.index.json")
-        self._headers: dict[str, tuple[dict, int]] = {}
-        self.where: dict[str, str] = {}
-        for fname in (sorted(set(files.values())) if files else ["model.safetensors"]):
-            header, start = self._header(fname)
-            for name in header:
-                if name != "__metadata__":
-                    self.where[name] = fname
-
-    def _header(self, fname: str) -> tuple[dict, int]:
-        if fname not in self._headers:
-            with open(self.folder / fname, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                self._headers[fname] = (json.loads(fh.read(n)), 8 + n)
-        return self._headers[fname]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.where
-
-    def _flat(self, name: str) -> tuple[np.ndarray, str]:
-        fname = self.where[name]
-        header, start = self._header(fname)
-        info = header[name]
-        if info["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"{self.folder / fname}: tensor {name} has dtype {info['dtype']}, which this reader "
-                             f"does not decode ({sorted(_ST_DTYPES)})")
-        lo, hi = info["data_offsets"]
-        dt = np.dtype(_ST_DTYPES[info["dtype"]])
-        count = (hi - lo) // dt.itemsize
-        mm = np.memmap(self.folder / fname, dtype=dt, mode="r", offset=start + lo, shape=(count,))
-        return mm, info["dtype"]
-
-    @staticmethod
-    def _to_torch(arr: np.ndarray, st_dtype: str) -> torch.Tensor:
-        arr = np.ascontiguousarray(arr)
-        if st_dtype == "BF16":
-            return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
-        return torch.from_numpy(arr.copy())
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._header(self.where[name])[0][name]["shape"])
-
-    def nbytes(self, name: str) -> int:
-        lo, hi = self._header(self.where[name])[0][name]["data_offsets"]
-        return hi - lo
-
-    def tensor(self, name: str) -> torch.Tensor:
-        flat, st = self._flat(name)
-        return self._to_torch(flat, st).reshape(self.shape(name))
-
-    def strided(self, name: str, step: int, samples: int) -> torch.Tensor:
-        """flat[::step][:samples] of tensor `name`, reading only those elements."""
-        flat, st = self._flat(name)
-        return self._to_torch(flat[::step][:samples], st)
-
-    def elements(self, name: str, index: np.ndarray) -> torch.Tensor:
-        """flat[index] of tensor `name` (stored dtype; bf16 bits reinterpreted exactly), reading only those elements."""
-        flat, st = self._flat(name)
-        return self._to_torch(flat[np.asarray(index, dtype=np.int64)], st)
-
-
-def _meta_model(folder, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(str(folder))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model.config._name_or_path = str(folder)  # as from_pretrained(folder) records it
-    return model
-
-
-def checkpoint_identity(folder, layer_ids: list[int], dtype: str | torch.dtype, samples: int = 64, *,
-                        name_or_path: str | None = None) -> dict:
-    """feature_cache.target_identity of the target `load_hf_target(folder, layer_ids, dtype)` would load, computed
-    from config.json and strided reads of the checkpoint (the model is built on the meta device for its parameter
-    names and shapes only; stored names are mapped through transformers' renamings and stacking / concatenating
-    converters, dspark.targets.head_only.TargetCheckpoint). A parameter it cannot map is refused, naming it.
-    `name_or_path`: what the HF loader was given, when that is a Hub id rather than `folder`."""
-
-    from dspark.targets.head_only import TargetCheckpoint
-
-    dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model = _meta_model(folder, dt)
-    reader = TargetCheckpoint(folder, model)  # the model's names, through transformers' renamings / converters
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        if name not in reader:
-            raise ValueError(f"{folder}: parameter {name}: {reader.why_not(name)}; this target cannot be "
-                             "fingerprinted without loading it (for the vLLM producer: use data.feature_producer=hf)")
-        numel = p.numel()
-        step = max(1, numel // samples)
-        vals = reader.strided(name, step, samples, p.dtype).to(torch.float32)
-        h.update(f"{name}:{tuple(p.shape)}:".encode())
-        h.update(vals.numpy().tobytes())
-    cfg_dict = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    return {
-        "name_or_path": str(name_or_path or folder),
-        "config_hash": _digest(cfg_dict),
-        "weights_hash": h.hexdigest()[:16],
-        "dtype": str(model.get_input_embeddings().weight.dtype).removeprefix("torch."),
-        "layer_ids": [int(i) for i in layer_ids],
-    }
-
 
 # ---- what vLLM can hand out ----------------------------------------------------------------------
 # Model types whose vLLM model records aux id i as the residual stream entering layer i and applies the final norm
@@ -264,7 +142,7 @@ class FinalNorm:
     last-layer output to give `last_hidden_state`."""
 
     def __init__(self, folder, dtype: torch.dtype, model=None):
-        model = model if model is not None else _meta_model(folder, dtype)
+        model = model if model is not None else meta_model(folder, dtype)
         base = getattr(model, "model", model)
         norm = getattr(base, "norm", None)
         if not isinstance(norm, torch.nn.Module):
@@ -320,7 +198,7 @@ def build_feature_cache_vllm(target_dir, layer_ids: list[int], rows, out_dir, *,
     layout = layout or CacheLayout()
     work = torch.float32 if layout.encoding != "plain" else dtype  # fp8 codes are made from float32 features
     tdt = getattr(torch, target_dtype)
-    model = _meta_model(target_dir, tdt)
+    model = meta_model(target_dir, tdt)
     target_id = checkpoint_identity(target_dir, layer_ids, tdt, name_or_path=name_or_path)  # the original folder
     captured = captures_normed_final(cfg)
     # DeepSeek-V4: the row of id NORMED_FINAL_AUX_ID is already norm(hc_head(stream)); others: norm of id num_layers

@@ -28,59 +28,13 @@ kernels (dspark.ops.kernels.fused_loss_tl) on CUDA.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from dspark.ops import backend as _backend
+from dspark.ops.lm_loss_io import LMLossParts, check_inputs
 
 DEFAULT_CHUNK_ROWS = 256  # rows per chunk: big enough that the LM-head GEMMs stay efficient on CPU
-
-
-@dataclass
-class LMLossParts:
-    """Everything one pass produces. Rows are [N]; gradients are of `sum a ce + b l1` (None when not asked)."""
-
-    ce: torch.Tensor  # [N] fp32
-    l1: torch.Tensor  # [N] fp32
-    draft_argmax: torch.Tensor  # [N] long
-    teacher_argmax: torch.Tensor  # [N] long
-    grad_x: torch.Tensor | None = None  # [N, H] fp32
-    grad_latent: torch.Tensor | None = None  # [N, r] fp32
-    grad_w2: torch.Tensor | None = None  # [V, r] fp32
-
-
-def _check_inputs(x, y, w, latent, w2, labels, coef_ce, coef_l1, teacher_w=None, teacher_cols=None) -> None:
-    if x.dim() != 2 or (y is not None and y.shape != x.shape):
-        raise ValueError(f"lm_loss: draft rows [N, H] and teacher rows must match, got {tuple(x.shape)} "
-                         f"and {None if y is None else tuple(y.shape)}")
-    n, h = x.shape
-    if (teacher_w is None) != (teacher_cols is None):
-        raise ValueError("lm_loss: pass both teacher_w and teacher_cols, or neither")
-    if teacher_w is not None:
-        if y is None or teacher_w.dim() != 2 or teacher_w.shape[1] != h:
-            raise ValueError(f"lm_loss: teacher_w must be [Vt, {h}] with teacher rows, got "
-                             f"{tuple(teacher_w.shape)}")
-        if tuple(teacher_cols.shape) != (w.shape[0],) or (teacher_cols.numel() and (
-                int(teacher_cols.min()) < 0 or int(teacher_cols.max()) >= teacher_w.shape[0])):
-            raise ValueError(f"lm_loss: teacher_cols must be [{w.shape[0]}] ids in [0, {teacher_w.shape[0]})")
-    if w.dim() != 2 or w.shape[1] != h:
-        raise ValueError(f"lm_loss: lm_head must be [V, {h}], got {tuple(w.shape)}")
-    v = w.shape[0]
-    if (latent is None) != (w2 is None):
-        raise ValueError("lm_loss: pass both the Markov latent and markov_w2, or neither")
-    if latent is not None:
-        if latent.dim() != 2 or latent.shape[0] != n:
-            raise ValueError(f"lm_loss: Markov latent must be [{n}, r], got {tuple(latent.shape)}")
-        if tuple(w2.shape) != (v, latent.shape[1]):
-            raise ValueError(f"lm_loss: markov_w2 must be [{v}, {latent.shape[1]}], got {tuple(w2.shape)}")
-    for name, t in (("labels", labels), ("coef_ce", coef_ce), ("coef_l1", coef_l1)):
-        if tuple(t.shape) != (n,):
-            raise ValueError(f"lm_loss: {name} must be [{n}], got {tuple(t.shape)}")
-    if n and (int(labels.min()) < 0 or int(labels.max()) >= v):
-        raise ValueError(f"lm_loss: labels must lie in [0, {v}), got range [{int(labels.min())}, "
-                         f"{int(labels.max())}]")
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
@@ -138,7 +92,7 @@ def lm_loss_reference(
     The LM-head GEMMs (and the Markov ones) run in w's dtype, everything else in float32 (float64 for float64
     inputs). Autocast is off inside: the dtypes here are explicit.
     """
-    _check_inputs(x, y, w, latent, w2, labels, coef_ce, coef_l1, teacher_w, teacher_cols)
+    check_inputs(x, y, w, latent, w2, labels, coef_ce, coef_l1, teacher_w, teacher_cols)
     if chunk_rows < 1:
         raise ValueError(f"lm_loss: chunk_rows must be >= 1, got {chunk_rows}")
     with torch.autocast(x.device.type, enabled=False), torch.no_grad():

@@ -1,63 +1,20 @@
 """A tiny dense target vLLM can load, and draft runs against it, for the serving checks (tests, scripts).
 
-`build_tiny_llama`: a seeded random 4-layer Llama (hidden 64, head_dim 32: vLLM's CPU attention needs >= 32),
-vocabulary 2048, with the shipped tiny V4 tokenizer and ChatML template, saved as an HF folder. Its greedy
-answers are repetitive, so a draft trained for ~150 steps on them accepts enough for a parity check to mean
-something (AL ~1.5-1.8 at gamma 4). `regenerate_answers`: ShareGPT first user turns answered greedily by the
+`build_tiny_llama` (dspark.targets.tiny_llama): the seeded random 4-layer Llama. Its greedy answers are repetitive,
+so a draft trained for ~150 steps on them accepts enough for a parity check to mean something (AL ~1.5-1.8 at
+gamma 4). `regenerate_answers`: ShareGPT first user turns answered greedily by the
 target (the project's regeneration loop). `train_dense_run`: train.py's code on those answers (DFlash or
 dense DSpark), returning the run dir. `write_benchmarks`: two small eval.py-style benchmark files.
 """
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
 LAYERS = [0, 2]  # target layers the drafts read (of 4; shifted by one they stay in range)
 MASK_ID = 4  # <|mask|> of the tiny V4 tokenizer
-
-
-def build_tiny_llama(path: Path, seed: int = 0) -> Path:
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    from dspark.targets.tiny_v4 import TINY_V4_DIR
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(Path(TINY_V4_DIR) / f, path / f)
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, initializer_range=0.05,
-                      max_position_embeddings=2048, bos_token_id=0, eos_token_id=[3, 0], pad_token_id=1,
-                      tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    GenerationConfig(do_sample=False, eos_token_id=[3, 0], pad_token_id=1).save_pretrained(path)
-    return path
-
-
-def tiny_llama_folder(cache_dir: Path | None = None) -> Path:
-    """The tiny dense Llama as a target folder (target=tiny_llama): built once, seed 0, into the dspark cache
-    ($DSPARK_CACHE or ~/.cache/dspark)/tiny_llama, through a staging folder renamed into place (a killed build leaves
-    nothing half-written). The build is deterministic, so every machine gets the same weights (and fingerprint)."""
-    import os
-
-    from dspark.targets.gguf_convert import default_cache_dir
-
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / "tiny_llama"
-    if (final / "config.json").is_file():
-        return final
-    staging = root / f".tiny_llama.{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    build_tiny_llama(staging)
-    try:
-        staging.rename(final)
-    except OSError:  # another process finished first: keep its folder
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
 
 
 def regenerate_answers(target: Path, out: Path, limit: int = 160, max_new_tokens: int = 48) -> Path:

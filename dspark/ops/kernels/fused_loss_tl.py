@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from dspark.ops.fused_loss import LMLossParts, _check_inputs
+from dspark.ops.lm_loss_io import LMLossParts, check_inputs
 from dspark.ops.limits import check_float32_index, check_int32_addressable
 
 F32 = "float32"
@@ -157,7 +157,7 @@ def _compiled(V: int, with_grad: bool, grad_dtype: str, target: str = "cuda"):
 def lm_loss_tilelang(x, y, w, latent, w2, labels, coef_ce, coef_l1, *, chunk_rows=GPU_CHUNK_ROWS,
                      need_grads=True) -> LMLossParts:
     """lm_loss_reference's contract on CUDA tensors (chunks of at least 512 rows: the row kernel wants rows)."""
-    _check_inputs(x, y, w, latent, w2, labels, coef_ce, coef_l1)
+    check_inputs(x, y, w, latent, w2, labels, coef_ce, coef_l1)
     if not x.is_cuda:
         raise RuntimeError(f"lm_loss_tilelang needs CUDA tensors, got {x.device}")
     return lm_loss_with_kernel("cuda", x, y, w, latent, w2, labels, coef_ce, coef_l1,
@@ -170,7 +170,7 @@ def lm_loss_with_kernel(target, x, y, w, latent, w2, labels, coef_ce, coef_l1, *
     chunk = int(chunk_rows)
     check_float32_index(v, "fused loss kernel vocabulary (argmax lanes are float32)")
     check_int32_addressable(min(chunk, n) * v, f"fused loss kernel logits chunk [{min(chunk, n)}, {v}]")
-    _check_inputs(x, y, w, latent, w2, labels, coef_ce, coef_l1)
+    check_inputs(x, y, w, latent, w2, labels, coef_ce, coef_l1)
     if w.dtype not in _TORCH_TO_TL:
         raise TypeError(f"lm_loss_tilelang: unsupported LM head dtype {w.dtype}")
     dev = x.device
