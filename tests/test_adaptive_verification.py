@@ -179,7 +179,7 @@ def test_eval_reports_head_vs_estimator_per_benchmark(eval_setup, tmp_path, caps
                               "confidence=false", f"out={tmp_path / 'o'}"))
     printed = capsys.readouterr().out
     for name, rep in reps.items():
-        assert f"{name}: adaptive verification (simulated" in printed
+        assert f"{name}: adaptive verification (vLLM verifies fewer drafted tokens" in printed
         av = rep["adaptive_verification"]
         steps = rep["num_drafts"]  # verify steps (one per round per request)
         # verifying every draft emits what the run emitted: 1 + accepted per step

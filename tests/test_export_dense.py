@@ -233,7 +233,8 @@ def test_cli_dense_reduced_speculators_export(tmp_path):
     res = _cli("dense", "--run-dir", str(tmp_path / "run"),  # the target comes from run/draft/target.json
                "--out", str(out), "--format", "speculators", "--draft-vocab-size", "16", "--vocab-counts", str(rows))
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "draft vocabulary: 16 of 50 ids cover" in res.stdout and res.stdout.strip().splitlines()[-1].startswith("OK")
+    assert "draft vocabulary: 16 of 50 ids cover" in res.stdout and res.stdout.strip().splitlines()[-2].startswith("OK")
+    assert res.stdout.strip().splitlines()[-1].startswith("next: vllm serve <target> --speculative-config")
     c = json.loads((out / "config.json").read_text())
     assert c["speculators_model_type"] == "dspark" and c["draft_vocab_size"] == 16
     kept = (torch.arange(16) + load_file(str(out / "model.safetensors"))["d2t"]).tolist()

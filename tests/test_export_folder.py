@@ -78,7 +78,7 @@ def test_cli_refuses_a_folder_holding_an_export_before_loading_then_overwrite_re
     assert _snapshot(out) == before  # untouched
 
     assert export_main(["v4", "--run-dir", str(run), "--out", str(out), "--dtype", "float32", "--overwrite"]) == 0
-    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"OK {out}")
+    assert capsys.readouterr().out.strip().splitlines()[-2].startswith(f"OK {out}")
     assert _listing(out) == SIDECAR  # nothing of the merged export survives
     assert sorted(read_manifest(out)) == [n for n in SIDECAR if n != MANIFEST_NAME]
     assert verify_folder(out).ok and _leftovers(tmp_path) == []

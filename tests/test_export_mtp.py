@@ -259,7 +259,8 @@ def test_cli_exports_verifies_and_reimports_a_tiny_mtp_run(tmp_path, experiment,
     extra = ["--split-experts"] if experiment == "hyv4_mtp" else []
     res = _cli("mtp", "--run-dir", str(run), "--out", str(out), "--dtype", "float32", *extra)  # target by kind
     assert res.returncode == 0, res.stdout + res.stderr
-    lines = res.stdout.strip().splitlines()
+    *lines, hint = res.stdout.strip().splitlines()  # the last line: the next step, the merge into the target
+    assert hint.startswith("next: vLLM reads this draft from inside the target's checkpoint: merge it"), hint
     notes = 2 if experiment == "hyv4_mtp" else 1  # HY: the indexed MTP layer's index_share_for_mtp_iteration note
     assert lines[-1 - notes].startswith(f"OK {out}: {fmt}")
     # 2 MTP layers: vLLM runs its multi-module speculator for >= 2 speculative tokens (config/speculative.py:2188)
@@ -275,7 +276,10 @@ def test_cli_exports_verifies_and_reimports_a_tiny_mtp_run(tmp_path, experiment,
         merged = tmp_path / "merged"
         res = _cli("mtp", "--run-dir", str(run), "--out", str(merged), "--merge-into", str(TINY_HY_V4_DIR))
         assert res.returncode == 0, res.stdout + res.stderr
-        assert res.stdout.strip().splitlines()[-3].startswith(f"OK {merged}: {fmt}")
+        assert res.stdout.strip().splitlines()[-4].startswith(f"OK {merged}: {fmt}")
+        assert res.stdout.strip().splitlines()[-1] == (  # the chain depth eval measured (draft.num_steps)
+            f"next: vllm serve {merged} --speculative-config '{{\"method\": \"mtp\", \"num_speculative_tokens\": "
+            f"{draft.config.num_steps}}}'")
         assert (merged / "model-mtp-draft.safetensors").is_file()
     if experiment == "dsv4_mtp":  # HY-only options are refused for a DeepSeek-V4 draft
         res = _cli("mtp", "--run-dir", str(run), "--out", str(tmp_path / "x"), "--layer-names", "layers")

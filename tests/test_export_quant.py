@@ -296,7 +296,7 @@ def test_cli_quantised_export_of_a_tiny_v4_run(tmp_path):
     res = _cli("v4", "--run-dir", str(tmp_path / "run"), "--out", str(out), "--quant", "fp4")
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.strip().splitlines()
-    assert lines[-1].startswith("OK ") and any(l.startswith("fp4: ") and "top-1 agreement" in l for l in lines)
+    assert lines[-2].startswith("OK ") and lines[-1].startswith("next: ") and any(l.startswith("fp4: ") and "top-1 agreement" in l for l in lines)
     rep = json.loads((out / QUANT_REPORT).read_text())
     assert rep["logits"]["top1_agreement"] > 0.5 and rep["max_rel_err"] < 0.2
     back = import_v4_sidecar(out, factory.build_draft(cfg, target))

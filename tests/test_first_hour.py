@@ -520,3 +520,28 @@ def test_the_generation_prompt_starts_the_assistant_turn_the_target_was_trained_
     whole = tok.apply_chat_template(user + [{"role": "assistant", "content": "4"}], tokenize=False)
     assert whole.startswith(prompt) and whole[len(prompt):].startswith("4"), (prompt, whole)
     assert prompt.endswith("<|im_start|>assistant\n")  # ChatML, the template both tiny targets were trained with
+
+
+@pytest.mark.parametrize("name", ["tiny_v4", "tiny_hy_v4"])
+def test_the_tiny_targets_write_varied_text(name):
+    """The tiny targets the README evaluates write text, not one repeated token, on every shipped benchmark's first
+    prompts (greedy, 32 tokens): no token above half of the output, and the answer does not restart the chat's
+    role header (the old tiny HY V4 emitted "<|im_start|>assistant" and then "\\n" only on HumanEval)."""
+    import torch
+
+    from dspark.targets.assets import asset_dir, load_causal_lm
+    from dspark.targets.health import degenerate_warning, output_health
+
+    model, tok = load_causal_lm(asset_dir(name), torch.float32, "cpu")
+    start = tok.convert_tokens_to_ids("<|im_start|>")
+    for bench in ("mt-bench", "gsm8k", "humaneval"):
+        outputs = []
+        for line in (REPO / "dspark" / "assets" / "eval" / f"{bench}.jsonl").read_text().splitlines()[:3]:
+            prompt = tok.apply_chat_template([{"role": "user", "content": json.loads(line)["turns"][0]}],
+                                             tokenize=False, add_generation_prompt=True)
+            ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
+            assert out[0] != start, (bench, tok.decode(out))
+            outputs.append(out)
+        assert degenerate_warning(output_health(outputs), tok) is None, (bench, [tok.decode(o) for o in outputs])
