@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from dspark.errors import ConfigError
+from dspark.targets.source import TARGET_KINDS  # the kinds live with their folders
 
 
 # ---- value checks ---------------------------------------------------------------------------------
@@ -146,14 +147,13 @@ def keys_of(schema: type) -> tuple[str, ...]:
 
 
 # ---- groups ---------------------------------------------------------------------------------------
-TARGET_KINDS = ("tiny_v4", "tiny_v41", "tiny_hy_v4", "tiny_llama", "smollm2", "hf")
 DATA_SOURCES = ("sharegpt", "jsonl", "regenerated")
 FEATURE_PRODUCERS = ("hf", "vllm")
 
 
 @dataclass
 class TargetKeys:
-    kind: Literal[TARGET_KINDS] = field(metadata=doc("tiny_v4 | tiny_v41 | tiny_hy_v4 | tiny_llama | smollm2 | hf"))
+    kind: Literal[TARGET_KINDS] = field(metadata=doc(" | ".join(TARGET_KINDS)))
     path: Optional[str] = field(metadata=doc("local HF folder or Hub id (kind hf); null: the kind's own"))
     dtype: Literal["float32", "bfloat16", "float16"] = field(metadata=doc("weights dtype of the frozen target"))
 

@@ -36,6 +36,7 @@ from dspark.integrity import check_file
 from dspark.io import atomic_write_json, unwritable
 from dspark.targets.health import degenerate_warning, output_health
 from dspark.targets.hf_target import FrozenTarget
+from dspark.targets.source import shipped_without_work
 from dspark.training import draft_dir
 
 log = logging.getLogger("dspark.eval")
@@ -263,7 +264,7 @@ def target_config_json(group) -> dict | None:
     kind, path = group.get("kind"), group.get("path")
     file: Path | None = None
     if path in (None, "???"):
-        if kind in ("tiny_v4", "tiny_v41", "tiny_hy_v4", "tiny_llama"):
+        if shipped_without_work(str(kind)):
             file = Path(factory.target_folder(OmegaConf.create({"target": dict(group)}))) / "config.json"
     elif Path(str(path)).expanduser().is_dir():
         file = Path(str(path)).expanduser() / "config.json"

@@ -49,6 +49,19 @@ class ServingAdapter:
     format: ClassVar[str]  # the format's name (Report.kind of a verified folder)
     cli: ClassVar[str]  # the `python -m dspark.export <cli>` command that writes it
     vllm_reads_merged: ClassVar[bool] = False  # vLLM reads the draft from a copy of the target (merge for serving)
+    what: ClassVar[str] = ""  # the drafts it serves, in words ("dense DSpark/DFlash")
+    cli_help: ClassVar[str | None] = None  # `python -m dspark.export <cli>`'s help; None: another adapter's command
+    cli_default_target: ClassVar[str | None] = None  # the target kind when a run records none (None: the family's)
+
+    # ---- command line (python -m dspark.export <cli>) ------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, p) -> None:
+        """The format's own options (the common ones, --run-dir --out --dtype ..., are dspark.export's)."""
+
+    @classmethod
+    def run_cli(cls, target, draft, cfg, args, dtype: torch.dtype, max_shard_bytes: int) -> None:
+        """Writes args.out from the run's draft (the verifier runs after, unless --no-verify)."""
+        raise NotImplementedError
 
     # ---- folder ----------------------------------------------------------------------------------
     @classmethod
@@ -129,6 +142,27 @@ def primary_adapter(kind: str) -> type[ServingAdapter]:
     raise ValueError(f"draft kind {kind!r}: no serving adapter (dspark/export/)")
 
 
+def cli_commands() -> dict[str, type[ServingAdapter]]:
+    """`python -m dspark.export` subcommand -> the adapter that defines it (the first registered with a cli_help)."""
+    out: dict[str, type[ServingAdapter]] = {}
+    for cls in adapters():
+        if cls.cli_help is not None:
+            out.setdefault(cls.cli, cls)
+    return out
+
+
+def cli_kinds(cli: str) -> set[str]:
+    """The draft kinds `python -m dspark.export <cli>` exports (every adapter of that command)."""
+    return {cls.kind for cls in adapters() if getattr(cls, "cli", None) == cli}
+
+
+def add_not_for_vllm(p) -> None:
+    p.add_argument("--not-for-vllm", action="store_true",
+                   help="write a draft vLLM 0.33.0 would serve differently from how it was trained (gated / rnn "
+                        "Markov head, confidence bias, ...) for dspark's own import; the config lists the reasons "
+                        "under dspark_not_for_vllm and the verifier reports them as notes")
+
+
 def adapter_formats() -> tuple[str, ...]:
     return tuple(cls.format for cls in adapters())
 
@@ -142,5 +176,6 @@ def refuse_unservable(problems: list[str], where: str, for_vllm: bool, how: str)
     return problems
 
 
-__all__ = ["Expected", "NOT_FOR_VLLM", "SAFETENSORS_DTYPES", "ServingAdapter", "adapter_for_folder", "adapter_formats",
-           "adapters", "dtype_name", "read_json", "refuse_unservable", "serving_adapter"]
+__all__ = ["Expected", "NOT_FOR_VLLM", "SAFETENSORS_DTYPES", "ServingAdapter", "add_not_for_vllm", "adapter_for_folder",
+           "adapter_formats", "adapters", "cli_commands", "cli_kinds", "dtype_name", "read_json", "refuse_unservable",
+           "serving_adapter"]

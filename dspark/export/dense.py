@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_tensors
-from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, ServingAdapter, dtype_name, read_json,
-                                   refuse_unservable, serving_adapter)
+from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, ServingAdapter, add_not_for_vllm,
+                                   dtype_name, read_json, refuse_unservable, serving_adapter)
 from dspark.export.dflash_rules import (block_causal, draft_markov_problems, markov_expected, markov_lines,
                                         precedence_lines, sorted_lines)
 from dspark.io import atomic_write_json
@@ -364,6 +364,32 @@ def _draft_config_json(folder: Path) -> dict | None:
     return None if c is None or "dspark_block_size" in c else c
 
 
+def _reduced_from_cli(draft: DSparkDenseDraft, args, tokenizer) -> DSparkDenseDraft:
+    """`--draft-vocab-size N --vocab-counts FILE`: the draft reduced to the N most frequent tokens of FILE."""
+    if getattr(draft, "reduced_vocab", False):
+        raise SystemExit(f"--draft-vocab-size: the run's draft was trained with draft_vocab_size="
+                         f"{draft.d2t.numel()} and exports with that vocabulary as it is: drop --draft-vocab-size")
+    v = draft.config.vocab_size
+    if args.draft_vocab_size >= v:
+        return draft
+    from dspark.export.vocab import build_vocab_mapping, count_tokens, count_tokens_jsonl, reduce_dense_vocab
+
+    if args.vocab_counts.is_dir():
+        from datasets import load_from_disk
+
+        counts = count_tokens(load_from_disk(str(args.vocab_counts)), v, tokenizer)
+    else:
+        counts = count_tokens_jsonl(args.vocab_counts, v, tokenizer)
+    try:
+        d2t, t2d = build_vocab_mapping(counts, args.draft_vocab_size)
+    except ValueError as err:
+        raise SystemExit(f"--draft-vocab-size: {err}")
+    covered = counts[t2d].sum().item() / max(counts.sum().item(), 1)
+    print(f"draft vocabulary: {args.draft_vocab_size} of {v} ids cover {covered:.4f} of "
+          f"{counts.sum().item()} trained tokens in {args.vocab_counts}")
+    return reduce_dense_vocab(draft, d2t, t2d)
+
+
 @serving_adapter
 class DenseAdapter(ServingAdapter):
     """vLLM's own draft-model format: config.json with architectures Qwen3DSparkModel / DFlashDraftModel."""
@@ -371,6 +397,34 @@ class DenseAdapter(ServingAdapter):
     kind = "dspark_dense"
     cli = "dense"
     format = "vllm"
+    what = "dense DSpark/DFlash"
+    cli_help = "export a training run's dense draft as a vLLM Qwen3DSparkModel / DFlash folder"
+    cli_default_target = "smollm2"
+
+    @classmethod
+    def add_cli_args(cls, p) -> None:
+        p.add_argument("--format", choices=FORMATS, default="vllm",
+                       help="config.json in vLLM's own format (Qwen3DSparkModel / DFlashDraftModel) or the "
+                            "speculators format (speculators_model_type dspark / dflash)")
+        p.add_argument("--draft-vocab-size", type=int, default=None,
+                       help="reduce the draft vocabulary to the N most frequent trained tokens (d2t / t2d + lm_head "
+                            "rows); needs --vocab-counts")
+        p.add_argument("--vocab-counts", type=Path, default=None,
+                       help="token frequencies: a jsonl of tokenized rows (input_ids + loss_mask) or conversations "
+                            "(messages, tokenized with the target's chat template), or a datasets folder "
+                            "(save_to_disk)")
+        p.add_argument("--verifier", default=None, help="speculators format: the target's name_or_path to record")
+        add_not_for_vllm(p)
+
+    @classmethod
+    def run_cli(cls, target, draft, cfg, args, dtype: torch.dtype, max_shard_bytes: int) -> None:
+        if (args.draft_vocab_size is None) != (args.vocab_counts is None):
+            raise SystemExit("--draft-vocab-size and --vocab-counts go together")
+        if args.draft_vocab_size is not None:
+            draft = _reduced_from_cli(draft, args, target.tokenizer)
+        export_dense(draft, args.out, dtype=dtype, num_target_layers=len(target.layers),
+                     max_shard_bytes=max_shard_bytes, fmt=args.format, verifier=args.verifier,
+                     for_vllm=not args.not_for_vllm, overwrite=args.overwrite)
 
     @classmethod
     def read(cls, folder: Path) -> dict | None:

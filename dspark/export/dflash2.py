@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_tensors
-from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, refuse_unservable,
+from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, add_not_for_vllm, refuse_unservable,
                                    serving_adapter)
 from dspark.export.dense import (DenseAdapter, _draft_config_json, dense_config_from_config, dense_config_json,
                                  dense_config_problems, dense_expected, dense_optional, dense_serving_problems,
@@ -145,6 +145,18 @@ class DFlash2Adapter(DenseAdapter):
     kind = "dflash2"
     cli = "dflash2"
     format = "vllm-dflash2"
+    what = "DFlash2"
+    cli_help = "export a training run's DFlash2 draft as a vLLM DFlash2DraftModel folder"
+    cli_default_target = None
+
+    @classmethod
+    def add_cli_args(cls, p) -> None:
+        add_not_for_vllm(p)
+
+    @classmethod
+    def run_cli(cls, target, draft, cfg, args, dtype: torch.dtype, max_shard_bytes: int) -> None:
+        export_dflash2(draft, args.out, dtype=dtype, num_target_layers=len(target.layers),
+                       max_shard_bytes=max_shard_bytes, for_vllm=not args.not_for_vllm)
 
     @classmethod
     def read(cls, folder: Path) -> dict | None:

@@ -27,8 +27,8 @@ import torch
 
 from dspark.export import quant as q
 from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_tensors
-from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, ServingAdapter, dtype_name, read_json,
-                                   refuse_unservable, serving_adapter)
+from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, ServingAdapter, add_not_for_vllm,
+                                   dtype_name, read_json, refuse_unservable, serving_adapter)
 from dspark.export.dflash_rules import (block_causal, draft_markov_problems, markov_expected, markov_lines,
                                         precedence_lines, sorted_lines)
 from dspark.export.v4_block import block_config_json, block_expected, export_dtype, hc_head_expected
@@ -251,6 +251,20 @@ def quant_report(draft: DSparkV4Draft, folder) -> dict:
     report["logits"] = logits
     atomic_write_json(path, report)
     return report
+
+
+def print_quant_report(draft: DSparkV4Draft, out: Path) -> None:
+    """The five worst quantised tensors and the re-imported draft's logit difference, on the console."""
+    rep = quant_report(draft, out)
+    errs = rep["tensors"]
+    for name in sorted(errs, key=lambda k: -errs[k]["rel_err"])[:5]:
+        e = errs[name]
+        print(f"  {name}: max abs err {e['max_abs_err']:.3g} (max |w| {e['max_abs']:.3g}), rel {e['rel_err']:.3g}")
+    lg = rep["logits"]
+    print(f"{rep['quant']}: {len(errs)} quantised tensors, worst rel err {rep['max_rel_err']:.3g} "
+          f"({rep.get('worst_tensor')}); re-imported logits: max |diff| {lg['max_abs_diff']:.3g} "
+          f"(max |logit| {lg['max_abs_logit']:.3g}), rel {lg['rel_diff']:.3g}, top-1 agreement "
+          f"{lg['top1_agreement']:.3f} -> {out / QUANT_REPORT}")
 
 
 def import_v4_sidecar(folder, draft: DSparkV4Draft) -> DSparkV4Draft:
@@ -540,6 +554,32 @@ class V4DSparkAdapter(ServingAdapter):
     cli = "v4"
     vllm_reads_merged = True
     format = "deepseek_v4 dspark (mtp.*)"
+    what = "DeepSeek-V4 DSpark"
+    cli_help = "export a training run's draft as a DeepSeek-V4 mtp.* sidecar (or merged into a target checkpoint)"
+    cli_default_target = "tiny_v4"
+
+    @classmethod
+    def add_cli_args(cls, p) -> None:
+        p.add_argument("--merge-into", type=Path, default=None,
+                       help="a target checkpoint folder: OUT becomes a copy of it with the mtp.* tensors added")
+        p.add_argument("--quant", choices=("fp8", "fp4"), default=None,
+                       help="fp8: FP8 128x128 block linears + experts (float32 scales); fp4: FP8 linears "
+                            "(e8m0 scales) + packed e2m1 experts (V4-Flash layout). Writes quant_report.json")
+        add_not_for_vllm(p)
+
+    @classmethod
+    def run_cli(cls, target, draft, cfg, args, dtype: torch.dtype, max_shard_bytes: int) -> None:
+        if args.merge_into is not None:
+            merge_v4_into_target(draft, args.merge_into, args.out, dtype=dtype, quant=args.quant,
+                                 for_vllm=not args.not_for_vllm, overwrite=args.overwrite)
+        else:
+            export_v4_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=max_shard_bytes, quant=args.quant,
+                              for_vllm=not args.not_for_vllm, overwrite=args.overwrite)
+        if args.quant is not None:
+            from dspark.integrity import write_manifest
+
+            print_quant_report(draft, args.out)
+            write_manifest(args.out)  # quant_report.json joins the sealed files
 
     @classmethod
     def read(cls, folder: Path) -> dict | None:

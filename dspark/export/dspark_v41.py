@@ -329,6 +329,19 @@ class V41DSparkAdapter(ServingAdapter):
     cli = "v41"
     vllm_reads_merged = True
     format = "deepseek_v41 dspark (mtp.*)"
+    what = "DeepSeek-V4.1 DSpark"
+    cli_help = "export a training run's draft as a DeepSeek-V4.1 mtp.* sidecar (or merged into a V4.1 target checkpoint)"
+    cli_default_target = "tiny_v41"
+    add_cli_args = v4.V4DSparkAdapter.add_cli_args  # the same options: --merge-into, --quant, --not-for-vllm
+
+    @classmethod
+    def run_cli(cls, target, draft, cfg, args, dtype: torch.dtype, max_shard_bytes: int) -> None:
+        if args.merge_into is not None:
+            merge_v41_into_target(draft, args.merge_into, args.out, dtype=dtype, quant=args.quant,
+                                  for_vllm=not args.not_for_vllm)
+        else:
+            export_v41_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=max_shard_bytes, quant=args.quant,
+                               for_vllm=not args.not_for_vllm)
 
     @classmethod
     def read(cls, folder: Path) -> dict | None:
@@ -364,19 +377,3 @@ class V41DSparkAdapter(ServingAdapter):
 
     def serving_problems(self, config: dict) -> list[str]:
         return v41_config_problems(config)
-
-
-def run_cli(draft: DSparkV41Draft, args, dtype: torch.dtype, max_shard_bytes: int) -> None:
-    """`python -m dspark.export v41`: the run's draft as a sidecar, or merged into `--merge-into` (SystemExit on a
-    draft of another family or a refused export)."""
-    if getattr(type(draft), "family_kind", None) != V41DSparkAdapter.kind:
-        raise SystemExit(f"{args.run_dir}: the draft is {type(draft).__name__}, not a DeepSeek-V4.1 DSpark draft")
-    try:
-        if args.merge_into is not None:
-            merge_v41_into_target(draft, args.merge_into, args.out, dtype=dtype, quant=args.quant,
-                                  for_vllm=not args.not_for_vllm)
-        else:
-            export_v41_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=max_shard_bytes, quant=args.quant,
-                               for_vllm=not args.not_for_vllm)
-    except ValueError as err:
-        raise SystemExit(str(err)) from err

@@ -75,8 +75,6 @@ def dsv4_mtp_expected(c: dict) -> Expected:
 @serving_adapter
 class DSV4MTPAdapter(MTPAdapter):
     kind = "dsv4_mtp"
-    cli = "mtp"
-    vllm_reads_merged = True
     format = "deepseek_v4_mtp_native"
     target_model_type = "deepseek_v4"
 

