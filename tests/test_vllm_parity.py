@@ -278,7 +278,10 @@ def test_sampled_acceptance_matches_vllm_in_both_drafting_schemes(served):
              "print(vllm.__version__, torch.__version__, x.tolist())")
     out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=300).stdout.split(" ", 2)
     if out[0] == "0.32.0" and out[1].endswith("+cpu"):
-        assert json.loads(out[2]) != [0.7] * 4 + [1.0] * 4  # vLLM's CPU expansion of float values is broken
+        got = [float(v) for v in out[2].strip().strip("[]").split(",")]  # may hold nan: not JSON
+        want = [0.7] * 4 + [1.0] * 4
+        # vLLM's CPU expansion of float values is broken (the workaround stays while this holds)
+        assert not all(abs(g - w) < 1e-6 for g, w in zip(got, want)) or len(got) != len(want), got
         raw = run_serve_check(_cfg(served, "temperature=1.0", "draft_sample_method=probabilistic",
                                    f"out={root / 'check_t1_raw'}", "vllm_default_drafting=false"))
         assert not raw["parity"]

@@ -250,15 +250,17 @@ FORMATS = {
 
 
 def next_step(args: argparse.Namespace, draft) -> str:
-    """What to do with the folder just written, as commands: DeepSeek-V4 / V4.1 / MTP drafts are read by vLLM from
-    inside the target checkpoint (a sidecar must be merged first); dense / DFlash2 folders are a draft model of
-    their own (speculative_config `model`)."""
+    """What to do with the folder just written, as commands: a draft vLLM reads from inside the target checkpoint
+    (its adapter's `vllm_reads_merged`: DeepSeek-V4 / V4.1 DSpark, MTP) is merged first unless it was; any other
+    folder is a draft model of its own (speculative_config `model`)."""
     import json
+
+    from dspark.export.adapter import primary_adapter
 
     cfg = draft.config
     spec = {"method": cfg.vllm_method, "num_speculative_tokens": int(getattr(cfg, type(cfg).DRAFTS_KEY))}
     run = args.run_dir
-    if args.cmd in ("v4", "v41", "mtp"):
+    if primary_adapter(type(draft).family_kind).vllm_reads_merged:
         if getattr(args, "merge_into", None) is None:
             return (f"next: vLLM reads this draft from inside the target's checkpoint: merge it into a copy of the "
                     f"target (python -m dspark.export {args.cmd} --run-dir {run} --merge-into <target checkpoint "
