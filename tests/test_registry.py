@@ -181,3 +181,34 @@ def test_a_draft_against_a_target_of_another_architecture_is_one_config_error(tm
     with pytest.raises(ConfigError, match=r"^draft\.kind: dspark_v41 drafts cannot be built against this target "
                                           r"\(model_type 'hy_v4'"):
         registry.build_config(groups["dspark_v41"], *targets["tiny_hy_v4"])
+
+
+def test_an_adapter_declared_in_a_test_file_gets_its_export_subcommand(capsys):
+    """The export command line is built from the registered serving adapters (issue 36): a format declared here
+    alone, with no edit to dspark/export/__main__.py, is a `python -m dspark.export` subcommand with its own options."""
+    import pytest as _pytest
+
+    from dspark.export import adapter as ad
+    from dspark.export.__main__ import main as export_main
+
+    class ToyAdapter(ad.ServingAdapter):
+        kind, cli, format, what = "toy_kind", "toy", "toy-format", "toy"
+        cli_help = "export a toy draft"
+
+        @classmethod
+        def add_cli_args(cls, p) -> None:
+            p.add_argument("--toy-knob", type=int, default=3, help="a toy option")
+
+    ad.adapters()  # the real ones first
+    ad.serving_adapter(ToyAdapter)
+    try:
+        assert ad.cli_commands()["toy"] is ToyAdapter and ad.cli_kinds("toy") == {"toy_kind"}
+        with _pytest.raises(SystemExit) as e:
+            export_main(["toy", "--help"])
+        assert e.value.code == 0 and "--toy-knob" in capsys.readouterr().out
+        with _pytest.raises(SystemExit):
+            export_main(["--help"])
+        assert "export a toy draft" in capsys.readouterr().out
+    finally:
+        ad._ADAPTERS.remove(ToyAdapter)
+    assert "toy" not in ad.cli_commands()
