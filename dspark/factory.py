@@ -73,9 +73,6 @@ def build_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
 def init_from_serving(draft: torch.nn.Module, folder: str) -> None:
     """`draft.init_from=FOLDER`: start from a serving checkpoint of the draft's family (its primary serving adapter's
     `import_into`, e.g. a shipped DeepSeek-V4.1 checkpoint's mtp.* drafter); ConfigError naming the key otherwise."""
-    from pathlib import Path
-
-    from dspark.errors import ConfigError
     from dspark.export.adapter import primary_adapter
 
     kind = str(getattr(type(draft), "family_kind", ""))

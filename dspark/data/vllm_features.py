@@ -37,12 +37,10 @@ import json
 import logging
 import os
 import shutil
-import struct
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from dspark.data.feature_cache import CacheLayout, _rows_input_ids, write_feature_cache

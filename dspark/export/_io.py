@@ -153,6 +153,17 @@ def check_if_sealed(folder: Path) -> None:
     check_manifest(Path(folder), required=False, hint="re-export it from the run's draft/", since="export")
 
 
+def write_serving_config(out_dir: Path, name: str, config: dict, not_served: list[str] | None = None) -> dict:
+    """The folder's serving config (config.json, dspark_config.json, ...) as every export writes it: `config` with
+    the reasons vLLM would serve the draft otherwise than it was trained under dspark_not_for_vllm (a list the
+    config carried before, e.g. a merged target's, is replaced), written atomically. Returns what was written."""
+    config = {k: v for k, v in config.items() if k != NOT_FOR_VLLM}
+    if not_served:
+        config[NOT_FOR_VLLM] = list(not_served)
+    atomic_write_json(Path(out_dir) / name, config)
+    return config
+
+
 def write_tensors(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                   metadata: dict | None = None) -> list[Path]:
     """One `model.safetensors`, or `model-0000k-of-0000n.safetensors` shards + index when over the limit."""

@@ -34,12 +34,11 @@ from pathlib import Path
 
 import torch
 
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_tensors
+from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config, write_tensors
 from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, ServingAdapter, add_not_for_vllm,
                                    dtype_name, read_json, refuse_unservable, serving_adapter)
 from dspark.export.dflash_rules import (block_causal, draft_markov_problems, markov_expected, markov_lines,
                                         precedence_lines, sorted_lines)
-from dspark.io import atomic_write_json
 from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
 
 DSPARK_ARCH = "Qwen3DSparkModel"
@@ -184,9 +183,7 @@ def export_dense(draft: DSparkDenseDraft, out_dir, dtype: torch.dtype = torch.bf
         config = dense_config_json(draft.config, dtype, num_target_layers)
     else:
         config = speculators_config_json(draft.config, dtype, verifier)
-    if not_served:
-        config[NOT_FOR_VLLM] = not_served
-    atomic_write_json(out_dir / "config.json", config)
+    write_serving_config(out_dir, "config.json", config, not_served)
     return out_dir
 
 

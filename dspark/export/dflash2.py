@@ -18,13 +18,12 @@ from pathlib import Path
 
 import torch
 
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_tensors
-from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, add_not_for_vllm, refuse_unservable,
+from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config, write_tensors
+from dspark.export.adapter import (SAFETENSORS_DTYPES, Expected, add_not_for_vllm, refuse_unservable,
                                    serving_adapter)
 from dspark.export.dense import (DenseAdapter, _draft_config_json, dense_config_from_config, dense_config_json,
                                  dense_config_problems, dense_expected, dense_optional, dense_serving_problems,
                                  dense_tensors)
-from dspark.io import atomic_write_json
 from dspark.models.dflash2 import DFlash2Config, DFlash2Draft
 
 DFLASH2_ARCH = "DFlash2DraftModel"
@@ -116,10 +115,8 @@ def export_dflash2(draft: DFlash2Draft, out_dir, dtype: torch.dtype = torch.bflo
                                    "for_vllm=False / CLI --not-for-vllm writes it anyway")
     out_dir = Path(out_dir)
     write_tensors(dense_tensors(draft, dtype), out_dir, max_shard_bytes)
-    config = dflash2_config_json(draft.config, dtype, num_target_layers)
-    if not_served:
-        config[NOT_FOR_VLLM] = not_served
-    atomic_write_json(out_dir / "config.json", config)
+    write_serving_config(out_dir, "config.json", dflash2_config_json(draft.config, dtype, num_target_layers),
+                         not_served)
     return out_dir
 
 

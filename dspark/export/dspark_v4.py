@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from dspark.export import quant as q
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_tensors
-from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, ServingAdapter, add_not_for_vllm,
+from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config, write_tensors
+from dspark.export.adapter import (SAFETENSORS_DTYPES, Expected, ServingAdapter, add_not_for_vllm,
                                    dtype_name, read_json, refuse_unservable, serving_adapter)
 from dspark.export.dflash_rules import (block_causal, draft_markov_problems, markov_expected, markov_lines,
                                         precedence_lines, sorted_lines)
@@ -191,10 +191,7 @@ def export_v4_sidecar(draft: DSparkV4Draft, out_dir, dtype: torch.dtype = torch.
     not_served = _check_servable(draft.config, for_vllm, "export_v4_sidecar")
     tensors, errors = v4_tensors(draft, dtype, quant)
     write_tensors(tensors, out_dir, max_shard_bytes)
-    config = v4_config_json(draft.config, dtype, quant)
-    if not_served:
-        config[NOT_FOR_VLLM] = not_served
-    atomic_write_json(out_dir / CONFIG_NAME, config)
+    write_serving_config(out_dir, CONFIG_NAME, v4_config_json(draft.config, dtype, quant), not_served)
     _write_report(out_dir, quant, errors)
     return out_dir
 
@@ -346,10 +343,7 @@ def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch
     # the project's draft block is bidirectional: say so where vLLM resolves the block's causality
     # (vllm/model_executor/models/qwen3_dflash.py:62-81, used for DSV4 DSpark by dspark/utils.py:102)
     config["dflash_config"] = {**(config.get("dflash_config") or {}), "causal": False}
-    config.pop(NOT_FOR_VLLM, None)
-    if not_served:
-        config[NOT_FOR_VLLM] = not_served
-    atomic_write_json(out_dir / "config.json", config)
+    write_serving_config(out_dir, "config.json", config, not_served)
     return out_dir
 
 

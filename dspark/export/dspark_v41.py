@@ -24,12 +24,11 @@ import torch
 
 from dspark.export import dspark_v4 as v4
 from dspark.export import quant as q
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_tensors
+from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config, write_tensors
 from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, ServingAdapter, read_json,
                                    refuse_unservable, serving_adapter)
 from dspark.export.dflash_rules import block_causal, markov_expected, markov_lines, precedence_lines, sorted_lines
 from dspark.export.v4_block import block_expected
-from dspark.io import atomic_write_json
 from dspark.models.dspark_v41 import DSparkV41Config, DSparkV41Draft, served_layer_ids
 
 CONFIG_NAME = v4.CONFIG_NAME
@@ -105,10 +104,7 @@ def export_v41_sidecar(draft: DSparkV41Draft, out_dir, dtype: torch.dtype = torc
                                    "export with for_vllm=False to write it for dspark's own import")
     tensors, errors = v41_tensors(draft, dtype, quant)
     write_tensors(tensors, out_dir, max_shard_bytes)
-    config = v41_config_json(draft.config, dtype, quant)
-    if not_served:
-        config[NOT_FOR_VLLM] = not_served
-    atomic_write_json(out_dir / CONFIG_NAME, config)
+    write_serving_config(out_dir, CONFIG_NAME, v41_config_json(draft.config, dtype, quant), not_served)
     v4._write_report(out_dir, quant, errors)
     return out_dir
 
@@ -213,10 +209,7 @@ def merge_v41_into_target(draft: DSparkV41Draft, target_dir, out_dir, dtype: tor
     merge_shard_into_copy(target_dir, out_dir, tensors, shard=MERGED_SHARD, is_draft_name=lambda k: k.startswith("mtp."))
     v4._write_report(out_dir, quant, errors)
     merged["dspark_torch_dtype"] = str(dtype).removeprefix("torch.")
-    merged.pop(NOT_FOR_VLLM, None)
-    if not_served:
-        merged[NOT_FOR_VLLM] = not_served
-    atomic_write_json(out_dir / "config.json", merged)
+    write_serving_config(out_dir, "config.json", merged, not_served)
     return out_dir
 
 

@@ -21,10 +21,7 @@ converter op it does not invert, a state-dict entry the loader would initialise 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
