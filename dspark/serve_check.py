@@ -14,7 +14,6 @@ What vLLM serves on which machine: README "vLLM in the loop".
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -29,34 +28,30 @@ from omegaconf import DictConfig  # noqa: E402
 from dspark.errors import ConfigError  # noqa: E402
 
 log = logging.getLogger("dspark.serve_check")
-_METHODS = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash", "Qwen3DSparkModel": "dspark"}
+def _served(export_dir: Path):
+    """(adapter, serving config) of an exported folder (dspark.export.adapter: the format's own reader)."""
+    from dspark.export.adapter import adapter_for_folder
 
-
-def speculative_method(export_dir: Path) -> str:
-    """vLLM's speculative method for an exported folder: a dense draft folder's config.json names its
-    architecture; a target copy with merged draft tensors is `mtp` (mtp_config.json) or `dspark` (dspark_* keys)."""
     path = Path(export_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"export: {path} not found: `export` must be a folder written by `python -m dspark.export`")
-    c = json.loads(path.read_text())
-    algo = c.get("speculators_model_type")
-    if algo in ("dflash", "dspark"):
-        return algo
-    for arch in c.get("architectures") or []:
-        if arch in _METHODS:
-            return _METHODS[arch]
-    if (Path(export_dir) / "mtp_config.json").is_file():
-        return "mtp"
-    if "dspark_block_size" in c:
-        return "dspark"
-    raise ConfigError(f"export: {path}: architectures {c.get('architectures')} is not a draft vLLM serves "
-                      f"({sorted(_METHODS)}, or a target copy with merged MTP / DSpark tensors); set `method` explicitly")
+    found = adapter_for_folder(Path(export_dir))
+    if found is None:
+        raise ConfigError(f"export: {export_dir} holds no format dspark exports (python -m dspark.export verify "
+                          f"{export_dir} says why); set `method` explicitly")
+    return found
+
+
+def speculative_method(export_dir: Path) -> str:
+    """vLLM's speculative method for an exported folder: its format's draft config says it (`vllm_method`)."""
+    adapter, config = _served(export_dir)
+    return adapter.draft_config(config).vllm_method
 
 
 def is_merged(export_dir: Path) -> bool:
     """True for a target checkpoint copy with the draft merged in (vLLM reads the draft from the target)."""
-    c = json.loads((Path(export_dir) / "config.json").read_text())
-    return not any(a in _METHODS for a in c.get("architectures") or []) and "speculators_model_type" not in c
+    adapter, _ = _served(export_dir)
+    return adapter.vllm_reads_merged
 
 
 def export_run(cfg: DictConfig, run_dir: Path, kind: str, target_dir: str, out: Path) -> Path:
