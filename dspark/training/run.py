@@ -337,7 +337,9 @@ def run_training(cfg: DictConfig, callbacks: tuple[Callback, ...] = ()) -> dict:
     with claim_run_dir(run_dir):
         ckpt_path = resolve_resume(cfg, run_dir)
         if ckpt_path is not None:
-            print_and_log(check_resumed_config(values, Path(ckpt_path), run_dir))
+            plan = check_resumed_config(values, Path(ckpt_path), run_dir)
+            if is_launcher_process():  # once per job, not once per rank
+                print_and_log(plan)
         if is_launcher_process():
             atomic_write_json(run_dir / RESUME_RECORD, {"resume": resume_command(cfg, run_dir)})
         return _train(cfg, run_dir, ckpt_path, callbacks)
@@ -405,7 +407,7 @@ def choose_held_out(cfg: DictConfig, n: int, ckpt_path: str | None) -> int:
 
         setting = (checkpoint_config(Path(ckpt_path))[0].get("data") or {}).get("val_examples", setting)
     count = held_out_count(setting, n)
-    if cfg.data.val_examples == "auto" and count < AUTO_HELD_OUT_MAX and ckpt_path is None:
+    if cfg.data.val_examples == "auto" and count < AUTO_HELD_OUT_MAX and ckpt_path is None and is_launcher_process():
         print_and_log(f"data.val_examples=auto: {count} of {n} usable conversations held out for validation (a "
                       f"tenth; {AUTO_HELD_OUT_MAX} on larger data)")
     cfg.data.val_examples = count
