@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config, write_tensors
+from dspark.export._io import (DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config,
+                              write_tensors)
 from dspark.export.adapter import (SAFETENSORS_DTYPES, Expected, add_not_for_vllm, refuse_unservable,
                                    serving_adapter)
 from dspark.export.dense import (DenseAdapter, _draft_config_json, dense_config_from_config, dense_config_json,

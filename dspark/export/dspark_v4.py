@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from dspark.export import quant as q
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config, write_tensors
+from dspark.export._io import (DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config,
+                              write_tensors)
 from dspark.export.adapter import (SAFETENSORS_DTYPES, Expected, ServingAdapter, add_not_for_vllm,
                                    dtype_name, read_json, refuse_unservable, serving_adapter)
 from dspark.export.dflash_rules import (block_causal, draft_markov_problems, markov_expected, markov_lines,

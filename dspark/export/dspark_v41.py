@@ -24,7 +24,8 @@ import torch
 
 from dspark.export import dspark_v4 as v4
 from dspark.export import quant as q
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config, write_tensors
+from dspark.export._io import (DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config,
+                              write_tensors)
 from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, ServingAdapter, read_json,
                                    refuse_unservable, serving_adapter)
 from dspark.export.dflash_rules import block_causal, markov_expected, markov_lines, precedence_lines, sorted_lines
@@ -323,7 +324,8 @@ class V41DSparkAdapter(ServingAdapter):
     vllm_reads_merged = True
     format = "deepseek_v41 dspark (mtp.*)"
     what = "DeepSeek-V4.1 DSpark"
-    cli_help = "export a training run's draft as a DeepSeek-V4.1 mtp.* sidecar (or merged into a V4.1 target checkpoint)"
+    cli_help = ("export a training run's draft as a DeepSeek-V4.1 mtp.* sidecar (or merged into a V4.1 target "
+                "checkpoint)")
     cli_default_target = "tiny_v41"
     add_cli_args = v4.V4DSparkAdapter.add_cli_args  # the same options: --merge-into, --quant, --not-for-vllm
 
