@@ -28,8 +28,9 @@ from omegaconf import DictConfig  # noqa: E402
 from dspark.errors import ConfigError  # noqa: E402
 
 log = logging.getLogger("dspark.serve_check")
-def _served(export_dir: Path):
-    """(adapter, serving config) of an exported folder (dspark.export.adapter: the format's own reader)."""
+def served_as(export_dir: Path) -> tuple[str, bool]:
+    """(vLLM's speculative method, merged) of an exported folder, from its format's adapter
+    (dspark.export.adapter): the method its draft config names, and whether vLLM reads the draft from a target copy."""
     from dspark.export.adapter import adapter_for_folder
 
     path = Path(export_dir) / "config.json"
@@ -39,19 +40,8 @@ def _served(export_dir: Path):
     if found is None:
         raise ConfigError(f"export: {export_dir} holds no format dspark exports (python -m dspark.export verify "
                           f"{export_dir} says why); set `method` explicitly")
-    return found
-
-
-def speculative_method(export_dir: Path) -> str:
-    """vLLM's speculative method for an exported folder: its format's draft config says it (`vllm_method`)."""
-    adapter, config = _served(export_dir)
-    return adapter.draft_config(config).vllm_method
-
-
-def is_merged(export_dir: Path) -> bool:
-    """True for a target checkpoint copy with the draft merged in (vLLM reads the draft from the target)."""
-    adapter, _ = _served(export_dir)
-    return adapter.vllm_reads_merged
+    adapter, config = found
+    return adapter.draft_config(config).vllm_method, adapter.vllm_reads_merged
 
 
 def export_run(cfg: DictConfig, run_dir: Path, kind: str, target_dir: str, out: Path) -> Path:
@@ -138,9 +128,10 @@ def run_serve_check(cfg: DictConfig, target_from_run: bool = False) -> dict:
     out_dir = ev.resolve_path(cfg.out) if cfg.out else run_dir / "serve_check"
     export_dir = (ev.resolve_path(cfg.export) if cfg.get("export")
                   else export_run(cfg, run_dir, str(draft_group.kind), tpath, out_dir / "export"))
-    method = cfg.get("method") or speculative_method(export_dir)
+    served_method, merged = served_as(export_dir)
+    method = cfg.get("method") or served_method
     # a merged export is a target copy: vLLM serves it as the target and reads the draft from it
-    vllm_target, vllm_draft = (str(export_dir), None) if is_merged(export_dir) else (tpath, str(export_dir))
+    vllm_target, vllm_draft = (str(export_dir), None) if merged else (tpath, str(export_dir))
 
     decoded = {}
     for name, convs in benchmarks.items():

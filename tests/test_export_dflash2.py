@@ -165,7 +165,7 @@ def test_a_sliding_window_draft_is_refused_for_vllm(tmp_path):
 def test_serve_check_serves_the_folder_as_a_dflash_draft(exported):
     """vLLM's method for DFlash2 is "dflash" (config/speculative.py:69; the speculator by architecture), and the
     folder is a draft folder next to the target, not a merged target copy."""
-    from dspark.serve_check import is_merged, speculative_method
+    from dspark.serve_check import served_as
 
     _, out = exported
-    assert speculative_method(out) == "dflash" and not is_merged(out)
+    assert served_as(out) == ("dflash", False)

@@ -55,6 +55,7 @@ def test_resume_last_takes_the_newest_complete_sharded_checkpoint_and_skips_an_u
         assert resolve_resume(compose([f"run_dir={tmp_path}", "resume=last"]), tmp_path) == str(step4)
     assert "last.ckpt has no completion record" in caplog.text and "step0000008.ckpt has no completion" in caplog.text
     assert "resume=last: step0000004.ckpt (step 4, the newest complete checkpoint)" in caplog.text
+    assert "holds an older step" not in caplog.text  # the unsealed last.ckpt/ holds no step to compare
     # an explicit incomplete folder is refused naming the complete alternative
     with pytest.raises(ConfigError, match=rf"step0000008.ckpt' is incomplete .* resume={step4}$"):
         resolve_resume(compose([f"run_dir={tmp_path}", f"resume={ckpts / 'step0000008.ckpt'}"]), tmp_path)

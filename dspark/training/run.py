@@ -161,7 +161,7 @@ def newest_checkpoint(folder: Path) -> Path | None:
     if not found:
         return None
     step, _, chosen = max(found)
-    if chosen != last and (last.exists()):
+    if chosen != last and any(path == last for *_, path in found):
         log.warning("resume=last: %s holds an older step than %s (step %d): resuming from that", last.name,
                     chosen.name, step)
     log.info("resume=last: %s (step %d, the newest complete checkpoint)", chosen.name, step)
@@ -337,17 +337,19 @@ def run_training(cfg: DictConfig, callbacks: tuple[Callback, ...] = ()) -> dict:
     with claim_run_dir(run_dir):
         ckpt_path = resolve_resume(cfg, run_dir)
         if ckpt_path is not None:
-            plan = check_resumed_config(values, Path(ckpt_path), run_dir)
+            plan, then = check_resumed_config(values, Path(ckpt_path), run_dir)
             if is_launcher_process():  # once per job, not once per rank
                 print_and_log(plan)
+            if cfg.data.val_examples == "auto":  # a resumed run keeps its own held-out split
+                cfg.data.val_examples = (then.get("data") or {}).get("val_examples", "auto")
         if is_launcher_process():
             atomic_write_json(run_dir / RESUME_RECORD, {"resume": resume_command(cfg, run_dir)})
         return _train(cfg, run_dir, ckpt_path, callbacks)
 
 
-def check_resumed_config(values: dict, ckpt: Path, run_dir: Path) -> str:
-    """The resolved config against the checkpoint's, before any model loads (dspark.training.resume) -> the one
-    line that says how far the resumed run goes. A refused config names the command this run was last started
+def check_resumed_config(values: dict, ckpt: Path, run_dir: Path) -> tuple[str, dict]:
+    """The resolved config against the checkpoint's, before any model loads (dspark.training.resume) -> (the one
+    line that says how far the resumed run goes, the checkpoint's run config). A refused config names the command this run was last started
     with (run_dir/resume.json), when it has one: a resume that forgot the experiment or an override is one line."""
     from dspark.preflight import command_line_overrides
     from dspark.training.resume import (OVERRIDABLE, ResumeRefused, checkpoint_config, compare_on_resume,
@@ -374,7 +376,7 @@ def check_resumed_config(values: dict, ckpt: Path, run_dir: Path) -> str:
                           "run_dir= for a new run)") from None
     named = [o.split("=", 1)[0].lstrip("+~") for o in command_line_overrides()]
     asked = "trainer.max_steps" in named or "trainer.max_steps" in list(values.get("resume_override") or [])
-    return planned_steps(then, step, int(values["trainer"]["max_steps"]), asked)
+    return planned_steps(then, step, int(values["trainer"]["max_steps"]), asked), then
 
 
 def _train(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> dict:
@@ -387,7 +389,7 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> 
     # the rows come first (tokenizer only): the held-out split is checked against them before any model loads, and
     # with data.feature_cache a complete cache (a hit) loads only the target's head
     dataset = rows_before_target(cfg, factory.build_dataset)
-    choose_held_out(cfg, len(dataset), ckpt_path)
+    choose_held_out(cfg, len(dataset))
     target = factory.build_target(cfg, dataset)
     draft = factory.build_draft(cfg, target)
     datamodule = factory.build_datamodule(cfg, target.tokenizer, dataset=dataset, target=target)
@@ -396,18 +398,14 @@ def _train(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> 
         return _fit(cfg, run_dir, ckpt_path, callbacks, target, draft, datamodule, t0)
 
 
-def choose_held_out(cfg: DictConfig, n: int, ckpt_path: str | None) -> int:
+def choose_held_out(cfg: DictConfig, n: int) -> int:
     """cfg.data.val_examples as the number of held-out conversations of the `n` usable ones (auto: a tenth, at most
-    64; a resumed run keeps the checkpoint's), said in one line when auto holds out fewer than 64."""
+    64; a resumed run has its checkpoint's count by now, run_training), said in one line when auto holds out fewer
+    than 64."""
     from dspark.training.data_module import AUTO_HELD_OUT_MAX, held_out_count
 
-    setting = cfg.data.val_examples
-    if setting == "auto" and ckpt_path is not None:
-        from dspark.training.resume import checkpoint_config
-
-        setting = (checkpoint_config(Path(ckpt_path))[0].get("data") or {}).get("val_examples", setting)
-    count = held_out_count(setting, n)
-    if cfg.data.val_examples == "auto" and count < AUTO_HELD_OUT_MAX and ckpt_path is None and is_launcher_process():
+    count = held_out_count(cfg.data.val_examples, n)
+    if cfg.data.val_examples == "auto" and count < AUTO_HELD_OUT_MAX and is_launcher_process():
         print_and_log(f"data.val_examples=auto: {count} of {n} usable conversations held out for validation (a "
                       f"tenth; {AUTO_HELD_OUT_MAX} on larger data)")
     cfg.data.val_examples = count
