@@ -11,6 +11,7 @@ from conftest import FP32_CROSS_SHAPE_ATOL, tiny_v4_config
 from dspark.models.common import FieldError
 from dspark.models.dspark_v4 import DSparkV4Draft
 from dspark.models.dspark_v41 import DSparkV41Config, DSparkV41Draft, hc_pre_delayed, served_layer_ids
+from dspark.ops.mhc import HcSettings
 
 EPS, NORM_EPS, ITERS = 1e-6, 1e-6, 20
 
@@ -51,7 +52,7 @@ def _rand_hc(hc=2, h=8, t=5, seed=0):
 def test_delayed_pre_is_vllms_reference(carried):
     x, fn, base, scale, prev = _rand_hc()
     prev = prev if carried else None
-    y, post, comb, pre = hc_pre_delayed(x, prev, fn, base, scale, 2, ITERS, EPS, NORM_EPS)
+    y, post, comb, pre = hc_pre_delayed(x, prev, fn, base, scale, HcSettings(2, ITERS, EPS, NORM_EPS))
     r_post, r_comb, r_y, r_pre = vllm_pre_delayed(x, fn, scale, base, prev, 2)
     for got, ref in ((y, r_y), (post, r_post), (comb, r_comb), (pre, r_pre)):
         torch.testing.assert_close(got.double(), ref, atol=FP32_CROSS_SHAPE_ATOL, rtol=0)

@@ -114,10 +114,10 @@ def test_hc_ops_tilelang_backend_gradients_match_reference():
     def run(backend):
         leaves = [t.clone().requires_grad_(True) for t in (x, fn)]
         if backend == "ref":
-            y, post, comb = mhc.hc_pre_reference(leaves[0], leaves[1], base, scale, hc, 20, 1e-6, 1e-6)
+            y, post, comb = mhc.hc_pre_reference(leaves[0], leaves[1], base, scale, mhc.HcSettings(hc, 20, 1e-6, 1e-6))
             out = mhc.hc_post_reference(torch.tanh(y), leaves[0], post, comb)
         else:
-            y, post, comb = mhc.hc_pre(leaves[0], leaves[1], base, scale, hc, 20, 1e-6, 1e-6, backend=backend)
+            y, post, comb = mhc.hc_pre(leaves[0], leaves[1], base, scale, mhc.HcSettings(hc, 20, 1e-6, 1e-6), backend=backend)
             out = mhc.hc_post(torch.tanh(y), leaves[0], post, comb, backend=backend)
         (out * torch.linspace(-1, 1, H, device="cuda")).sum().backward()
         return out.detach(), [t.grad for t in leaves]

@@ -171,7 +171,7 @@ def test_hc_ops_through_c_kernels_match_reference(monkeypatch):
 
     def run(pre, post_fn, head):
         leaves = [t.clone().requires_grad_(True) for t in (x, fn, hfn)]
-        y, post, comb = pre(leaves[0], leaves[1], base, scale, hc, 5, 1e-6, 1e-6)
+        y, post, comb = pre(leaves[0], leaves[1], base, scale, mhc.HcSettings(hc, 5, 1e-6, 1e-6))
         out = post_fn(torch.tanh(y), leaves[0], post, comb)
         z = head(out, leaves[2], hbase, hscale, 1e-6, 1e-6)
         (z * weight).sum().backward()

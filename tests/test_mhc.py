@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dspark.ops.mhc import hc_head, hc_post, hc_pre, sinkhorn
+from dspark.ops.mhc import HcSettings, hc_head, hc_post, hc_pre, sinkhorn
 
 HC, H = 3, 4
 EPS, NORM_EPS = 1e-6, 1e-6
@@ -68,7 +68,7 @@ def _spec_hc_pre(x_tok, fn, base, scale, hc, iters):
 def test_hc_pre_matches_spec_loops():
     fn, base, scale = _params(0)
     x = torch.randn(2, 3, HC, H, generator=torch.Generator().manual_seed(1))  # [B, T, hc, H]
-    y, post, comb = hc_pre(x, fn, base, scale, HC, 7, EPS, NORM_EPS)
+    y, post, comb = hc_pre(x, fn, base, scale, HcSettings(HC, 7, EPS, NORM_EPS))
     assert y.shape == (2, 3, H) and post.shape == (2, 3, HC) and comb.shape == (2, 3, HC, HC)
     for b in range(2):
         for t in range(3):
@@ -125,7 +125,7 @@ def test_sinkhorn_doubly_stochastic(hc):
 def test_dtype_roundtrip_bf16():
     fn, base, scale = _params(5)
     x = torch.randn(2, 3, HC, H).to(torch.bfloat16)
-    y, post, comb = hc_pre(x, fn, base, scale, HC, 5, EPS, NORM_EPS)
+    y, post, comb = hc_pre(x, fn, base, scale, HcSettings(HC, 5, EPS, NORM_EPS))
     assert y.dtype == torch.bfloat16 and post.dtype == torch.float32 and comb.dtype == torch.float32
     assert hc_post(y, x, post, comb).dtype == torch.bfloat16
 
@@ -154,7 +154,7 @@ def test_matches_transformers_hyper_connection_and_head():
         hf_hc.scale.copy_(scale)
     x = torch.randn(2, 5, hc, hidden, generator=torch.Generator().manual_seed(7))
     post_ref, comb_ref, y_ref = hf_hc(x)
-    y, post, comb = hc_pre(x, fn, base, scale, hc, 20, EPS, NORM_EPS)
+    y, post, comb = hc_pre(x, fn, base, scale, HcSettings(hc, 20, EPS, NORM_EPS))
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(post, post_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(comb, comb_ref, atol=1e-5, rtol=1e-5)

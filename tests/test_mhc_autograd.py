@@ -54,8 +54,8 @@ def test_hc_pre_forward_and_gradients_match_reference():
     fn, base = torch.randn(mixn, HC * H, generator=g) * 0.5, torch.randn(mixn, generator=g) * 0.3
     scale = torch.rand(3, generator=g) + 0.5
     args = lambda: [_leaf(t) for t in (x, fn, base, scale)]  # noqa: E731
-    ref_out, ref_g = _grads(lambda *a: mhc.hc_pre_reference(*a, HC, 6, EPS, NORM_EPS), args())
-    out, got = _grads(lambda *a: mhc.hc_pre(*a, HC, 6, EPS, NORM_EPS, backend="torch"), args())
+    ref_out, ref_g = _grads(lambda *a: mhc.hc_pre_reference(*a, mhc.HcSettings(HC, 6, EPS, NORM_EPS)), args())
+    out, got = _grads(lambda *a: mhc.hc_pre(*a, mhc.HcSettings(HC, 6, EPS, NORM_EPS), backend="torch"), args())
     for a, b in zip(out, ref_out):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     for a, b in zip(got, ref_g):
@@ -88,7 +88,7 @@ def test_bf16_streams_keep_dtypes_and_grads():
     mixn = (2 + HC) * HC
     x = torch.randn(2, HC, H, generator=g).to(torch.bfloat16).requires_grad_(True)
     fn = (torch.randn(mixn, HC * H, generator=g) * 0.5).requires_grad_(True)
-    y, post, comb = mhc.hc_pre(x, fn, torch.zeros(mixn), torch.ones(3), HC, 3, EPS, NORM_EPS, backend="torch")
+    y, post, comb = mhc.hc_pre(x, fn, torch.zeros(mixn), torch.ones(3), mhc.HcSettings(HC, 3, EPS, NORM_EPS), backend="torch")
     assert y.dtype == torch.bfloat16 and post.dtype == torch.float32
     out = mhc.hc_post(y, x, post, comb, backend="torch")
     out.float().sum().backward()

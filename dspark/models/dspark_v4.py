@@ -27,7 +27,7 @@ from dspark.models.heads import ConfidenceHead, build_markov_head
 from dspark.models.registry import register
 from dspark.models.v4_names import init_draft_layers_from_target  # re-exported for callers of this module
 from dspark.ops.attention import masked_attention
-from dspark.ops.mhc import hc_head, hc_post, hc_pre
+from dspark.ops.mhc import HcSettings, hc_head, hc_post, hc_pre
 from dspark.ops.norms import RMSNorm, unweighted_rms_norm
 from dspark.ops.rope import RotaryEmbedding, apply_rope
 
@@ -424,9 +424,8 @@ class DSparkV4Layer(nn.Module):
         _reset_hc(self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, std)
 
     def _pre(self, x: torch.Tensor, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        c = self.cfg
         fn, base, scale = (getattr(self, f"hc_{which}_{p}") for p in ("fn", "base", "scale"))
-        return hc_pre(x, fn, base, scale, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        return hc_pre(x, fn, base, scale, HcSettings.of(self.cfg))
 
     def attn_input(self, x: torch.Tensor) -> torch.Tensor:
         """The normalised attention input attn_norm(hc_pre(x)) [B, T, H] for x [B, T, hc, H]."""
@@ -447,6 +446,8 @@ class DSparkV4Draft(BlockDraft, SharedTargetWeights, nn.Module):
     """DeepSeek-V4 DSpark draft; interface in docs/CONTRACTS.md."""
 
     context_seq_dim = 1  # context_kv rows (eval's draft-side cache, block_draft.BlockContextCache): [B, S, D]
+    layer_class: ClassVar[type[nn.Module]] = DSparkV4Layer
+    has_hc_head: ClassVar[bool] = True  # V4 collapses the last streams with hc_head_* (V4.1 has none)
 
     def __init__(self, cfg: DSparkV4Config):
         super().__init__()
@@ -455,9 +456,10 @@ class DSparkV4Draft(BlockDraft, SharedTargetWeights, nn.Module):
         h, hc = cfg.hidden_size, cfg.hc_mult
         self.main_proj = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
         self.main_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList([DSparkV4Layer(cfg) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([self.layer_class(cfg) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.hc_head_fn, self.hc_head_base, self.hc_head_scale = _hc_params(hc, h, hc, 1)
+        if self.has_hc_head:
+            self.hc_head_fn, self.hc_head_base, self.hc_head_scale = _hc_params(hc, h, hc, 1)
         self.markov_head = build_markov_head(cfg.vocab_size, cfg.vocab_size, cfg.markov_rank, h, cfg.markov_head_type)
         self.confidence_head = ConfidenceHead(h + cfg.markov_rank, bias=cfg.confidence_bias)
         self.reset_parameters()
@@ -470,7 +472,8 @@ class DSparkV4Draft(BlockDraft, SharedTargetWeights, nn.Module):
         self.norm.reset_parameters()
         for layer in self.layers:
             layer.reset_parameters(std)
-        _reset_hc(self.hc_head_fn, self.hc_head_base, self.hc_head_scale, std)
+        if self.has_hc_head:
+            _reset_hc(self.hc_head_fn, self.hc_head_base, self.hc_head_scale, std)
         self.markov_head.reset_parameters(std)
         self.confidence_head.reset_parameters(std)
 
@@ -515,8 +518,14 @@ class DSparkV4Draft(BlockDraft, SharedTargetWeights, nn.Module):
         if tuple(attn_mask.shape) != (b, t, s + t):
             raise ValueError(f"backbone: attn_mask must be [{b}, {t}, {s + t}], got {tuple(attn_mask.shape)}")
         x = self.embed(block_ids).unsqueeze(-2).repeat(1, 1, self.config.hc_mult, 1)  # [B, T, hc, H]
+        return self.run_layers(x, block_positions, ctx, attn_mask)
+
+    def run_layers(
+        self, x: torch.Tensor, positions: torch.Tensor, ctx: Sequence[torch.Tensor], attn_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """x [B, T, hc, H] (the embedded block on every stream) -> h [B, T, H]: the layers, then hc_head."""
         for layer, kv in zip(self.layers, ctx):
-            x = layer(x, block_positions, kv, attn_mask)
+            x = layer(x, positions, kv, attn_mask)
         c = self.config
         return hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps)
 

@@ -28,31 +28,22 @@ from torch import nn
 
 from dspark.models.common import FieldError
 from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft, DSparkV4Layer
-from dspark.models.heads import ConfidenceHead, build_markov_head
 from dspark.models.registry import register
-from dspark.ops.mhc import CollapseFn, _ops, _tokens, hc_mixes, hc_post
-from dspark.ops.norms import RMSNorm
+from dspark.ops.mhc import CollapseFn, HcSettings, _ops, _tokens, hc_mixes, hc_post
 
 
 # ------------------------------------------------------------------------------------------------
 # Delayed mHC pre
 # ------------------------------------------------------------------------------------------------
 def hc_pre_delayed(
-    x: torch.Tensor,
-    carried_pre: torch.Tensor | None,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    hc_mult: int,
-    iters: int,
-    eps: float,
-    norm_eps: float,
+    x: torch.Tensor, carried_pre: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    settings: HcSettings,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """V4.1's mHC pre: x [..., hc, H], carried_pre [..., hc] fp32 or None ->
     (collapsed [..., H] = sum_j carried_pre_j x_j, or x[..., 0, :] when None; post [..., hc]; comb [..., hc, hc];
     pre [..., hc], this sublayer's pre-mix for the next one). The mixes are V4's (dspark.ops.mhc: hc_pre)."""
-    lead, hc = x.shape[:-2], hc_mult
-    xt, pre, post, comb = hc_mixes(x, fn, base, scale, hc_mult, iters, eps, norm_eps)
+    lead, hc = x.shape[:-2], settings.mult
+    xt, pre, post, comb = hc_mixes(x, fn, base, scale, settings)
     if carried_pre is None:
         y = xt[:, 0]  # the identity pre-mix selects stream 0 (kernels/mhc/torch.py:40-44)
     else:
@@ -111,9 +102,8 @@ class DSparkV41Layer(DSparkV4Layer):
     """V4's layer (same parameters) with the delayed pre-mix: forward takes and returns the carried pre-mix."""
 
     def _delayed(self, x: torch.Tensor, carried: torch.Tensor | None, which: str):
-        c = self.cfg
         fn, base, scale = (getattr(self, f"hc_{which}_{p}") for p in ("fn", "base", "scale"))
-        return hc_pre_delayed(x, carried, fn, base, scale, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        return hc_pre_delayed(x, carried, fn, base, scale, HcSettings.of(self.cfg))
 
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, carried: torch.Tensor | None, positions: torch.Tensor, ctx_kv: torch.Tensor,
@@ -131,48 +121,17 @@ class DSparkV41Layer(DSparkV4Layer):
 class DSparkV41Draft(DSparkV4Draft):
     """DeepSeek-V4.1 DSpark draft; interface in docs/CONTRACTS.md (the V4 draft's, without hc_head)."""
 
-    def __init__(self, cfg: DSparkV41Config):
-        nn.Module.__init__(self)
-        cfg.validate()
-        self.config = cfg
-        h = cfg.hidden_size
-        self.main_proj = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
-        self.main_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList([DSparkV41Layer(cfg) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.markov_head = build_markov_head(cfg.vocab_size, cfg.vocab_size, cfg.markov_rank, h, cfg.markov_head_type)
-        self.confidence_head = ConfidenceHead(h + cfg.markov_rank, bias=cfg.confidence_bias)
-        self.reset_parameters()
+    layer_class = DSparkV41Layer
+    has_hc_head = False  # the last stream is collapsed with the last FFN pre-mix (dspark.py:238-244)
 
-    def reset_parameters(self) -> None:
-        std = self.config.initializer_range
-        nn.init.normal_(self.main_proj.weight, mean=0.0, std=std)
-        self.main_norm.reset_parameters()
-        self.norm.reset_parameters()
-        for layer in self.layers:
-            layer.reset_parameters(std)
-        self.markov_head.reset_parameters(std)
-        self.confidence_head.reset_parameters(std)
-
-    def backbone(
-        self,
-        block_ids: torch.Tensor,
-        block_positions: torch.Tensor,
-        ctx: Sequence[torch.Tensor],
-        attn_mask: torch.Tensor,
+    def run_layers(
+        self, x: torch.Tensor, positions: torch.Tensor, ctx: Sequence[torch.Tensor], attn_mask: torch.Tensor,
     ) -> torch.Tensor:
-        """block_ids [B, T], block_positions [B, T], ctx per-layer [B, S, D], attn_mask [B, T, S+T] bool
-        -> PRE-norm hidden h [B, T, H] = the last stream collapsed with the last FFN pre-mix (dspark.py:224-244)."""
-        if len(ctx) != len(self.layers):
-            raise ValueError(f"backbone: expected {len(self.layers)} context KV tensors, got {len(ctx)}")
-        b, t = block_ids.shape
-        s = ctx[0].shape[1]
-        if tuple(attn_mask.shape) != (b, t, s + t):
-            raise ValueError(f"backbone: attn_mask must be [{b}, {t}, {s + t}], got {tuple(attn_mask.shape)}")
-        x = self.embed(block_ids).unsqueeze(-2).repeat(1, 1, self.config.hc_mult, 1)  # [B, T, hc, H]
+        """x [B, T, hc, H] -> h [B, T, H]: the layers carrying their pre-mixes, the last stream collapsed with the
+        last FFN pre-mix (dspark.py:224-244)."""
         carried = None
         for layer, kv in zip(self.layers, ctx):
-            x, carried = layer(x, carried, block_positions, kv, attn_mask)
+            x, carried = layer(x, carried, positions, kv, attn_mask)
         return hc_collapse(x, carried)
 
     def init_from_target(self, hf_causal_lm: nn.Module) -> list[int]:

@@ -28,7 +28,28 @@ autograd transcriptions the tests compare against.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+
+
+@dataclass(frozen=True)
+class HcSettings:
+    """The mHC constants of a model: `mult` streams, `iters` Sinkhorn rounds, `eps` (pre-mix floor, Sinkhorn
+    padding), `norm_eps` (the mix's RMS normalisation)."""
+
+    mult: int
+    iters: int
+    eps: float
+    norm_eps: float
+
+    @classmethod
+    def of(cls, config: Any) -> "HcSettings":
+        """From a draft or HF config (hc_mult, hc_sinkhorn_iters, hc_eps, rms_norm_eps: the names V4's config.json
+        uses)."""
+        return cls(int(config.hc_mult), int(config.hc_sinkhorn_iters), float(config.hc_eps),
+                   float(config.rms_norm_eps))
 
 
 def _normalised_mix(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -63,21 +84,14 @@ def _collapse(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def hc_pre_reference(
-    x: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    hc_mult: int,
-    iters: int,
-    eps: float,
-    norm_eps: float,
+    x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, settings: HcSettings,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Collapse the streams before a block and compute the weights for hc_post.
 
     x [..., hc, H]; fn [(2+hc)*hc, hc*H]; base [(2+hc)*hc]; scale [3].
     Returns collapsed [..., H] (x.dtype), post [..., hc] (fp32), comb [..., hc, hc] (fp32).
     """
-    hc = hc_mult
+    hc, iters, eps, norm_eps = settings.mult, settings.iters, settings.eps, settings.norm_eps
     if x.shape[-2] != hc:
         raise ValueError(f"hc_pre: expected {hc} streams on axis -2, got shape {tuple(x.shape)}")
     mix = _normalised_mix(x, fn, norm_eps)  # [..., (2+hc)*hc]
@@ -236,50 +250,34 @@ def _tokens(x: torch.Tensor, tail: int) -> torch.Tensor:
 
 # ---- public ops (dispatching) ----------------------------------------------------------------------
 def hc_mixes(
-    x: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    hc_mult: int,
-    iters: int,
-    eps: float,
-    norm_eps: float,
-    *,
-    backend: str | None = None,
+    x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, settings: HcSettings,
+    *, backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The three mixes of an mHC sublayer: x [..., hc, H] -> (x as tokens [T, hc, H], pre [T, hc], post [T, hc],
     comb [T, hc, hc]) in the accumulation dtype (hc_post_alpha 2.0: vLLM deepseek_v4 model.py:376). hc_pre collapses
     with this sublayer's pre; V4.1's delayed pre (dspark.models.dspark_v41) with the previous sublayer's."""
-    hc = hc_mult
+    hc, eps = settings.mult, settings.eps
     if x.shape[-2] != hc:
         raise ValueError(f"hc_pre: expected {hc} streams on axis -2, got shape {tuple(x.shape)}")
     xt = _tokens(x, 2)  # [T, hc, H]
-    mix = MixFn.apply(xt.flatten(-2), fn, norm_eps, _ops(x, backend))  # [T, (2+hc)*hc]
+    mix = MixFn.apply(xt.flatten(-2), fn, settings.norm_eps, _ops(x, backend))  # [T, (2+hc)*hc]
     base, scale = base.to(_acc(x)), scale.to(_acc(x))
     pre_logit, post_logit, comb_logit = mix.split([hc, hc, hc * hc], dim=-1)
     pre_base, post_base, comb_base = base.split([hc, hc, hc * hc])
     pre = torch.sigmoid(pre_logit * scale[0] + pre_base) + eps  # [T, hc]
     post = 2.0 * torch.sigmoid(post_logit * scale[1] + post_base)  # [T, hc]
-    comb = sinkhorn((comb_logit * scale[2] + comb_base).unflatten(-1, (hc, hc)), iters, eps)  # [T, hc, hc]
+    comb = sinkhorn((comb_logit * scale[2] + comb_base).unflatten(-1, (hc, hc)), settings.iters, eps)  # [T, hc, hc]
     return xt, pre, post, comb
 
 
 def hc_pre(
-    x: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    hc_mult: int,
-    iters: int,
-    eps: float,
-    norm_eps: float,
-    *,
-    backend: str | None = None,
+    x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, settings: HcSettings,
+    *, backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hc_pre_reference's contract (x [..., hc, H] -> collapsed [..., H], post [..., hc], comb
     [..., hc, hc]) through the dispatched pieces."""
-    lead, hc = x.shape[:-2], hc_mult
-    xt, pre, post, comb = hc_mixes(x, fn, base, scale, hc_mult, iters, eps, norm_eps, backend=backend)
+    lead, hc = x.shape[:-2], settings.mult
+    xt, pre, post, comb = hc_mixes(x, fn, base, scale, settings, backend=backend)
     y = CollapseFn.apply(xt, pre, _ops(x, backend))  # [T, H]
     return y.view(*lead, -1), post.view(*lead, hc), comb.view(*lead, hc, hc)
 

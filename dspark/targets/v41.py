@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV4Config, DeepseekV4ForCausalLM
 
 from dspark.models.dspark_v41 import hc_collapse, hc_pre_delayed
+from dspark.ops.mhc import HcSettings
 
 
 class _Carry:
@@ -35,12 +36,10 @@ class DelayedHyperConnection(nn.Module):
         super().__init__()
         self.fn, self.base, self.scale = original.fn, original.base, original.scale
         self.carry = carry
-        self.hc_mult, self.iters, self.eps = config.hc_mult, config.hc_sinkhorn_iters, config.hc_eps
-        self.norm_eps = config.rms_norm_eps
+        self.settings = HcSettings.of(config)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        y, post, comb, pre = hc_pre_delayed(streams, self.carry.pre, self.fn, self.base, self.scale, self.hc_mult,
-                                            self.iters, self.eps, self.norm_eps)
+        y, post, comb, pre = hc_pre_delayed(streams, self.carry.pre, self.fn, self.base, self.scale, self.settings)
         self.carry.pre = pre
         return post, comb, y
 
