@@ -169,19 +169,18 @@ def run_serve_check(cfg: DictConfig, target_from_run: bool = False) -> dict:
                "target": tpath, "vllm_target": vllm_target, "vllm_draft": vllm_draft, "engine": engine,
                "benchmarks": reports, "load_audit": load, "load_ok": load_ok, "serve_error": vllm["serve_error"],
                "parity": load_ok and vllm["serve_error"] is None and all(r["parity"] for r in reports.values()),
-               "note": note_for(draft_group)}
+               "note": _check_note(draft_group)}
     tag = f"T{temperature:g}.g{g}"
     atomic_write_json(out_dir / f"serve_check.{tag}.json", summary)
     print_summary(summary, out_dir / f"serve_check.{tag}.json", temperature, g)
     return summary
 
 
-def note_for(draft_group) -> str | None:
-    """What a passing check does and does not establish for this draft kind."""
-    if str(draft_group.kind) == "dspark_dense" and int(draft_group.get("markov_rank") or 0) > 0:
-        return ("dense DSpark served as vLLM's Qwen3DSparkModel (method dspark); a DSpark backbone served as DFlash "
-                "would be a DFlash check, not a DSpark one")
-    return None
+def _check_note(draft_group) -> str | None:
+    """What a passing check does and does not establish for this draft kind (its adapter says)."""
+    from dspark.export.adapter import primary_adapter
+
+    return primary_adapter(str(draft_group.kind)).check_note(draft_group)
 
 
 def serve_with_vllm(cfg, decoded: dict, *, vllm_target: str, vllm_draft: str | None, plain_target: str, method: str,

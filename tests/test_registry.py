@@ -7,7 +7,6 @@ from omegaconf import OmegaConf
 
 from conftest import REPO
 from dspark.errors import ConfigError
-from dspark.export.adapter import adapters
 from dspark.models import registry
 from dspark.training.modules import MODULES
 
@@ -34,9 +33,9 @@ def contract_problems(fam) -> list[str]:
         problems.append("config lacks from_target_config / block_size")
     if fam.default_target is not None and fam.default_target not in schema.TARGET_KINDS:
         problems.append(f"DEFAULT_TARGET {fam.default_target!r} is not a target kind")
-    served = {cls.kind for cls in adapters()}
-    if fam.kind not in served and not getattr(fam.config, "NOT_SERVED", None):
-        problems.append("no serving adapter in dspark/export/ (and no NOT_SERVED reason)")
+    if not fam.adapters() and not getattr(fam.config, "NOT_SERVED", None):
+        problems.append(f"no serving adapter in its record's serving module {fam.serving!r} (and no NOT_SERVED "
+                        "reason)")
     return problems
 
 

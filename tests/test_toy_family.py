@@ -34,9 +34,10 @@ class ToyAdapter(DenseAdapter):
 @pytest.fixture
 def toy_family(monkeypatch):
     monkeypatch.setattr(registry, "_FAMILIES", dict(registry.families()))
-    registry.register("toy_dense", config=ToyConfig, objective="block")(ToyDraft)
+    registry.register("toy_dense", config=ToyConfig, objective="block", serving=__name__)(ToyDraft)
     ad.adapters()
     ad.serving_adapter(ToyAdapter)
+    assert registry.family("toy_dense").adapters() == [ToyAdapter]  # the record leads to its adapter
     yield
     ad._ADAPTERS.remove(ToyAdapter)
 

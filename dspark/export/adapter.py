@@ -15,14 +15,14 @@ verify all use:
   folder    `read(folder)` -> the folder's config when it holds this format (the verifier dispatches on it), and
             `is_draft_tensor(config, name)` (a target checkpoint with the draft merged in: the draft's tensors)
 
-Adapters register themselves by class (`@serving_adapter`); the modules of dspark/export are imported once to
-find them, so a new family's adapter is one new module here.
+Adapters register themselves by class (`@serving_adapter`) in the module their family's record names
+(`register(..., serving="dspark.export.<file>")` in dspark/models/): a new family's adapter is one new module here,
+found through its family; no table here names a family.
 """
 from __future__ import annotations
 
 import importlib
 import json
-import pkgutil
 from pathlib import Path
 from typing import ClassVar
 
@@ -100,6 +100,11 @@ class ServingAdapter:
     def notes(self, config: dict) -> list[str]:
         return []
 
+    @classmethod
+    def check_note(cls, draft_group) -> str | None:
+        """What a passing serve_check of this kind does and does not establish (None: nothing to add)."""
+        return None
+
 
 _ADAPTERS: list[type[ServingAdapter]] = []
 _discovered = False
@@ -113,14 +118,14 @@ def serving_adapter(cls: type[ServingAdapter]) -> type[ServingAdapter]:
 
 
 def adapters() -> list[type[ServingAdapter]]:
-    """Every registered adapter class (the modules of dspark/export imported once)."""
+    """Every registered adapter class (the serving module of every family record imported once)."""
     global _discovered
     if not _discovered:
-        import dspark.export as package
+        from dspark.models.registry import families
 
-        for info in pkgutil.iter_modules(package.__path__):
-            if not info.name.startswith("_"):
-                importlib.import_module(f"{package.__name__}.{info.name}")
+        for fam in families().values():
+            if fam.serving:
+                importlib.import_module(fam.serving)
         _discovered = True
     return list(_ADAPTERS)
 
@@ -136,10 +141,13 @@ def adapter_for_folder(folder: Path) -> tuple[ServingAdapter, dict] | None:
 
 def primary_adapter(kind: str) -> type[ServingAdapter]:
     """The first adapter registered for a draft kind (its vLLM-native format); ValueError naming the kind if none."""
-    for cls in adapters():
-        if cls.kind == kind:
-            return cls
-    raise ValueError(f"draft kind {kind!r}: no serving adapter (dspark/export/)")
+    from dspark.models.registry import family
+
+    found = family(kind).adapters()
+    if not found:
+        raise ValueError(f"draft kind {kind!r}: no serving adapter (its family record names serving="
+                         f"{family(kind).serving!r})")
+    return found[0]
 
 
 def cli_commands() -> dict[str, type[ServingAdapter]]:

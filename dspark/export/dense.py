@@ -400,6 +400,13 @@ class DenseAdapter(ServingAdapter):
     cli_default_target = "smollm2"
 
     @classmethod
+    def check_note(cls, draft_group) -> str | None:
+        if int(draft_group.get("markov_rank") or 0) > 0:
+            return ("dense DSpark served as vLLM's Qwen3DSparkModel (method dspark); a DSpark backbone served as "
+                    "DFlash would be a DFlash check, not a DSpark one")
+        return None
+
+    @classmethod
     def add_cli_args(cls, p) -> None:
         p.add_argument("--format", choices=FORMATS, default="vllm",
                        help="config.json in vLLM's own format (Qwen3DSparkModel / DFlashDraftModel) or the "

@@ -170,7 +170,7 @@ class CandidateSelector(nn.Module):
         return torch.einsum("br,bkr->bk", e, self.successor_codebook[cand])
 
 
-@register("dflash2", config=DFlash2Config, objective="block")
+@register("dflash2", config=DFlash2Config, objective="block", serving="dspark.export.dflash2")
 class DFlash2Draft(DSparkDenseDraft):
     """The dense DFlash draft (combine / context_kv / base_logits / the mask block, inherited) with DFlash2 layers
     and the candidate selector; proposals walk the K candidates as vLLM's DFlash2Speculator does."""

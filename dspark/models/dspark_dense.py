@@ -200,7 +200,7 @@ class DenseDraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-@register("dspark_dense", config=DSparkDenseConfig, objective="block")
+@register("dspark_dense", config=DSparkDenseConfig, objective="block", serving="dspark.export.dense")
 class DSparkDenseDraft(BlockDraft, SharedTargetWeights, nn.Module):
     context_seq_dim = 2  # context_kv rows (eval's draft-side cache, block_draft.BlockContextCache): k, v [B, nkv, S, hd]
 

@@ -441,7 +441,7 @@ class DSparkV4Layer(nn.Module):
         return hc_post(self.ffn(self.ffn_norm(y)), x, post, comb)
 
 
-@register("dspark_v4", config=DSparkV4Config, objective="block")
+@register("dspark_v4", config=DSparkV4Config, objective="block", serving="dspark.export.dspark_v4")
 class DSparkV4Draft(BlockDraft, SharedTargetWeights, nn.Module):
     """DeepSeek-V4 DSpark draft; interface in docs/CONTRACTS.md."""
 

@@ -117,7 +117,7 @@ class DSparkV41Layer(DSparkV4Layer):
         return hc_post(self.ffn(self.ffn_norm(y)), x, post, comb), ffn_pre
 
 
-@register("dspark_v41", config=DSparkV41Config, objective="block")
+@register("dspark_v41", config=DSparkV41Config, objective="block", serving="dspark.export.dspark_v41")
 class DSparkV41Draft(DSparkV4Draft):
     """DeepSeek-V4.1 DSpark draft; interface in docs/CONTRACTS.md (the V4 draft's, without hc_head)."""
 

@@ -151,7 +151,7 @@ class DSV4MTPLayer(nn.Module):
         return self.norm(hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps))
 
 
-@register("dsv4_mtp", config=DSV4MTPConfig, objective="mtp")
+@register("dsv4_mtp", config=DSV4MTPConfig, objective="mtp", serving="dspark.export.dsv4_mtp")
 class DSV4MTPDraft(ChainDraft, SharedTargetWeights, nn.Module):
     """DeepSeek-V4 MTP draft; the MTP-draft interface is in docs/CONTRACTS.md ("MTP drafts")."""
 

@@ -464,7 +464,7 @@ def _indexer_donor(layers: nn.ModuleList) -> int | None:
                 None)
 
 
-@register("hyv4_mtp", config=HYV4MTPConfig, objective="mtp")
+@register("hyv4_mtp", config=HYV4MTPConfig, objective="mtp", serving="dspark.export.hy_v4_mtp")
 class HYV4MTPDraft(ChainDraft, SharedTargetWeights, nn.Module):
     """HY V4 MTP draft; the MTP-draft interface is in docs/CONTRACTS.md (HY V4 (Hy4))."""
 

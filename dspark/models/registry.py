@@ -1,9 +1,10 @@
 """One registry of draft families. Each family's module in dspark/models/ registers its draft class:
 
-    @register("dsv4_mtp", config=DSV4MTPConfig, objective="mtp")
+    @register("dsv4_mtp", config=DSV4MTPConfig, objective="mtp", serving="dspark.export.dsv4_mtp")
     class DSV4MTPDraft(ChainDraft, SharedTargetWeights, nn.Module): ...
 
-and owns, in that one file,
+That call is the family's one record (Family): the kind, the draft, its config, its objective and the module of its
+serving adapters. The family owns, in that one file,
   * its Config: `Config.from_target_config(hf_config, **keys)`, the one constructor from the target's config,
     holding the family's checks against the target (FieldError names the key); `GROUP_KEYS` (the draft-group keys
     at the top level of configs/draft/*.yaml, the rest under `arch`), `DRAFTS_KEY` (drafts per verify step), `DEFAULT_TARGET`,
@@ -15,7 +16,8 @@ and owns, in that one file,
     (dspark.models.block_draft.BlockDraft, dspark.models.mtp_common.ChainDraft);
   * `objective`: the training step it trains with, a subclass of the shared LightningModule
     (dspark.training.modules.MODULES: "block" = DSpark / DFlash blocks, "mtp" = the MTP chain).
-Its serving adapters (checkpoint names, config.json, vLLM rules) are in dspark/export/, registered by draft kind.
+Its serving adapters (checkpoint names, config.json, vLLM rules: dspark.export.adapter.ServingAdapter) are in the
+module its record names (`serving`, a dspark/export/ file), imported when an adapter is first asked for.
 
 The family modules are found by importing every module of this package once (no list to edit): adding a family
 is one new file here plus its configs (docs/design.md, "How to add a family").
@@ -42,6 +44,13 @@ class Family:
     draft: type  # the nn.Module
     config: type  # its config dataclass
     objective: str  # the training step (dspark.training.modules.MODULES)
+    serving: str | None = None  # the module of its serving adapters (dspark.export.<file>); None: no export
+
+    def adapters(self) -> list[type]:
+        """The serving adapters of this family (its serving module imported), vLLM-native format first."""
+        from dspark.export.adapter import adapters
+
+        return [cls for cls in adapters() if cls.kind == self.kind]
 
     @property
     def group_keys(self) -> tuple[str, ...]:
@@ -62,14 +71,14 @@ _FAMILIES: dict[str, Family] = {}
 _discovered = False
 
 
-def register(kind: str, *, config: type, objective: str):
-    """Class decorator of a family's draft class."""
+def register(kind: str, *, config: type, objective: str, serving: str | None = None):
+    """Class decorator of a family's draft class: the family's record (Family)."""
 
     def add(draft: type) -> type:
         if kind in _FAMILIES and _FAMILIES[kind].draft is not draft:
             raise ValueError(f"draft kind {kind!r} is registered twice ({_FAMILIES[kind].draft.__name__}, "
                              f"{draft.__name__})")
-        _FAMILIES[kind] = Family(kind=kind, draft=draft, config=config, objective=objective)
+        _FAMILIES[kind] = Family(kind=kind, draft=draft, config=config, objective=objective, serving=serving)
         draft.family_kind = kind
         return draft
 
