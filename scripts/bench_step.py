@@ -27,7 +27,7 @@ the reason printed, when its predicted extra memory (8 x A*g*V*4 bytes) exceeds 
   python scripts/bench_step.py                      # the table of docs/benchmarks.md (V x anchors x dtype)
   python scripts/bench_step.py --seq 4096 16384 --vocab 4096 --anchors 512 --dtypes float32 \
       --variants fused/online dense-mask/online     # long context: packed vs dense attention mask
-  python scripts/bench_step.py --quick              # tiny sizes, in-process, a few seconds (tests/test_bench_step.py)
+  python scripts/bench_step.py --quick              # tiny sizes, in-process, a few seconds (tests/scripts/test_bench_step.py)
   python scripts/bench_step.py --profile --vocab 151936 --anchors 512 --dtypes bfloat16 --variants fused/online
 """
 from __future__ import annotations

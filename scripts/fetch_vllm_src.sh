@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The vllm==0.33.0 wheel's Python sources (no install: the GPU build cannot run here) unzipped into
-# .cache/vllm-0.33.0-src/vllm, which tests/test_vllm_source.py reads to run vLLM's own rule functions against the
+# .cache/vllm-0.33.0-src/vllm, which tests/export/test_vllm_source.py reads to run vLLM's own rule functions against the
 # project's copies. ~340 MB download once; prints the folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -40,7 +40,7 @@ python -c "import torch; print('torch', torch.__version__, torch.version.cuda)" 
 
 # 1. parity tests (kernels vs references) + the existing CUDA tests, DeepSpeed ZeRO-2/3 and FSDP2 tiny runs
 #    (issue 26: DeepSpeed refuses a CPU accelerator; needs pip install -e '.[deepspeed]', else those skip)
-timeout 360 python -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.txt"
+timeout 360 python -m pytest -q -m gpu tests/ops/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.txt"
 
 # 2. fused loss at the issue size: V=129280, N=2560 rows, H=4096, Markov rank 256, bf16 weights
 timeout 150 python scripts/bench_loss.py --device cuda --dtype bfloat16 --n 2560 --v 129280 --h 4096 --r 256 \

@@ -2,7 +2,7 @@
 # vLLM in the loop on a CUDA machine (vllm 0.33.0): what the CPU build cannot serve. Self-contained; everything
 # lands in ${OUT:-gpu_out}/vllm/:
 #   versions.txt        vLLM / torch / transformers of the vLLM venv, nvidia-smi
-#   pytest_vllm.txt     tests/test_vllm_parity.py (DFlash parity step by step, broken exports, regeneration)
+#   pytest_vllm.txt     tests/serving/test_vllm_parity.py (DFlash parity step by step, broken exports, regeneration)
 #   matrix/             scripts/vllm_matrix.py: dflash, dense dspark, DeepSeek-V4 DSpark, DeepSeek-V4 MTP and
 #                       HY V4 MTP drafts trained briefly, exported, load-audited with vLLM's CUDA classes and served
 #                       next to eval.py (results.jsonl, summary.txt, one serve_check report per kind)
@@ -17,7 +17,7 @@ python -m dspark.serving.engine >> "$OUT/versions.txt" 2>&1 || { cat "$OUT/versi
 export DSPARK_VLLM_THREADS=${DSPARK_VLLM_THREADS:-4}
 
 # 1. the CI parity test, now with vLLM's CUDA runner (~2 min)
-timeout 240 python -m pytest -q -p no:cacheprovider tests/test_vllm_parity.py 2>&1 | tee "$OUT/pytest_vllm.txt"
+timeout 240 python -m pytest -q -p no:cacheprovider tests/serving/test_vllm_parity.py 2>&1 | tee "$OUT/pytest_vllm.txt"
 
 # 2. every draft kind (~6 min: short CPU training runs + one vLLM engine per kind)
 timeout 420 python scripts/vllm_matrix.py --out "$OUT/matrix" > "$OUT/matrix.log" 2>&1

@@ -5,7 +5,7 @@
 set -euo pipefail
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 # tilelang (the `kernels` extra, ~180 MB, a few seconds from a wheel) lets the CPU-only CI lower and compile
-# every kernel for sm_90a with nvcc (tests/test_kernel_compile.py); DSPARK_KERNELS=0 leaves it out and
+# every kernel for sm_90a with nvcc (tests/ops/test_kernel_compile.py); DSPARK_KERNELS=0 leaves it out and
 # those tests skip, saying so.
 if [ "${DSPARK_KERNELS:-1}" = "1" ]; then
   python -m pip install -q -e ".[test,data,plots,kernels]"

@@ -37,7 +37,7 @@ def toy_family(monkeypatch):
     registry.register("toy_dense", config=ToyConfig, objective="block", serving=__name__)(ToyDraft)
     ad.adapters()
     ad.serving_adapter(ToyAdapter)
-    assert registry.family("toy_dense").adapters() == [ToyAdapter]  # the record leads to its adapter
+    assert ad.family_adapters("toy_dense") == [ToyAdapter]  # the record leads to its adapter
     yield
     ad._ADAPTERS.remove(ToyAdapter)
 

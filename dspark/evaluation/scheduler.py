@@ -165,7 +165,7 @@ def schedule_prefix(
     the largest achievable with B = R + n; scanning every n (patience=None or >= R*g) therefore finds
     the exact optimum of tau * SPS(B) over all prefix-feasible assignments, for ANY SPS. With a small
     patience the scan can stop in a dip of the objective and miss a later optimum, e.g. an SPS curve
-    with a cliff followed by a plateau (tests/test_scheduler.py shows one). For a monotone
+    with a cliff followed by a plateau (tests/evaluation/test_scheduler.py shows one). For a monotone
     non-increasing SPS and a concave-enough tau the objective is unimodal in n and a small patience is
     safe in practice, but not guaranteed.
     """

@@ -243,7 +243,7 @@ def speculative_generate_batch(
     dspark.models.block_draft.BlockDraft, dspark.models.proposal.RequestProposer). draft_cache: each request keeps
     its draft-side cache across rounds (block drafts: the context KV of the verified positions, MTP: the chain's
     step-0 rows), as vLLM's drafters do; False recomputes the draft's whole context every round (same proposals
-    up to float rounding: tests/test_draft_cache.py). rejection_sample_method: "standard" | "block" (module
+    up to float rounding: tests/models/test_draft_cache.py). rejection_sample_method: "standard" | "block" (module
     docstring)."""
     g = int(num_drafts)
     if g < 1:

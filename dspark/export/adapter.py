@@ -139,11 +139,16 @@ def adapter_for_folder(folder: Path) -> tuple[ServingAdapter, dict] | None:
     return None
 
 
+def family_adapters(kind: str) -> list[type[ServingAdapter]]:
+    """The serving adapters of a draft kind's family (the module its record names imported), vLLM-native first."""
+    return [cls for cls in adapters() if cls.kind == kind]
+
+
 def primary_adapter(kind: str) -> type[ServingAdapter]:
     """The first adapter registered for a draft kind (its vLLM-native format); ValueError naming the kind if none."""
     from dspark.models.registry import family
 
-    found = family(kind).adapters()
+    found = family_adapters(kind)
     if not found:
         raise ValueError(f"draft kind {kind!r}: no serving adapter (its family record names serving="
                          f"{family(kind).serving!r})")
@@ -185,5 +190,5 @@ def refuse_unservable(problems: list[str], where: str, for_vllm: bool, how: str)
 
 
 __all__ = ["Expected", "NOT_FOR_VLLM", "SAFETENSORS_DTYPES", "ServingAdapter", "add_not_for_vllm", "adapter_for_folder",
-           "adapter_formats", "adapters", "cli_commands", "cli_kinds", "dtype_name", "read_json", "refuse_unservable",
+           "adapter_formats", "adapters", "family_adapters", "cli_commands", "cli_kinds", "dtype_name", "read_json", "refuse_unservable",
            "serving_adapter"]

@@ -1,5 +1,5 @@
 """vLLM 0.33.0 rules of its DFlash / DSpark speculators, shared by the dense and the DeepSeek-V4 DSpark adapters.
-Each reads a folder's config (vLLM's key names) and cites the vLLM file:line it follows; tests/test_vllm_source.py
+Each reads a folder's config (vLLM's key names) and cites the vLLM file:line it follows; tests/export/test_vllm_source.py
 runs vLLM's own functions against `block_causal` and `precedence_lines`."""
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ Draft-side context cache (eval; `new_cache()` -> BlockContextCache, one per requ
 vLLM's DSpark / DFlash speculators store the context KV of every verified position once
 (`precompute_and_store_context_kv`, vLLM 0.33.0 v1/worker/gpu/spec_decode/dflash/speculator.py:391 and :487, after
 `prepare_context_anchor` drops the rejected rows, :201 / :225; the V1 runner the same at v1/spec_decode/dflash.py:256
-and :283) and the block of the next round attends to it. Checked: tests/test_draft_cache.py (cached == recomputed
-every round, a stale cache fails), tests/test_vllm_parity.py (eval.py with the cache == vLLM step by step). With caches, a round computes
+and :283) and the block of the next round attends to it. Checked: tests/models/test_draft_cache.py (cached == recomputed
+every round, a stale cache fails), tests/serving/test_vllm_parity.py (eval.py with the cache == vLLM step by step). With caches, a round computes
 `combine` + `context_kv` only for the positions verified since the last round (x0 and the accepted drafts of the
 previous round) and keeps the rest: the cache holds the context KV of positions [max(a - W, 0), a) (W =
 `sliding_window`; all of 0..a-1 without a window), exactly the keys the uncached mask lets the block see, so the

@@ -365,7 +365,7 @@ class DSparkV4MoE(nn.Module):
         # Every expert runs, an empty piece too (a [0, H] matmul: zero gradient, no work). Skipping the experts no
         # token chose left their weights out of the autograd graph on that rank only; under DDP that rank then never
         # launched the gradient bucket holding them while the other ranks did, and the ranks deadlocked (rank 0 at
-        # the next barrier, another in backward; tests/test_ddp_graph.py).
+        # the next barrier, another in backward; tests/training/test_ddp_graph.py).
         outs = [self.experts[e](piece) for e, piece in enumerate(pieces)]
         y = torch.cat(outs, dim=0).float() * weights.reshape(-1)[order].unsqueeze(-1)  # [N*k, H]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

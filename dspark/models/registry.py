@@ -46,12 +46,6 @@ class Family:
     objective: str  # the training step (dspark.training.modules.MODULES)
     serving: str | None = None  # the module of its serving adapters (dspark.export.<file>); None: no export
 
-    def adapters(self) -> list[type]:
-        """The serving adapters of this family (its serving module imported), vLLM-native format first."""
-        from dspark.export.adapter import adapters
-
-        return [cls for cls in adapters() if cls.kind == self.kind]
-
     @property
     def group_keys(self) -> tuple[str, ...]:
         return tuple(self.config.GROUP_KEYS)

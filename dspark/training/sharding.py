@@ -13,7 +13,7 @@ whose forward runs one training / validation computation; fully_shard on it all-
 when a step starts and reduce-scatters the gradients (averaged over ranks, as DDP) at the end of backward.
 
 Lightning's FSDPStrategy refuses accelerator='cpu'; ModelParallelStrategy runs on CPU with gloo, which the
-2-process tests use (tests/test_sharded_training.py).
+2-process tests use (tests/training/test_sharded_training.py).
 """
 from __future__ import annotations
 

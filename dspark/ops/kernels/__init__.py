@@ -1,7 +1,7 @@
 """tilelang kernels for the fused ops (dspark.ops.backend picks them on CUDA).
 
 `compile_for_arch` lowers a kernel and compiles its CUDA source to a cubin with the machine's nvcc for
-a given architecture, without a GPU: what CI checks (tests/test_kernel_compile.py).
+a given architecture, without a GPU: what CI checks (tests/ops/test_kernel_compile.py).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ operand (the streams) exactly once:
   post_fwd     grid (H/BH, T)          F [T, H], x, post, comb      -> out [T, hc, H]
   post_bwd     grid (T,)               dout, F, x, post, comb       -> dF, dx, dpost, dcomb
 The kernel builders are pure (no GPU needed): `build_all(...)` returns the prim_funcs that
-tests/test_kernel_compile.py lowers and compiles for sm_90a.
+tests/ops/test_kernel_compile.py lowers and compiles for sm_90a.
 """
 # No `from __future__ import annotations`: tilelang reads the T.Tensor annotations as live objects.
 

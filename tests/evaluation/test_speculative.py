@@ -559,7 +559,7 @@ def _eval_cfg(root, *overrides):
 
     from hydra import compose, initialize_config_dir
 
-    configs = Path(__file__).resolve().parents[1] / "configs"
+    configs = Path(__file__).resolve().parents[2] / "configs"
     base = ["target=hf", f"target.path={root / 'target'}", "target.dtype=float32", f"data_dir={root / 'data'}",
             "benchmarks=[chat,math]", "num_prompts=2", "max_new_tokens=10"]
     with initialize_config_dir(config_dir=str(configs), version_base="1.3"):

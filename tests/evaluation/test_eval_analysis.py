@@ -103,7 +103,7 @@ def test_compare_rows_and_the_notebook_code_run_on_reports(tmp_path, monkeypatch
     write(runs / "dspark_v4" / "20260101-000000" / "eval", 1.5, 0.0)
     write(runs / "dflash" / "20260101-000001" / "eval", 1.25, 1.0)
     monkeypatch.setenv("DSPARK_RUNS", str(runs))  # never the checkout's own runs/: the test must not depend on them
-    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "eval_reports.ipynb").read_text())
+    nb = json.loads((Path(__file__).resolve().parents[2] / "notebooks" / "eval_reports.ipynb").read_text())
     scope: dict = {}
     for cell in nb["cells"]:
         if cell["cell_type"] == "code":

@@ -23,7 +23,7 @@ from dspark.models.dspark_v4 import DSparkV4MoE
 from dspark.training.module import GradientCoverage, uncovered_gradients_error
 
 HERE = Path(__file__).resolve()
-REPO = HERE.parents[1]
+REPO = HERE.parents[2]
 H, E = 4, 3  # hidden size, routed experts (top-1; expert 2 is never chosen, expert 1 only by rank 0)
 
 

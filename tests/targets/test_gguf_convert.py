@@ -26,7 +26,7 @@ except FileNotFoundError as exc:  # pragma: no cover - only without the data ext
 pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Hello, my name is", "The capital of France is Paris. The capital of Germany is",
            "def fibonacci(n):"]
 

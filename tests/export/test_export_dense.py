@@ -145,7 +145,7 @@ def test_reduced_propose_drafts_only_kept_target_ids():
 
 
 def test_a_reduced_draft_scores_alike_in_training_mode():
-    """Reduced drafts train now (draft.draft_vocab_size; tests/test_draft_vocab_training.py): in training mode the
+    """Reduced drafts train now (draft.draft_vocab_size; tests/training/test_draft_vocab_training.py): in training mode the
     draft's logits are the eval-mode ones (it was refused before), -inf outside its ids."""
     _, small, t2d = _reduced()
     small.eval()

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SRC = Path(os.environ.get("DSPARK_VLLM_SRC", REPO / ".cache" / "vllm-0.33.0-src"))  # scripts/fetch_vllm_src.sh
 pytestmark = pytest.mark.skipif(not (SRC / "vllm").is_dir(),
                                 reason="set DSPARK_VLLM_SRC to an unzipped vllm==0.33.0 wheel (.py files)")

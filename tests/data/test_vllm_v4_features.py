@@ -17,7 +17,7 @@ What runs where:
 GPU: scripts/vllm_v4_features_check.py (`bash scripts/gpu_check.sh vllm`) does the same with vLLM 0.33; not run yet.
 
 Tolerances. Emulated (float32, the same transformers forward): TOL_ULPS ulps at the tensor's scale, as
-tests/test_vllm_features.py; measured 0. The uncaptured final on the tiny target differs by O(max |final|)
+tests/data/test_vllm_features.py; measured 0. The uncaptured final on the tiny target differs by O(max |final|)
 (measured >= 3.4e4 x that tolerance). Real vLLM: its V4 kernels run bf16 activations and an fp8 (UE8M0-scaled e4m3)
 KV cache (models/deepseek_v4/cpu/cpu_sparse.py l. 424-426), against FrozenTarget in float32: measured max |vLLM -
 ref| / max |ref| <= 0.063 (aux) and <= 0.062 (final) on these rows (transformers' own bf16 forward: 0.019 here;

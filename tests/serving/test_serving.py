@@ -1,5 +1,5 @@
 """The project side of vLLM in the loop, without vLLM: comparison logic, load-audit verdicts, and the clear
-errors when vLLM is missing (tests/test_vllm_parity.py runs the real thing)."""
+errors when vLLM is missing (tests/serving/test_vllm_parity.py runs the real thing)."""
 from __future__ import annotations
 
 import sys

@@ -7,6 +7,7 @@ from omegaconf import OmegaConf
 
 from conftest import REPO
 from dspark.errors import ConfigError
+from dspark.export.adapter import family_adapters
 from dspark.models import registry
 from dspark.training.modules import MODULES
 
@@ -33,7 +34,7 @@ def contract_problems(fam) -> list[str]:
         problems.append("config lacks from_target_config / block_size")
     if fam.default_target is not None and fam.default_target not in schema.TARGET_KINDS:
         problems.append(f"DEFAULT_TARGET {fam.default_target!r} is not a target kind")
-    if not fam.adapters() and not getattr(fam.config, "NOT_SERVED", None):
+    if not family_adapters(fam.kind) and not getattr(fam.config, "NOT_SERVED", None):
         problems.append(f"no serving adapter in its record's serving module {fam.serving!r} (and no NOT_SERVED "
                         "reason)")
     return problems

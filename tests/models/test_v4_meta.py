@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from dspark.models.registry import config_values as draft_fields
 from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "draft"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "draft"
 
 
 def _values(name: str) -> dict:

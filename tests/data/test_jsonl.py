@@ -8,7 +8,7 @@ import pytest
 
 from dspark.data.jsonl import JsonlFormatError, JsonlStats, iter_jsonl_records, read_jsonl_records
 
-EVAL_DIR = Path(__file__).resolve().parents[1] / "dspark" / "assets" / "eval"  # shipped with the repo
+EVAL_DIR = Path(__file__).resolve().parents[2] / "dspark" / "assets" / "eval"  # shipped with the repo
 
 
 def _write(path, lines):
@@ -86,7 +86,7 @@ def test_gitignore_covers_the_readme_outputs_and_not_the_sources():
     import shutil
     import subprocess
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     if shutil.which("git") is None or not (repo / ".git").exists():
         pytest.skip("not a git checkout")
     outputs = ["runs/dspark_v4/x/metrics.json", "export/v4/model.safetensors", "outputs/a", "multirun/a",

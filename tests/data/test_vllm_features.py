@@ -123,7 +123,7 @@ def test_id_mapping_and_final_norm_rebuild_frozen_target_from_vllm_layout(tiny):
 
 
 def test_deepseek_v4_is_refused_naming_why(tmp_path, monkeypatch):
-    """The tiny target's sizes / dtype are not what vLLM's V4 kernels take (tests/test_vllm_v4_features.py)."""
+    """The tiny target's sizes / dtype are not what vLLM's V4 kernels take (tests/data/test_vllm_v4_features.py)."""
     from dspark.data.vllm_features import ALLOW_UNVERIFIED_ENV, build_feature_cache_vllm
     from dspark.targets.tiny_v4 import TINY_V4_DIR
 
