@@ -26,6 +26,7 @@ from torch import nn
 
 from dspark.models.block_draft import BlockDraft, check_block_fields
 from dspark.models.common import FieldError, SharedTargetWeights, config_from_dict, field_error
+from dspark.models.draft_vocab import DraftVocab
 from dspark.models.heads import ConfidenceHead, build_markov_head
 from dspark.models.registry import register
 from dspark.ops.attention import masked_attention
@@ -201,7 +202,7 @@ class DenseDraftLayer(nn.Module):
 
 
 @register("dspark_dense", config=DSparkDenseConfig, objective="block", serving="dspark.export.dense")
-class DSparkDenseDraft(BlockDraft, SharedTargetWeights, nn.Module):
+class DSparkDenseDraft(BlockDraft, DraftVocab, SharedTargetWeights, nn.Module):
     context_seq_dim = 2  # context_kv rows (eval's draft-side cache, block_draft.BlockContextCache): k, v [B, nkv, S, hd]
 
     def __init__(self, cfg: DSparkDenseConfig):
@@ -218,11 +219,7 @@ class DSparkDenseDraft(BlockDraft, SharedTargetWeights, nn.Module):
         self.markov_head = None
         self.confidence_head = None
         vd = cfg.draft_vocab_size or cfg.vocab_size
-        self.reduced_vocab = vd < cfg.vocab_size
-        if self.reduced_vocab:
-            self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))  # draft id d -> target d + d2t[d]
-            self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
-            self.t2d[:vd] = True  # placeholder identity mapping until set_vocab_mapping
+        self.init_draft_vocab(cfg.vocab_size, vd)  # d2t / t2d (dspark.models.draft_vocab)
         if cfg.markov_rank > 0:
             self.markov_head = build_markov_head(  # a reduced draft's bias lands at its target ids
                 cfg.vocab_size, vd, cfg.markov_rank, H, cfg.markov_head_type,
@@ -238,35 +235,6 @@ class DSparkDenseDraft(BlockDraft, SharedTargetWeights, nn.Module):
             if p.dim() == 2:
                 nn.init.normal_(p, std=self.config.initializer_range)
         nn.init.constant_(self.norm.weight, self.config.final_norm_init)
-
-    # ---- reduced vocabulary ------------------------------------------------------------------------------
-    def draft_to_target(self) -> torch.Tensor:
-        """[Vd] long: the target id of every draft id (arange(V) for a full-vocab draft)."""
-        if not self.reduced_vocab:
-            return torch.arange(self.config.vocab_size, device=self.fc.weight.device)
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
-
-    def target_to_draft(self) -> torch.Tensor:
-        """[V] long: the draft id of every target id, -1 where the draft has none (a reduced-vocab draft only)."""
-        return (self.t2d.long().cumsum(0) - 1).masked_fill_(~self.t2d, -1)
-
-    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install a mapping (dspark.export.vocab.build_vocab_mapping); checks that d2t and t2d agree."""
-        if not self.reduced_vocab:
-            raise ValueError("set_vocab_mapping: the draft has the full vocabulary (config.draft_vocab_size unset)")
-        vd, v = self.d2t.numel(), self.config.vocab_size
-        if tuple(d2t.shape) != (vd,) or tuple(t2d.shape) != (v,):
-            raise ValueError(f"set_vocab_mapping: expected d2t [{vd}] and t2d [{v}], got {tuple(d2t.shape)} / "
-                             f"{tuple(t2d.shape)}")
-        ids = torch.arange(vd) + d2t.long().cpu()
-        if ids.min() < 0 or ids.max() >= v or not bool((ids[1:] > ids[:-1]).all()):
-            raise ValueError("set_vocab_mapping: d2t must map draft ids to strictly increasing target ids in [0, V)")
-        mask = torch.zeros(v, dtype=torch.bool)
-        mask[ids] = True
-        if not torch.equal(mask, t2d.bool().cpu()):
-            raise ValueError("set_vocab_mapping: t2d does not mark exactly the target ids d + d2t[d]")
-        self.d2t.copy_(d2t.long())
-        self.t2d.copy_(t2d.bool())
 
     # ---- interface (docs/CONTRACTS.md) ----------------------------------------------------------------
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
@@ -294,10 +262,8 @@ class DSparkDenseDraft(BlockDraft, SharedTargetWeights, nn.Module):
         lm_head = self._shared("lm_head_weight")
         if not self.reduced_vocab:
             return F.linear(self.head_input(h).to(lm_head.dtype), lm_head)  # [..., V]
-        ids = self.draft_to_target()
-        small = F.linear(self.head_input(h).to(lm_head.dtype), lm_head[ids])  # [..., Vd]
-        out = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))  # [..., V]
-        return out.index_copy_(out.dim() - 1, ids, small)
+        small = F.linear(self.head_input(h).to(lm_head.dtype), lm_head[self.draft_to_target()])  # [..., Vd]
+        return self.scatter_to_target(small)  # [..., V]
 
     def confidence_logit(self, h: torch.Tensor, feat: torch.Tensor | None) -> torch.Tensor:
         return self.confidence_head(self.norm(h), feat)

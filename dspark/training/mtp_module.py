@@ -12,6 +12,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from dspark.errors import ConfigError
+from dspark.ops.lm_head import lm_head_logits
 from dspark.targets.hf_target import FrozenTarget
 from dspark.training.module import DraftLightningModule, OptimConfig, is_distributed
 from dspark.training.mtp_objectives import MTPLossWeights, mtp_losses, recursive_forward
@@ -56,8 +57,28 @@ class MTPDraftModule(DraftLightningModule):
     def losses(self, batch, metrics: bool = True) -> dict[str, torch.Tensor]:
         ids, lm = batch["input_ids"], batch["loss_mask"] * batch["attention_mask"]  # [B, S]
         feats = self.features(batch)
+        if getattr(self.draft, "reduced_vocab", False):
+            return self._reduced_vocab_losses(ids, lm, feats, metrics)
         steps = recursive_forward(self.draft, self.draft.context_hidden(feats), ids, lm, feats.final, self.num_steps)
         teacher = [self.target.logits_from_final(st.teacher_final) for st in steps]  # [N_k, V] each
+        return mtp_losses(steps, teacher, num_steps=self.num_steps, beta=self.beta, weights=self.mtp_weights,
+                          batch_rows=(ids.shape[0], max(ids.shape[1] - 2, 0)), metrics=metrics,
+                          row_normalizers=self._global_rows(steps) if self.training else None)
+
+    def _reduced_vocab_losses(self, ids, lm, feats, metrics: bool) -> dict[str, torch.Tensor]:
+        """A draft scoring Vd of the V target ids (EAGLE-3's d2t / t2d): its logits over its Vd columns, the teacher
+        the target's logits at those columns (so softmax renormalises the target over the draft vocabulary, as
+        EAGLE-3 trains: speculators 0.9.0 eagle3/core.py:249-254, losses/eager.py:11-30), labels as draft ids (-1
+        outside: no CE term). Only the Vd LM-head rows are multiplied, for the draft and for the teacher."""
+        draft = self.draft
+        cols = draft.draft_to_target()  # [Vd]
+        steps = recursive_forward(draft, draft.context_hidden(feats), ids, lm, feats.final, self.num_steps,
+                                  logits_fn=lambda rows, k: draft.draft_logits(rows))
+        w = self.target.lm_head_weight.index_select(0, cols)  # [Vd, H]
+        to_draft = draft.target_to_draft()  # [V], -1 outside
+        for st in steps:
+            st.labels = to_draft[st.labels]
+        teacher = [lm_head_logits(st.teacher_final, w, self.target.head_fp32) for st in steps]  # [N_k, Vd] each
         return mtp_losses(steps, teacher, num_steps=self.num_steps, beta=self.beta, weights=self.mtp_weights,
                           batch_rows=(ids.shape[0], max(ids.shape[1] - 2, 0)), metrics=metrics,
                           row_normalizers=self._global_rows(steps) if self.training else None)

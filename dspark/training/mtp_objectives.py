@@ -84,12 +84,15 @@ class StepOutputs:
 
 
 def recursive_forward(draft, context_hidden: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor,
-                      final: torch.Tensor, num_steps: int) -> list[StepOutputs]:
+                      final: torch.Tensor, num_steps: int, logits_fn=None) -> list[StepOutputs]:
     """Teacher-forced K-step chain of an MTP draft over whole sequences, as served (module docstring).
 
     context_hidden [B, S, ...] (draft.context_hidden(feats)), ids / loss_mask [B, S], final [B, S, H]
     -> one StepOutputs per step. Steps that need longer sequences than S (no row with a label) are skipped.
+    logits_fn(rows [1, N, ...], k) -> [1, N, V']: the scored logits (default draft.logits; a reduced-vocabulary
+    draft's own Vd columns, draft.draft_logits).
     """
+    logits_fn = logits_fn or draft.logits
     steps = min(int(num_steps), max(ids.shape[1] - 2, 0))  # step k has a labelled row iff S >= k + 3
     outs: list[StepOutputs] = []
     for k, hidden in enumerate(teacher_forced_chain(draft, context_hidden, ids, steps)):
@@ -97,7 +100,7 @@ def recursive_forward(draft, context_hidden: torch.Tensor, ids: torch.Tensor, lo
         scored = hidden[:, :-1]  # [B, L_k - 1, ...]: rows with a label
         where = r.valid.nonzero()  # [N_k, 2] (b, t)
         sel = scored[where[:, 0], where[:, 1]]  # [N_k, ...]
-        logits = draft.logits(sel.unsqueeze(0), k)
+        logits = logits_fn(sel.unsqueeze(0), k)
         outs.append(StepOutputs(
             logits=logits[0], labels=r.labels[where[:, 0], where[:, 1]],
             teacher_final=final[where[:, 0], r.teacher_positions[where[:, 1]]], rows=where, hidden=sel,
@@ -139,7 +142,9 @@ def mtp_losses(steps: list[StepOutputs], teacher_logits: list[torch.Tensor], *, 
         logq = st.logits.float().log_softmax(-1)  # [N_k, V]
         logp = teacher.float().log_softmax(-1)
         denom = st.labels.numel() if row_normalizers is None else row_normalizers[k].clamp_min(1e-8)
-        ce = -logq.gather(-1, st.labels.unsqueeze(-1)).sum() / denom
+        # a label outside a reduced draft vocabulary (-1) has no CE term; its row still counts in the KL
+        in_vocab = st.labels >= 0
+        ce = -(logq.gather(-1, st.labels.clamp_min(0).unsqueeze(-1)).squeeze(-1) * in_vocab).sum() / denom
         kl = (logp.exp() * (logp - logq)).sum(-1).sum() / denom  # KL(teacher || draft), as kl_to_teacher
         out[f"ce_{k}"], out[f"kl_{k}"] = ce.detach(), kl.detach()
         ce_all = ce_all + w[k] * ce
