@@ -45,8 +45,8 @@ def test_every_registered_family_meets_the_contract():
     assert fams, "no family registered"
     for kind, fam in fams.items():
         assert contract_problems(fam) == [], kind
-    with pytest.raises(ConfigError, match="draft.kind: 'eagle3' is not one of"):
-        registry.family("eagle3")
+    with pytest.raises(ConfigError, match="draft.kind: 'eagle2' is not one of"):
+        registry.family("eagle2")
 
 
 TOY = """
