@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from dspark.errors import ConfigError  # (also re-exported for callers that catch it from here)
+from dspark.errors import ConfigError  # noqa: F401  (re-exported for callers that catch it from here)
 from dspark.models import registry
 from dspark.targets.head_only import HeadOnlyTarget, HeadOnlyUnsupported, load_head_only_target
 from dspark.targets.hf_target import FrozenTarget, load_hf_target
@@ -62,29 +62,14 @@ def build_draft(cfg: DictConfig, target: FrozenTarget) -> torch.nn.Module:
     if isinstance(target, HeadOnlyTarget):
         target.release_init_modules()  # copied into the draft: training reads only the head
     if cfg.draft.get("init_from"):
-        init_from_serving(draft, str(cfg.draft.init_from))
+        from dspark.warm_start import init_from
+
+        init_from(draft, str(cfg.draft.init_from))
     resolved = registry.resolved_group(draft.config, str(cfg.draft.kind), cfg.draft)
     with open_dict(cfg.draft):
         for key, value in resolved.items():
             cfg.draft[key] = value
     return draft
-
-
-def init_from_serving(draft: torch.nn.Module, folder: str) -> None:
-    """`draft.init_from=FOLDER`: start from a serving checkpoint of the draft's family (its primary serving adapter's
-    `import_into`, e.g. a shipped DeepSeek-V4.1 checkpoint's mtp.* drafter); ConfigError naming the key otherwise."""
-    from dspark.export.adapter import primary_adapter
-
-    kind = str(getattr(type(draft), "family_kind", ""))
-    adapter = primary_adapter(kind)()
-    if not hasattr(adapter, "import_into"):
-        raise ConfigError(f"draft.init_from: not implemented for draft kind {kind!r}")
-    if not Path(folder).is_dir() or adapter.read(Path(folder)) is None:
-        raise ConfigError(f"draft.init_from: {folder!r} is not a {adapter.format} folder")
-    try:
-        adapter.import_into(Path(folder), draft)
-    except ValueError as e:
-        raise ConfigError(f"draft.init_from: {e}") from e
 
 
 def load_records(data: DictConfig):
