@@ -35,17 +35,11 @@ from dspark.ops.rope import ROPE_TYPES, RotaryEmbedding, apply_rope
 
 
 @dataclass(kw_only=True)
-class DSparkDenseConfig:
-    # draft-group keys at the top level of configs/draft/*.yaml (the rest sits under `arch`)
-    GROUP_KEYS: ClassVar[tuple[str, ...]] = ("num_layers", "block_size", "mask_token_id", "target_layer_ids",
-                                             "markov_rank", "markov_head_type", "sliding_window", "layout",
-                                             "draft_vocab_size", "final_norm_init")
-    DRAFTS_KEY: ClassVar[str] = "block_size"  # the group key of the drafts per verify step
-    DEFAULT_TARGET: ClassVar[str | None] = None  # target kind (configs/target) when a run records none
+class DenseLayerSizes:
+    """The sizes of a Llama / Qwen3-style decoder layer, the target's (every dense draft builds its layers from them)."""
 
     hidden_size: int
     vocab_size: int
-    num_layers: int = 1
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
@@ -55,6 +49,31 @@ class DSparkDenseConfig:
     # longrope / llama3 with their keys) and max_position_embeddings; the draft rotates with the same frequencies
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     max_position_embeddings: int = 32768
+
+    @staticmethod
+    def sizes_of(hf) -> dict:
+        """These fields from a dense HF config (Llama, Qwen2/3, SmolLM2, ...)."""
+        heads = int(hf.num_attention_heads)
+        return dict(
+            hidden_size=int(hf.hidden_size), vocab_size=int(hf.vocab_size), num_attention_heads=heads,
+            num_key_value_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(hf, "head_dim", None) or hf.hidden_size // heads),
+            intermediate_size=int(hf.intermediate_size), rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
+            rope_parameters=target_rope_parameters(hf),
+            max_position_embeddings=int(getattr(hf, "max_position_embeddings", None) or 32768),
+        )
+
+
+@dataclass(kw_only=True)
+class DSparkDenseConfig(DenseLayerSizes):
+    # draft-group keys at the top level of configs/draft/*.yaml (the rest sits under `arch`)
+    GROUP_KEYS: ClassVar[tuple[str, ...]] = ("num_layers", "block_size", "mask_token_id", "target_layer_ids",
+                                             "markov_rank", "markov_head_type", "sliding_window", "layout",
+                                             "draft_vocab_size", "final_norm_init")
+    DRAFTS_KEY: ClassVar[str] = "block_size"  # the group key of the drafts per verify step
+    DEFAULT_TARGET: ClassVar[str | None] = None  # target kind (configs/target) when a run records none
+
+    num_layers: int = 1
     block_size: int
     mask_token_id: int
     target_layer_ids: list[int] = field(default_factory=list)
@@ -118,15 +137,7 @@ class DSparkDenseConfig:
         refuses a DeepSeek-V4 target."""
         if getattr(hf, "hc_mult", 0):
             raise FieldError("kind", "dspark_dense needs a dense target; use dspark_v4 for DeepSeek-V4")
-        heads = int(hf.num_attention_heads)
-        base = dict(
-            hidden_size=int(hf.hidden_size), vocab_size=int(hf.vocab_size), num_attention_heads=heads,
-            num_key_value_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(hf, "head_dim", None) or hf.hidden_size // heads),
-            intermediate_size=int(hf.intermediate_size), rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
-            rope_parameters=target_rope_parameters(hf),
-            max_position_embeddings=int(getattr(hf, "max_position_embeddings", None) or 32768),
-        )
+        base = cls.sizes_of(hf)
         base.update(draft_keys)
         return config_from_dict(cls, base).validate()
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.common import FieldError, SharedTargetWeights, config_from_dict, field_error
-from dspark.models.dspark_dense import DenseMLP, rope, target_rope_parameters
+from dspark.models.dspark_dense import DenseLayerSizes, DenseMLP, rope
 from dspark.models.draft_vocab import DraftVocab
 from dspark.models.mtp_common import ChainDraft
 from dspark.models.registry import register
@@ -45,22 +45,13 @@ EAGLE3_TARGETS = {"llama": "model_executor/models/llama.py:464", "qwen2": "model
 
 
 @dataclass(kw_only=True)
-class Eagle3Config:
+class Eagle3Config(DenseLayerSizes):
     GROUP_KEYS: ClassVar[tuple[str, ...]] = ("num_steps", "target_layer_ids", "draft_vocab_size",
                                              "norm_before_residual")
     DRAFTS_KEY: ClassVar[str] = "num_steps"
     DEFAULT_TARGET: ClassVar[str | None] = "tiny_llama"
     vllm_method: ClassVar[str] = "eagle3"
 
-    hidden_size: int
-    vocab_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float = 1e-6
-    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    max_position_embeddings: int = 32768
     num_layers: int = 1  # EAGLE-3 drafts with one decoder layer (the layer whose q/k/v take 2H)
     num_steps: int = 3  # training-time-test depth and the default drafts per verify step
     target_layer_ids: list[int] = field(default_factory=list)  # low / middle / high target layers (outputs)
@@ -110,18 +101,9 @@ class Eagle3Config:
         if model_type not in EAGLE3_TARGETS:
             raise FieldError("kind", f"eagle3 needs a target vLLM 0.33.0 taps for EAGLE-3 (model_type one of "
                                      f"{sorted(EAGLE3_TARGETS)}: SupportsEagle3), got {model_type!r}")
-        heads = int(hf.num_attention_heads)
         n = int(hf.num_hidden_layers)
-        base = dict(
-            hidden_size=int(hf.hidden_size), vocab_size=int(hf.vocab_size), num_attention_heads=heads,
-            num_key_value_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(hf, "head_dim", None) or hf.hidden_size // heads),
-            intermediate_size=int(hf.intermediate_size), rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
-            rope_parameters=target_rope_parameters(hf),
-            max_position_embeddings=int(getattr(hf, "max_position_embeddings", None) or 32768),
-            # vLLM's default taps (2, N // 2, N - 3) (models/interfaces.py:1751-1772) as layer-output ids
-            target_layer_ids=sorted({max(i - 1, 0) for i in (2, n // 2, n - 3)}),
-        )
+        # vLLM's default taps (2, N // 2, N - 3) (models/interfaces.py:1751-1772) as layer-output ids
+        base = dict(cls.sizes_of(hf), target_layer_ids=sorted({max(i - 1, 0) for i in (2, n // 2, n - 3)}))
         base.update({k: v for k, v in draft_keys.items() if v is not None or k == "draft_vocab_size"})
         cfg = config_from_dict(cls, base).validate()
         if sorted(set(cfg.target_layer_ids)) != list(cfg.target_layer_ids):
