@@ -1,7 +1,8 @@
 """python -m dspark.export verify PATH | FORMAT --run-dir RUN --out OUT   (--help lists the formats)
 
 Each subcommand is a serving adapter's (dspark/export/, `cli`, `cli_help`, `add_cli_args`, `run_cli`): this module
-names no family. Every export ends with the independent verifier unless --no-verify. OUT must be new
+names no family. A draft with a confidence head also gets SGLang's STS calibration file from the run's eval
+(dspark/export/sts.py). Every export ends with the independent verifier unless --no-verify. OUT must be new
 or empty unless --overwrite (checked before any model loads); the folder is written whole or not at all
 (dspark.export._io.sealed).
 """
@@ -152,9 +153,15 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:  # a refused export (vLLM's rules, sizes): its message, exit 1
             raise SystemExit(str(err)) from None
     print(f"wrote {args.out}")
+    from dspark.export.sts import SGLANG_FLAG, export_sts
+
+    sts_path, sts_line = export_sts(args.run_dir, args.out, draft)  # a confidence head: SGLang's STS file, or how to
+    if sts_line:  # get one (eval.py's calibration)
+        print(sts_line)
     status = 0 if args.no_verify else main_verify(args.out)
     if status == 0:
-        print(next_step(args, draft))
+        print(next_step(args, draft) + (f"; SGLang reads the confidence calibration with {SGLANG_FLAG} {sts_path}"
+                                        if sts_path else ""))
     return status
 
 

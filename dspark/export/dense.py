@@ -472,8 +472,8 @@ class SpeculatorsAdapter(DenseAdapter):
     @classmethod
     def read(cls, folder: Path) -> dict | None:
         c = _draft_config_json(folder)
-        if c is None or "speculators_model_type" not in c:
-            return None
+        if c is None or c.get("speculators_model_type") not in ("dspark", "dflash"):
+            return None  # not speculators, or another family's speculators format (eagle3: dspark.export.eagle3)
         try:
             return translate_speculators(c)
         except (KeyError, ValueError) as err:

@@ -63,7 +63,10 @@ def eagle3_config_json(cfg: Eagle3Config, dtype: torch.dtype = torch.bfloat16) -
 def speculators_config_json(cfg: Eagle3Config, dtype: torch.dtype = torch.bfloat16, verifier: str | None = None) -> dict:
     """speculators 0.9.0's Eagle3SpeculatorConfig (speculators/models/eagle3/config.py:27-87), which vLLM translates
     (transformers_utils/configs/speculators/algos.py:15-50)."""
-    layer = {**_layer_config(cfg, dtype), "model_type": "llama", "mlp_bias": False}
+    # vLLM's model sizes fc from num_aux_hidden_states, else 3 (llama_eagle3.py:208-216), and update_eagle3 does not
+    # copy it from the top level: only transformer_layer_config (the base of vLLM's config) can carry it
+    layer = {**_layer_config(cfg, dtype), "model_type": "llama", "mlp_bias": False,
+             "num_aux_hidden_states": len(cfg.target_layer_ids)}
     return {
         "speculators_model_type": "eagle3",
         "architectures": ["Eagle3Speculator"],
@@ -168,7 +171,12 @@ def eagle3_expected(c: dict) -> tuple[Expected, Expected]:
     nkv, hd = c.get("num_key_value_heads") or nh, c.get("head_dim") or H // nh
     V = c["vocab_size"]
     Vd = c.get("draft_vocab_size") or V
-    a = int(c.get("num_aux_hidden_states") or len(taps_of(c)))
+    # fc's width as vLLM sizes it (llama_eagle3.py:208-216): num_aux_hidden_states, else eagle_config's ids, else 3
+    a = c.get("num_aux_hidden_states")
+    if a is None:
+        ids = (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        a = len(ids) if ids else 3
+    a = int(a)
     p = "layers.0."
     req: Expected = {
         "fc.weight": ((H, a * int(c.get("target_hidden_size") or H)), dt), "norm.weight": ((H,), dt),

@@ -153,9 +153,15 @@ def fix_cpu_v4_swa_metadata() -> None:
 
 
 def _draft_arch(folder: str) -> str:
-    """The architecture vLLM builds for an exported draft folder (config.json; speculators configs name theirs)."""
+    """The architecture vLLM builds for an exported draft folder (config.json). A speculators config is read as vLLM
+    translates it (transformers_utils/configs/speculators/base.py): its own `architectures` may name the speculators
+    class (EAGLE-3: Eagle3Speculator), which vLLM replaces (algos.py update_eagle3: Eagle3LlamaForCausalLM)."""
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as fh:
         cfg = json.load(fh)
+    if cfg.get("speculators_model_type"):
+        from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+        cfg = SpeculatorsConfig.extract_transformers_pre_trained_config(cfg)
     archs = cfg.get("architectures") or []
     if not archs:
         raise ValueError(f"{folder}/config.json has no architectures")

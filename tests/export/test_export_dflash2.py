@@ -128,18 +128,14 @@ CONFIG_RULES = [
 ]
 
 
-@pytest.mark.parametrize("what, edit, problem", TENSOR_RULES, ids=[r[0] for r in TENSOR_RULES])
-def test_a_broken_tensor_set_fails_verify(exported, what, edit, problem):
-    _, out = exported
-    _edit_tensors(out, edit)
-    report = verify_folder(out)
-    assert not report.ok and any(re.search(problem, p) for p in report.problems), report.problems
+BROKEN = [(_edit_tensors, *r) for r in TENSOR_RULES] + [(_edit_config, *r) for r in CONFIG_RULES]
 
 
-@pytest.mark.parametrize("what, edit, problem", CONFIG_RULES, ids=[r[0] for r in CONFIG_RULES])
-def test_a_broken_config_fails_verify(exported, what, edit, problem):
+@pytest.mark.parametrize("apply, what, edit, problem", BROKEN, ids=[r[1] for r in BROKEN])
+def test_a_broken_folder_fails_verify(exported, apply, what, edit, problem):
+    """A broken tensor set or config: verify names the problem."""
     _, out = exported
-    _edit_config(out, edit)
+    apply(out, edit)
     report = verify_folder(out)
     assert not report.ok and any(re.search(problem, p) for p in report.problems), report.problems
 

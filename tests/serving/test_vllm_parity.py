@@ -26,17 +26,26 @@ GAMMA = 4
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """(root, target dir, run dir, benchmark dir, vLLM python): trained DFlash run against the tiny target."""
-    from dspark.serving.tiny_dense import regenerate_answers, train_dense_run, write_benchmarks
+def tiny_target(tmp_path_factory):
+    """(root, target dir, its greedy answers, benchmark dir, vLLM python): the tiny target every draft here serves."""
+    from dspark.serving.tiny_dense import regenerate_answers, write_benchmarks
     from dspark.targets.tiny_llama import build_tiny_llama
 
     python = vllm_or_skip()
     root = tmp_path_factory.mktemp("vllm_parity")
     target = build_tiny_llama(root / "target")
     data = regenerate_answers(target, root / "regen.jsonl")
+    return root, target, data, write_benchmarks(root / "bench"), python
+
+
+@pytest.fixture(scope="module")
+def served(tiny_target):
+    """(root, target dir, run dir, benchmark dir, vLLM python): trained DFlash run against the tiny target."""
+    from dspark.serving.tiny_dense import train_dense_run
+
+    root, target, data, bench, python = tiny_target
     run = train_dense_run(target, data, root / "run", gamma=GAMMA)
-    return root, target, run, write_benchmarks(root / "bench"), python
+    return root, target, run, bench, python
 
 
 def _cfg(served, *overrides, config_name: str = "serve_check"):
@@ -286,3 +295,182 @@ def test_sampled_acceptance_matches_vllm_in_both_drafting_schemes(served):
                                    f"out={root / 'check_t1_raw'}", "vllm_default_drafting=false"))
         assert not raw["parity"]
         assert any(r["al_z"] > 3 for r in raw["benchmarks"].values())
+
+
+# ---- EAGLE-3 (dspark.models.eagle3, dspark.export.eagle3): vLLM's Eagle3LlamaForCausalLM serving the export -------
+# experiment=eagle3_tiny against the same tiny Llama (target=hf, its folder), trained on the target's own greedy
+# answers (as EAGLE-3 drafts are: the regenerated data above) for 10 steps: enough acceptance at every draft position
+# for the step-by-step comparison to mean something. serve_check exports the run in float32 (`python -m dspark.export
+# eagle3`); vLLM taps the target's layers (eagle_aux_hidden_state_layer_ids) and drafts num_steps = 3 per step.
+EAGLE3_STEPS = 10
+
+
+def _train_eagle3(tiny_target, name: str, *extra: str) -> Path:
+    from conftest import compose
+    from dspark.training.run import run_training
+
+    root, target, data = tiny_target[:3]
+    run = root / name
+    run_training(compose([
+        "experiment=eagle3_tiny", "target=hf", f"target.path={target}", "target.dtype=float32",
+        "data.source=regenerated", f"data.path={data}", f"trainer.max_steps={EAGLE3_STEPS}",
+        f"trainer.val_check_interval={EAGLE3_STEPS}", f"callbacks.last_checkpoint.every_n_train_steps={EAGLE3_STEPS}",
+        "trainer.enable_progress_bar=false", "validate_at_start=false", f"run_dir={run}", *extra]))
+    return run
+
+
+@pytest.fixture(scope="module")
+def eagle3_served(tiny_target):
+    """(root, target dir, run dir, benchmark dir, vLLM python): a full-vocabulary EAGLE-3 run, the tiny target."""
+    root, target, _, bench, python = tiny_target
+    return root, target, _train_eagle3(tiny_target, "eagle3_run"), bench, python
+
+
+def _assert_eagle3_parity(summary: dict, plain: bool = True) -> None:
+    """Every benchmark: vLLM's outputs = eval.py's = the plain HF target's (and vLLM's without a draft), the same
+    accepted count at every verify step of every request, so the same counters per position; and acceptance at
+    every draft position somewhere, so the per-position comparison is not vacuous."""
+    keys = ["vllm_equals_eval", "eval_equals_plain", "vllm_equals_plain"] + ["vllm_plain_equals_plain"] * plain
+    per_pos = [0, 0, 0]
+    for name, rep in summary["benchmarks"].items():
+        n = rep["num_requests"]
+        assert rep["gamma"] == 3 and rep["method"] == "eagle3"
+        assert rep["outputs"] == {k: f"{n}/{n}" for k in keys}, rep["per_request"]
+        assert rep["steps_equal"] == f"{n}/{n}", rep["per_request"]
+        ev, vl = rep["eval"], rep["vllm"]
+        for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos"):
+            assert vl[k] == ev[k], (name, k)
+        assert rep["al_rel_diff"] == 0.0 and rep["vllm_counters_consistent"]
+        per_pos = [a + b for a, b in zip(per_pos, ev["accepted_per_pos"])]
+    assert all(per_pos), f"no acceptance at some draft position: {per_pos}"
+    assert max(r["eval"]["mean_acceptance_length"] for r in summary["benchmarks"].values()) > 1.2
+    assert summary["parity"]
+
+
+def test_vllm_serves_the_exported_eagle3_draft_like_eval_py(eagle3_served):
+    """Full vocabulary: the export holds no lm_head, embed_tokens or d2t (vLLM shares the target's head and
+    embedding); vLLM's Eagle3LlamaForCausalLM loads every exported tensor and serves what eval.py decodes."""
+    from safetensors.torch import load_file
+
+    from dspark.evaluation.run_eval import run_eval
+    from dspark.serve_check import run_serve_check
+
+    root = eagle3_served[0]
+    summary = run_serve_check(_cfg(eagle3_served, f"out={root / 'eagle3_check'}"))
+    assert summary["method"] == "eagle3" and summary["engines"]["vllm"]["vllm"].startswith("0.3")
+    folder = Path(summary["export"])
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["torch_dtype"] == "float32"
+    assert config["draft_vocab_size"] == config["vocab_size"] == 2048
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # eagle3_tiny's layer outputs 0, 1, 2
+    names = set(load_file(folder / "model.safetensors"))
+    assert not names & {"d2t", "t2d", "lm_head.weight", "embed_tokens.weight"}, names
+    load = summary["load_audit"]
+    assert load["ok"] and load["class"] == "Eagle3LlamaForCausalLM", load
+    assert set(load["expected_unloaded"]) == {"model.embed_tokens.weight", "lm_head.weight"}
+    assert load["num_tensors"] == len(names) and not load["unloaded"]
+    assert summary["load_ok"] and summary["serve_error"] is None
+    _assert_eagle3_parity(summary)
+    # serve_check's eval side is eval.py: the same counters from eval.py itself
+    eval_py = run_eval(_cfg(eagle3_served, f"out={root / 'eagle3_eval'}", "plots=false", "confidence=false",
+                            config_name="eval"))
+    for name, rep in summary["benchmarks"].items():
+        for k in ("num_drafts", "num_accepted_tokens", "accepted_per_pos", "greedy_outputs_equal_target"):
+            assert eval_py[name][k] == rep["eval_report"][k], (name, k)
+
+
+def test_the_eagle3_speculators_format_serves_like_eval_py(eagle3_served):
+    """`--format speculators` (speculators_model_type eagle3): vLLM translates the config itself (its
+    norm_before_residual defaults to True there: the export writes false) and serves what eval.py decodes."""
+    from dspark.export.__main__ import main as export_main
+    from dspark.serve_check import run_serve_check
+
+    root, target, run = eagle3_served[:3]
+    folder = root / "eagle3_speculators"
+    assert export_main(["eagle3", "--run-dir", str(run), "--target", "hf", "--target-path", str(target), "--out",
+                        str(folder), "--dtype", "float32", "--format", "speculators", "--verifier", str(target)]) == 0
+    config = json.loads((folder / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["norm_before_residual"] is False
+    summary = run_serve_check(_cfg(eagle3_served, f"export={folder}", f"out={root / 'eagle3_check_speculators'}",
+                                   "benchmarks=[chat]", "vllm_plain=false"))
+    assert summary["method"] == "eagle3" and summary["load_ok"], summary["load_audit"]
+    _assert_eagle3_parity(summary, plain=False)
+
+
+@pytest.fixture(scope="module")
+def eagle3_reduced(tiny_target):
+    """(served tuple of a draft_vocab_size=512 EAGLE-3 run, its serve_check summary)."""
+    from dspark.serve_check import run_serve_check
+
+    root, target, _, bench, python = tiny_target
+    served = (root, target, _train_eagle3(tiny_target, "eagle3_run_reduced", "draft.draft_vocab_size=512"), bench,
+              python)
+    return served, run_serve_check(_cfg(served, f"out={served[0] / 'eagle3_check_reduced'}", "vllm_plain=false"))
+
+
+def test_an_eagle3_draft_with_a_reduced_vocabulary_serves_like_eval_py(eagle3_reduced):
+    """draft.draft_vocab_size=512 of the target's 2048: the export holds lm_head [512, H] (the target head's rows at
+    the kept ids) and d2t; vLLM scores over those rows and maps the argmax through d2t, exactly as eval.py does."""
+    from safetensors.torch import load_file
+
+    _, summary = eagle3_reduced
+    folder = Path(summary["export"])
+    config = json.loads((folder / "config.json").read_text())
+    assert config["draft_vocab_size"] == 512 and config["vocab_size"] == 2048
+    tensors = load_file(folder / "model.safetensors")
+    assert tuple(tensors["lm_head.weight"].shape) == (512, 64) and tuple(tensors["d2t"].shape) == (512,)
+    assert bool(tensors["d2t"].ne(0).any())  # not the first 512 ids: the mapping is exercised
+    load = summary["load_audit"]
+    assert load["ok"] and load["class"] == "Eagle3LlamaForCausalLM", load
+    assert set(load["expected_unloaded"]) == {"model.embed_tokens.weight"}  # lm_head and d2t are the export's
+    assert summary["load_ok"] and summary["serve_error"] is None
+    _assert_eagle3_parity(summary, plain=False)
+
+
+def test_broken_eagle3_exports_fail_the_check(eagle3_served, eagle3_reduced):
+    """A d2t tensor in a full-vocabulary folder: vLLM's loader has no such parameter and refuses the draft (the
+    check reports the load failure and serves nothing); a reduced folder whose d2t sends the draft ids to other
+    (kept) target ids: vLLM loads it and proposes other tokens (the parity catches it, still lossless)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from conftest import reseal
+    from dspark.serve_check import run_serve_check
+
+    root = eagle3_served[0]
+    full = root / "eagle3_check" / "export"
+    if not (full / "config.json").is_file():  # this test alone: export first
+        run_serve_check(_cfg(eagle3_served, f"out={root / 'eagle3_check'}", "vllm_plain=false"))
+
+    def add_d2t(folder):
+        t = load_file(folder / "model.safetensors")
+        t["d2t"] = torch.zeros(2048, dtype=torch.long)
+        save_file(t, folder / "model.safetensors", metadata={"format": "pt"})
+        reseal(folder)  # the tensor set is what vLLM judges, not the checksum
+
+    stray = run_serve_check(_cfg(eagle3_served, f"export={_broken_copy(full, root / 'eagle3_stray_d2t', add_d2t)}",
+                                 f"out={root / 'eagle3_check_stray_d2t'}", "vllm_plain=false"))
+    assert not stray["load_ok"] and not stray["parity"]
+    assert not stray["load_audit"]["ok"] and "draft_id_to_target_id" in stray["load_audit"]["error"]
+    assert stray["serve_error"] and "draft_id_to_target_id" in stray["serve_error"]
+    assert all(r["vllm"] is None and not r["parity"] for r in stray["benchmarks"].values())
+
+    served, good = eagle3_reduced
+    reduced = Path(good["export"])
+
+    def reverse_d2t(folder):
+        t = load_file(folder / "model.safetensors")
+        ids = torch.arange(512) + t["d2t"]  # the kept target ids, ascending
+        t["d2t"] = ids.flip(0) - torch.arange(512)  # the same kept set (t2d unchanged), draft id i -> another id
+        save_file(t, folder / "model.safetensors", metadata={"format": "pt"})
+        reseal(folder)
+
+    reversed_copy = _broken_copy(reduced, root / "eagle3_reversed_d2t", reverse_d2t)
+    wrong = run_serve_check(_cfg(served, f"export={reversed_copy}", f"out={root / 'eagle3_check_reversed_d2t'}",
+                                 "vllm_plain=false"))
+    assert wrong["load_ok"]  # nothing is missing: only serving shows it
+    assert not wrong["parity"]
+    reps = wrong["benchmarks"].values()
+    assert any(r["vllm"]["num_accepted_tokens"] != r["eval"]["num_accepted_tokens"] for r in reps)
+    assert sum(r["request_status"].get("proposals", 0) for r in reps) >= 1
+    assert all(r["outputs"]["vllm_equals_plain"] == f"{r['num_requests']}/{r['num_requests']}" for r in reps)
