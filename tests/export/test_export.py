@@ -261,17 +261,25 @@ def test_flash_plan_matches_the_independent_verifier_rules():
 
 
 # ---- CLI on a training run's draft/ folder (the embedded default: tiny_v4 target) -------------------
-def test_cli_exports_verifies_and_reimports_a_tiny_v4_run(tmp_path):
+def tiny_v4_run(tmp_path, num_layers: int):
+    """(cfg, target, draft, run dir): a randomised tiny V4 draft saved as train.py leaves RUN/draft/."""
     from conftest import compose
     from dspark import factory
     from dspark.training.run import export_draft
 
-    cfg = compose(["experiment=dspark_v4", "draft.num_layers=2"])
+    cfg = compose(["experiment=dspark_v4", f"draft.num_layers={num_layers}"])
     target = factory.build_target(cfg)
     draft = factory.build_draft(cfg, target)
     _randomise(draft, seed=5)
     run = tmp_path / "run"
     export_draft(draft, cfg, run / "draft")  # what train.py writes at the end of a run
+    return cfg, target, draft, run
+
+
+def test_cli_exports_verifies_and_reimports_a_tiny_v4_run(tmp_path):
+    from dspark import factory
+
+    cfg, target, draft, run = tiny_v4_run(tmp_path, num_layers=2)
     out = tmp_path / "out"
     res = _cli("v4", "--run-dir", str(run), "--target", "tiny_v4", "--out", str(out), "--dtype", "float32")
     assert res.returncode == 0, res.stdout + res.stderr

@@ -20,7 +20,7 @@ from dspark.export.dspark_v4 import v4_expected as _v4_expected, v4_optional as 
 from dspark.export.verify import verify_folder
 from dspark.models.registry import config_values as draft_fields
 from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
-from test_export import _cli, _randomise
+from test_export import _cli, _randomise, tiny_v4_run
 
 
 def _naive_exponent(amax: float, qmax: float) -> int:
@@ -283,15 +283,9 @@ def test_flash_quantised_plan_on_meta_matches_the_verifier(mode):
 
 
 def test_cli_quantised_export_of_a_tiny_v4_run(tmp_path):
-    from conftest import compose
     from dspark import factory
-    from dspark.training.run import export_draft
 
-    cfg = compose(["experiment=dspark_v4", "draft.num_layers=1"])
-    target = factory.build_target(cfg)
-    draft = factory.build_draft(cfg, target)
-    _randomise(draft, seed=5)
-    export_draft(draft, cfg, tmp_path / "run" / "draft")
+    cfg, target, draft, _ = tiny_v4_run(tmp_path, num_layers=1)
     out = tmp_path / "out"
     res = _cli("v4", "--run-dir", str(tmp_path / "run"), "--out", str(out), "--quant", "fp4")
     assert res.returncode == 0, res.stdout + res.stderr
