@@ -190,7 +190,7 @@ def test_kill_9_during_an_export_leaves_the_folder_as_it_was(tmp_path, moment, o
     if old_export:
         export_v4_sidecar(_v4_draft(seed=7), out)
         before = _snapshot(out)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), str(REPO / "tests" / "export")]), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(out), str(marker), moment, "1" if old_export else "0"],
                             env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
