@@ -85,10 +85,10 @@ def load_records(data: DictConfig):
     return lambda: islice(iter_jsonl_records(str(data.path), strict=bool(data.strict)), limit)
 
 
-def build_dataset(cfg: DictConfig, tokenizer):
+def build_dataset(data: DictConfig, tokenizer):
+    """The tokenized chat rows of the data section (cached by its source, limit and length settings)."""
     from dspark.data.dataset import cached_chat_dataset
 
-    data = cfg.data
     source = f"{data.source}:{data.path}:{data.limit}:en={data.english_only}:strict={data.strict}"
     if data.path is not None and Path(str(data.path)).is_file():  # a changed file is a new cache entry
         st = Path(str(data.path)).stat()
@@ -109,7 +109,7 @@ def build_datamodule(cfg: DictConfig, tokenizer, dataset=None, target: FrozenTar
     if cache_wanted(cfg) and target is None:
         raise ValueError("build_datamodule: data.feature_cache needs the target (pass target=)")
     tr = cfg.train
-    dataset = dataset if dataset is not None else build_dataset(cfg, tokenizer)
+    dataset = dataset if dataset is not None else build_dataset(cfg.data, tokenizer)
     features = prepare_feature_cache(cfg, target, dataset)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     val = held_out_count(cfg.data.val_examples, len(dataset))  # auto -> its count (run.choose_held_out says it)

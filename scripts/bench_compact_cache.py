@@ -97,7 +97,7 @@ def main() -> None:
         v["vs_plain_bf16"] = round(v["bytes_per_token"] / base, 3)
 
     # training: train.py's code on these rows (the dataset step is handed the rows; the data file is a stub)
-    factory.build_dataset = lambda cfg, tokenizer: rows
+    factory.build_dataset = lambda data, tokenizer: rows
     stub = out / "stub.jsonl"
     stub.write_text("")
     configs = Path(__file__).resolve().parents[1] / "configs"

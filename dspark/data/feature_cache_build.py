@@ -79,11 +79,12 @@ def cache_dir_for_key(cfg: DictConfig, key: str) -> Path:
 
 
 def rows_before_target(cfg: DictConfig, dataset_builder):
-    """The training rows (`dataset_builder(cfg, tokenizer)`, factory.build_dataset) made with the target's tokenizer
-    alone, before any model loads: the held-out split is checked against them, and plan_feature_cache needs them."""
+    """The training rows (`dataset_builder(cfg.data, tokenizer)`, factory.build_dataset) made with the target's
+    tokenizer alone, before any model loads: the held-out split is checked against them, and plan_feature_cache needs
+    them."""
     from dspark.targets.hf_target import load_target_tokenizer, resolve_target_source
 
-    return dataset_builder(cfg, load_target_tokenizer(resolve_target_source(target_folder(cfg))))
+    return dataset_builder(cfg.data, load_target_tokenizer(resolve_target_source(target_folder(cfg))))
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,7 @@ def _build_with_vllm(cfg: DictConfig, target, dataset, path: Path, layout) -> Pa
 
 def build_feature_cache_offline(cfg: DictConfig, dataset_builder, shard_size: int | None = None) -> Path:
     """data.feature_producer=vllm as a job of its own (scripts/build_feature_cache.py, after dspark.preflight), without
-    loading the target in this process: the rows as train.py builds them (`dataset_builder(cfg, tokenizer)`), the
+    loading the target in this process: the rows as train.py builds them (`dataset_builder(cfg.data, tokenizer)`), the
     cache where train.py looks for it (`auto`: the same key, the identity computed from the checkpoint). Also the
     vllm producer of a feature stream (dspark.data.feature_stream, with the stream's `shard_size`)."""
     from dspark.data.feature_cache import SHARD_SIZE

@@ -162,7 +162,7 @@ def test_a_reduced_dense_draft_trains_exports_and_imports_back(tmp_path):
     from dspark import factory
 
     tok = __import__("transformers").AutoTokenizer.from_pretrained(str(target))
-    rows = factory.build_dataset(cfg, tok)
+    rows = factory.build_dataset(cfg.data, tok)
     train_rows = rows.select(range(len(rows) - int(cfg.data.val_examples)))
     d2t, t2d = build_vocab_mapping(count_tokens(train_rows, 2048), vd, [tok.eos_token_id])
     assert torch.equal(weights["d2t"], d2t) and torch.equal(weights["t2d"], t2d)
