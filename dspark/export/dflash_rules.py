@@ -44,13 +44,52 @@ def block_causal(c: dict, n_layers: int) -> bool:
     return all(i < len(types) and types[i] == "sliding_attention" for i in range(n_layers))
 
 
+# vLLM 0.34.0 (docs/serving.md): the Qwen3-style (and DeepSeek-V4 / V4.1) DSpark Markov head is still vanilla, built
+# without reading markov_head_type; the rnn head is served only in the Mistral Large 4 `mtp_dspark.*` layout
+MARKOV_034 = ("vLLM 0.34.0 does not read markov_head_type either: Qwen3DSparkModel builds DSparkMarkovHead(vocab_size, "
+              "draft_vocab_size, markov_rank) (vllm/model_executor/models/qwen3_dspark.py:209-218 of 0.34.0), whose only "
+              "parameters are markov_w1 / markov_w2 (:72-80); 0.34.0 serves an 'rnn' head (joint_proj) only in the "
+              "Mistral Large 4 DSpark layout (`mtp_dspark.*` tensors inside the target checkpoint, head_type 'vanilla' | "
+              "'rnn' read at transformers_utils/configs/mistral.py:500-505, models/mistral/mistral_large4/nvidia/"
+              "dspark.py:157-165), which dspark does not export, and a 'gated' head in no layout")
+
+
 def markov_lines(kind: str | None) -> list[str]:
-    """vLLM's DSparkMarkovHead is the vanilla head only (qwen3_dspark.py:48-93)."""
+    """vLLM's DSparkMarkovHead is the vanilla head only (0.33.0 qwen3_dspark.py:48-93; 0.34.0: MARKOV_034)."""
     if kind in (None, "vanilla"):
         return []
     return [f"markov head type {kind!r}: vLLM 0.33.0's DSparkMarkovHead has only markov_w1 / markov_w2 (vanilla; "
             f"qwen3_dspark.py:48-93) and has no parameter for the {'gate_proj' if kind == 'gated' else 'joint_proj'} "
-            "tensors"]
+            f"tensors; {MARKOV_034}"]
+
+
+# Where each DSpark layout builds its confidence head (enable_confidence_head) and drops the head's names, in vLLM 0.34.0;
+# 0.33.0 also dropped a built head the checkpoint had no weights for, 0.34.0 keeps it randomly initialised
+CONFIDENCE_034 = {
+    "dspark_dense": "vllm/model_executor/models/qwen3_dspark.py:220-232 of 0.34.0 builds it (enable_confidence_head, "
+                    "default false), load_weights drops its names only when there is no head (:355-356); 0.33.0 also "
+                    "dropped a head without weights (qwen3_dspark.py:366-368)",
+    "dspark_v4": "vllm/models/deepseek_v4/nvidia/dspark.py:175-180 of 0.34.0 builds it (enable_confidence_head, default "
+                 "true), _remap_dspark_name drops its names only when there is no head (:584-585); 0.33.0 also dropped "
+                 "a head without weights (dspark.py:567-568)",
+    "dspark_v41": "vllm/models/deepseek_v41/nvidia/dspark.py:161-166 of 0.34.0 builds it (enable_confidence_head, "
+                  "default true), _remap_dspark_name drops its names only when there is no head (:543-544); 0.33.0 also "
+                  "dropped a head without weights (dspark.py:485-486)",
+}
+
+
+def missing_confidence_lines(kind: str, expected, found) -> list[str]:
+    """A folder whose config enables the confidence head (so `expected` lists its tensors) without its weights: vLLM
+    0.34.0 serves the random head, which ranks the draft slots under adaptive verification (v1/worker/gpu/spec_decode/
+    dspark/speculator.py:177-184 of 0.34.0). The exporters write enable_confidence_head exactly with the weights."""
+    names = sorted(n for n in expected if "confidence_head." in n and n not in found)
+    if not names:
+        return []
+    where = CONFIDENCE_034.get(kind, "vLLM 0.34.0 keeps a confidence head the checkpoint has no weights for")
+    return [f"serving: enable_confidence_head is on but the folder has no {', '.join(names)}: vLLM 0.34.0 serves the "
+            f"randomly initialised head ({where}) and ranks the draft slots of adaptive verification by it "
+            "(v1/worker/gpu/spec_decode/dspark/speculator.py:177-184 of 0.34.0); write the head's weights or "
+            "enable_confidence_head false"]
 
 
 def sorted_lines(key: str, ids) -> list[str]:
@@ -80,10 +119,10 @@ def draft_markov_problems(markov_head_type: str) -> list[str]:
     """Exporters: the same rule on the draft's config (names the draft key to change)."""
     if markov_head_type == "vanilla":
         return []
-    return [f"markov_head_type {markov_head_type!r}: vLLM's DSparkMarkovHead has only markov_w1 / markov_w2 "
+    return [f"markov_head_type {markov_head_type!r}: vLLM 0.33.0's DSparkMarkovHead has only markov_w1 / markov_w2 "
             "(vllm/model_executor/models/qwen3_dspark.py:48-93), its loader has no parameter for the "
-            f"{'gate_proj' if markov_head_type == 'gated' else 'joint_proj'} tensors"]
+            f"{'gate_proj' if markov_head_type == 'gated' else 'joint_proj'} tensors; {MARKOV_034}"]
 
 
-__all__ = ["block_causal", "draft_markov_problems", "markov_expected", "markov_lines", "precedence_lines",
-           "sorted_lines"]
+__all__ = ["CONFIDENCE_034", "MARKOV_034", "block_causal", "draft_markov_problems", "markov_expected", "markov_lines",
+           "missing_confidence_lines", "precedence_lines", "sorted_lines"]

@@ -175,6 +175,7 @@ def v4_config_json(cfg: DSparkV4Config, dtype: torch.dtype = torch.bfloat16, qua
         "dspark_torch_dtype": dtype_name(dtype),
         "dspark_format": "deepseek_v4_mtp",
         "sample_from_anchor": cfg.layout == "anchor",
+        "enable_confidence_head": True,  # the draft always has one and its weights are written (CONFIDENCE_034)
     } | ({"quantization_config": quantization_config_json(quant), "expert_dtype": quant} if quant else {})
 
 
@@ -339,7 +340,7 @@ def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch
     _write_report(out_dir, quant, errors)
     sidecar = v4_config_json(draft.config, dtype)
     keys = (*DSPARK_KEYS, "n_mtp_layers", "num_nextn_predict_layers", "dspark_torch_dtype", "dspark_rope_theta",
-            "sample_from_anchor")
+            "sample_from_anchor", "enable_confidence_head")
     config.update({k: sidecar[k] for k in keys})
     # the project's draft block is bidirectional: say so where vLLM resolves the block's causality
     # (vllm/model_executor/models/qwen3_dflash.py:62-81, used for DSV4 DSpark by dspark/utils.py:102)
@@ -495,12 +496,14 @@ def v4_expected(c: dict) -> Expected:
     qc = c.get("quantization_config")
     if qc:
         _quantised_expected(exp, qc, c.get("expert_dtype") or qc.get("expert_dtype") or "fp4")
+    exp.update(v4_optional(c))  # required: vLLM 0.34.0 serves a random head without it (dflash_rules.CONFIDENCE_034)
     return exp
 
 
 def v4_optional(c: dict) -> Expected:
-    """The V4 confidence head: built when enable_confidence_head (default true), dropped by the loader when the
-    checkpoint has none (nvidia/dspark.py:175-180, 567-568); Linear(H + r -> 1, no bias, float32)."""
+    """The V4 confidence head: built when enable_confidence_head (default true; nvidia/dspark.py:175-180). vLLM 0.33.0
+    dropped a head the checkpoint had no weights for (:567-568), 0.34.0 serves it randomly initialised
+    (dflash_rules.CONFIDENCE_034), so v4_expected requires it; Linear(H + r -> 1, no bias, float32)."""
     if c.get("enable_confidence_head", True) is False:
         return {}
     last = f"mtp.{(c.get('n_mtp_layers') or 3) - 1}."

