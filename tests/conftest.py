@@ -151,3 +151,33 @@ def _print_skip_counts(terminalreporter) -> None:
         terminalreporter.line(f"{n:4d} x {reason}")
     if any("vllm" in reason.lower() for reason, _ in reasons):
         terminalreporter.line("what CI runs (vLLM and its sources installed, nothing vLLM skipped): bash .ci/run")
+
+
+def tiny_dense_dspark_run(root):
+    """(cfg, target, draft, run dir): a dense DSpark draft (Markov + confidence head, block 3) against a tiny HF Llama
+    target (vocabulary 50, word-level tokenizer, eos t1) written under `root`, its RUN/draft/ as train.py leaves it."""
+    import torch
+    from omegaconf import OmegaConf
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from dspark import factory
+    from dspark.training.run import export_draft
+
+    vocab = {f"t{i}": i for i in range(50)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0")),
+                                  unk_token="t0", eos_token="t1")
+    tok.save_pretrained(root / "target")
+    torch.manual_seed(0)
+    hf = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, tie_word_embeddings=False)
+    LlamaForCausalLM(hf).save_pretrained(root / "target")
+    draft_cfg = {"kind": "dspark_dense", "num_layers": 1, "block_size": 3, "mask_token_id": 49,
+                 "target_layer_ids": [0, 2], "markov_rank": 4, "markov_head_type": "vanilla", "sliding_window": None,
+                 "layout": "anchor", "init_from_target": False, "arch": {}}
+    cfg = OmegaConf.create({"target": {"kind": "hf", "path": str(root / "target"), "dtype": "float32"},
+                            "draft": draft_cfg})
+    target = factory.build_target(cfg)
+    draft = factory.build_draft(cfg, target)
+    export_draft(draft, cfg, root / "run" / "draft", target.fingerprint())  # records target.json as train.py
+    return cfg, target, draft, root / "run"

@@ -202,31 +202,9 @@ def test_verifier_on_reduced_sets(tmp_path):
 
 # ---- CLI on a training run against a tiny HF (Llama) target ---------------------------------------------
 def test_cli_dense_reduced_speculators_export(tmp_path):
-    from omegaconf import OmegaConf
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import tiny_dense_dspark_run
 
-    from dspark import factory
-    from dspark.training.run import export_draft
-
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(50)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0")),
-                                  unk_token="t0", eos_token="t1")
-    tok.save_pretrained(tmp_path / "target")
-    torch.manual_seed(0)
-    hf = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                     num_key_value_heads=2, tie_word_embeddings=False)
-    LlamaForCausalLM(hf).save_pretrained(tmp_path / "target")
-    draft_cfg = {"kind": "dspark_dense", "num_layers": 1, "block_size": 3, "mask_token_id": 49,
-                 "target_layer_ids": [0, 2], "markov_rank": 4, "markov_head_type": "vanilla", "sliding_window": None,
-                 "layout": "anchor", "init_from_target": False, "arch": {}}
-    cfg = OmegaConf.create({"target": {"kind": "hf", "path": str(tmp_path / "target"), "dtype": "float32"},
-                            "draft": draft_cfg})
-    target = factory.build_target(cfg)
-    draft = factory.build_draft(cfg, target)
-    export_draft(draft, cfg, tmp_path / "run" / "draft", target.fingerprint())  # records target.json as train.py
+    _, target, draft, _ = tiny_dense_dspark_run(tmp_path)
     rows = tmp_path / "rows.jsonl"
     rows.write_text("\n".join(json.dumps({"input_ids": [i, i + 1, 7], "loss_mask": [0, 1, 1]}) for i in range(30)))
     out = tmp_path / "out"

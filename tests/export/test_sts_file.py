@@ -191,33 +191,11 @@ def test_eval_calibration_picks_the_newest_report_at_the_drafts_gamma(tmp_path):
 def dense_run(tmp_path_factory):
     """A dense DSpark run (Markov + confidence head, block_size 3) against a tiny HF Llama target, as
     test_export_dense.py's CLI test builds it."""
-    import torch
-    from omegaconf import OmegaConf
-    from tokenizers import Tokenizer, models
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from conftest import tiny_dense_dspark_run
 
-    from dspark import factory
-    from dspark.training.run import export_draft
-
-    root = tmp_path_factory.mktemp("sts_dense")
-    vocab = {f"t{i}": i for i in range(50)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0")),
-                                  unk_token="t0", eos_token="t1")
-    tok.save_pretrained(root / "target")
-    torch.manual_seed(0)
-    hf = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                     num_key_value_heads=2, tie_word_embeddings=False)
-    LlamaForCausalLM(hf).save_pretrained(root / "target")
-    draft_cfg = {"kind": "dspark_dense", "num_layers": 1, "block_size": 3, "mask_token_id": 49,
-                 "target_layer_ids": [0, 2], "markov_rank": 4, "markov_head_type": "vanilla", "sliding_window": None,
-                 "layout": "anchor", "init_from_target": False, "arch": {}}
-    cfg = OmegaConf.create({"target": {"kind": "hf", "path": str(root / "target"), "dtype": "float32"},
-                            "draft": draft_cfg})
-    target = factory.build_target(cfg)
-    draft = factory.build_draft(cfg, target)
+    _, _, draft, run = tiny_dense_dspark_run(tmp_path_factory.mktemp("sts_dense"))
     assert draft.confidence_head is not None
-    export_draft(draft, cfg, root / "run" / "draft", target.fingerprint())
-    return root / "run"
+    return run
 
 
 def test_dense_export_writes_the_sts_file_from_the_runs_eval(dense_run, tmp_path, capsys):
