@@ -25,7 +25,15 @@ def build_tiny_llama(path: Path, seed: int = 0) -> Path:
                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, initializer_range=0.05,
                       max_position_embeddings=2048, bos_token_id=0, eos_token_id=[3, 0], pad_token_id=1,
                       tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # built silently on first use (a config check may trigger it before refusing)
+    try:
+        LlamaForCausalLM(cfg).save_pretrained(path)
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
     GenerationConfig(do_sample=False, eos_token_id=[3, 0], pad_token_id=1).save_pretrained(path)
     return path
 
