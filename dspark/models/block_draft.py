@@ -260,8 +260,8 @@ class BlockDraft:
         valid = torch.arange(width, device=dev) < torch.tensor(lens, device=dev).unsqueeze(1)  # [B, S] cached rows
         mask = torch.cat([valid.unsqueeze(1).expand(bsz, block_len, width),
                           torch.ones(bsz, block_len, block_len, dtype=torch.bool, device=dev)], dim=-1)  # [B, L, S+L]
-        h = self.backbone(block_ids, block_pos, ctx, mask)[:, pred_offset : pred_offset + g]  # [B, g, H]
-        return self._sample_blocks(h, block_ids[:, 0], temperature, gens, None)
+        h_all = self.backbone(block_ids, block_pos, ctx, mask)  # [B, L, H]
+        return self._draft_block(h_all, pred_offset, block_ids[:, 0], temperature, gens, None)
 
     @torch.no_grad()
     def propose_blocks(self, contexts: list[torch.Tensor], anchor_tokens: list[int], *, num_drafts: int,
@@ -294,8 +294,8 @@ class BlockDraft:
         anchors = torch.tensor(lens, dtype=torch.long, device=dev).unsqueeze(1)  # [B, 1] = a_i
         block_ids, block_pos, block_len, pred_offset = self._block_inputs(anchors, anchor_tokens, g)
         mask = block_attention_mask(anchors, block_len, width, cfg.sliding_window)  # [B, L, A + L]
-        h = self.backbone(block_ids, block_pos, ctx, mask)[:, pred_offset : pred_offset + g]  # [B, g, H]
-        return self._sample_blocks(h, block_ids[:, 0], temperature, gens, forced_tokens)
+        h_all = self.backbone(block_ids, block_pos, ctx, mask)  # [B, L, H]
+        return self._draft_block(h_all, pred_offset, block_ids[:, 0], temperature, gens, forced_tokens)
 
     def _block_inputs(self, anchors: torch.Tensor, x0: list[int], g: int):
         """anchors [B, 1] (a_i), x0 the anchor tokens -> (block ids [B, L] = [x0, m, ..., m], positions [B, L] from
@@ -306,6 +306,13 @@ class BlockDraft:
                                device=dev)  # [B, L]
         block_ids[:, 0] = torch.tensor([int(t) for t in x0], dtype=torch.long, device=dev)
         return block_ids, anchors + torch.arange(block_len, device=dev), block_len, pred_offset
+
+    def _draft_block(self, h_all: torch.Tensor, pred_offset: int, x0: torch.Tensor, temperature: float, gens: list,
+                     forced_tokens: torch.Tensor | None) -> list[Proposal]:
+        """The drafts of one block per request from the backbone output of every block row, h_all [B, L, H]
+        (pre-norm; rows pred_offset.. are the prediction rows): Markov-corrected sampling (_sample_blocks) unless a
+        family drafts otherwise (XPress: Jacobi passes over the whole block, anchor row included)."""
+        return self._sample_blocks(h_all[:, pred_offset:], x0, temperature, gens, forced_tokens)
 
     def _sample_blocks(self, h: torch.Tensor, x0: torch.Tensor, temperature: float, gens: list,
                        forced_tokens: torch.Tensor | None) -> list[Proposal]:

@@ -120,8 +120,9 @@ class BlockDraftModule(DraftLightningModule):
 
     # ---- forward ----------------------------------------------------------------------------------
     def _hidden(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Blocks, torch.Tensor]:
-        """One draft forward over every block of the batch (docs/CONTRACTS.md §3) -> (h [B, A, g, H] backbone output
-        at the prediction rows, blocks, target final [B, S, H])."""
+        """One draft forward over every block of the batch (docs/CONTRACTS.md §3) -> (h [B, A, Lb, H] backbone output
+        at every block row, blocks, target final [B, S, H]); the prediction rows are rows pred_offset.. of each
+        block."""
         cfg = self.draft.config
         ids = batch["input_ids"]  # [B, S]
         B, S = ids.shape
@@ -136,28 +137,36 @@ class BlockDraftModule(DraftLightningModule):
         build_mask = packed_block_attention_mask if self.packed_attention_mask else block_attention_mask
         mask = build_mask(batch["anchors"], Lb, S, cfg.sliding_window)  # [B, A*Lb, S + A*Lb] (packed: its rule)
         h = draft.backbone(blocks.input_ids.flatten(1), blocks.positions.flatten(1), ctx, mask)  # [B, A*Lb, H]
-        return h.view(B, A, Lb, -1)[:, :, blocks.pred_offset : blocks.pred_offset + g], blocks, feats.final
+        return h.view(B, A, Lb, -1), blocks, feats.final
 
-    def _heads(self, prev: torch.Tensor, h: torch.Tensor):
-        """The Markov latent and the confidence logits at the prediction rows: prev [B, A, g], h [B, A, g, H] ->
-        (latent [B, A, g, r] | None, conf_logits [B, A, g] | None)."""
+    def _heads(self, batch, blocks: Blocks, h_all: torch.Tensor):
+        """(prediction rows h [B, A, g, H], Markov latent [B, A, g, r] | None, confidence logits [B, A, g] | None)
+        from every block row's hidden h_all [B, A, Lb, H]. A head that reads the whole block (XPress's refiner:
+        `reads_block`) gets every row, normed, and the teacher-forced previous token of every row: the token before the
+        anchor (the anchor itself at position 0), then x_a, x_{a+1}, ..."""
         draft = self.draft
-        latent = feat = None
-        if draft.markov_head is not None:
-            latent, feat = draft.markov_head.latent(prev, h)  # [B, A, g, r] x2
-        return latent, draft.confidence_logit(h, feat) if draft.confidence_head is not None else None
+        g = int(draft.config.block_size)
+        h = h_all[:, :, blocks.pred_offset : blocks.pred_offset + g]
+        head, latent, feat = draft.markov_head, None, None
+        if head is not None and getattr(head, "reads_block", False):
+            before = batch["input_ids"].gather(1, (batch["anchors"] - 1).clamp_min(0))  # [B, A]
+            latent = head.block_latent(torch.cat([before.unsqueeze(-1), blocks.prev_ids], -1),
+                                       draft.head_input(h_all))[:, :, blocks.pred_offset:]  # [B, A, g, r]
+        elif head is not None:
+            latent, feat = head.latent(blocks.prev_ids, h)  # [B, A, g, r] x2
+        return h, latent, draft.confidence_logit(h, feat) if draft.confidence_head is not None else None
 
     def draft_rows(self, batch: dict[str, torch.Tensor]) -> DraftRows:
         """The prediction rows' hidden, Markov latent and confidence logits (what the fused loss takes)."""
-        h, blocks, final = self._hidden(batch)
-        latent, conf = self._heads(blocks.prev_ids, h)
+        h_all, blocks, final = self._hidden(batch)
+        h, latent, conf = self._heads(batch, blocks, h_all)
         return DraftRows(hidden=h, latent=latent, conf_logits=conf, blocks=blocks, final=final)
 
     def draft_outputs(self, batch: dict[str, torch.Tensor]) -> DraftOutputs:
         """The prediction rows as logits: base_logits(h) + the Markov bias [B, A, g, V]."""
-        h, blocks, final = self._hidden(batch)
+        h_all, blocks, final = self._hidden(batch)
+        h, latent, conf = self._heads(batch, blocks, h_all)
         logits = self.draft.base_logits(h)  # [B, A, g, V]
-        latent, conf = self._heads(blocks.prev_ids, h)
         if latent is not None:
             logits = logits + self.draft.markov_head.project(latent)
         return DraftOutputs(logits=logits, conf_logits=conf, hidden=h, blocks=blocks, final=final)
