@@ -3,7 +3,7 @@
 # lands in ${OUT:-gpu_out}/vllm/:
 #   versions.txt        vLLM / torch / transformers of the vLLM venv, nvidia-smi
 #   pytest_vllm.txt     tests/serving/test_vllm_parity.py (DFlash parity step by step, broken exports, regeneration)
-#   matrix/             scripts/vllm_matrix.py: dflash, dense dspark, DeepSeek-V4 DSpark, DeepSeek-V4 MTP and
+#   matrix/             scripts/vllm_matrix.py: dflash, dense dspark, DeepSeek-V4 DSpark, DeepSeek-V4 MTP, EAGLE-3, XPress and
 #                       HY V4 MTP drafts trained briefly, exported, load-audited with vLLM's CUDA classes and served
 #                       next to eval.py (results.jsonl, summary.txt, one serve_check report per kind)
 # Needs: the project venv active (scripts/setup_env.sh) and vLLM 0.33 in .venv-vllm (`bash scripts/setup_vllm.sh gpu`,

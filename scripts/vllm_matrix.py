@@ -24,9 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-KINDS = ("dflash", "dspark", "dspark_v4", "dsv4_mtp", "hyv4_mtp")
+KINDS = ("dflash", "dspark", "dspark_v4", "dsv4_mtp", "hyv4_mtp", "eagle3", "xpress")
 # experiment + target group + eval target override per non-dense kind; short runs (CPU minutes)
-_RUNS = {"dspark_v4": ("dspark_v4", "tiny_v4"), "dsv4_mtp": ("dsv4_mtp", "tiny_v4"), "hyv4_mtp": ("hyv4_mtp", "tiny_hy_v4")}
+_RUNS = {"dspark_v4": ("dspark_v4", "tiny_v4"), "dsv4_mtp": ("dsv4_mtp", "tiny_v4"), "hyv4_mtp": ("hyv4_mtp", "tiny_hy_v4"),
+         "eagle3": ("eagle3_tiny", "tiny_llama"), "xpress": ("xpress_tiny", "tiny_llama")}  # xpress: vLLM >= 0.33, GPU
 _SHORT = ["data.limit=400", "data.val_examples=16", "data.max_length=192", "train.batch_size=8",
           "train.val_batch_size=8", "trainer.val_check_interval=1000", "callbacks.last_checkpoint.every_n_train_steps=1000",
           "trainer.enable_progress_bar=false", "validate_at_start=false"]
