@@ -87,8 +87,11 @@ def next_step(args: argparse.Namespace, draft) -> str:
 
     from dspark.export.adapter import primary_adapter
 
+    from dspark.models.registry import vllm_options
+
     cfg = draft.config
-    spec = {"method": cfg.vllm_method, "num_speculative_tokens": int(getattr(cfg, type(cfg).DRAFTS_KEY))}
+    spec = {"method": cfg.vllm_method, "num_speculative_tokens": int(getattr(cfg, type(cfg).DRAFTS_KEY)),
+            **vllm_options(cfg)}
     run = args.run_dir
     if primary_adapter(type(draft).family_kind).vllm_reads_merged:
         if getattr(args, "merge_into", None) is None:

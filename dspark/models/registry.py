@@ -255,6 +255,11 @@ def init_reads(group: Mapping[str, Any], target_model: torch.nn.Module, tokenize
     return list(fam.draft.init_reads(build_config(group, target_model.config, tokenizer), target_model))
 
 
+def vllm_options(config) -> dict:
+    """A family's own speculative_config options (its config's `vllm_options()`, e.g. XPress's xpress_topc)."""
+    return dict(config.vllm_options()) if hasattr(config, "vllm_options") else {}
+
+
 def config_from_group(group: Mapping[str, Any]):
     """A resolved draft group (draft_config.json) -> its family's config object, from the group alone (no target)."""
     from dspark.models.common import config_from_dict

@@ -46,6 +46,10 @@ class XPressConfig(DSparkDenseConfig):
     def vllm_method(self) -> str:
         return "dflash"  # vLLM picks the XPress speculator from the model class (V34 qwen3_xpress.py:289-290)
 
+    def vllm_options(self) -> dict:
+        """speculative_config options of this family (V34 config/speculative.py:694-698; xpress/config.py:7-11)."""
+        return {"xpress_topc": int(self.xpress_topc)}
+
     @property
     def xpress_block_size(self) -> int:
         """B = the 1+N block's slots (the anchor and N drafts)."""
