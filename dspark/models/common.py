@@ -43,6 +43,16 @@ def config_from_dict(cls: type[C], values: Mapping[str, Any]) -> C:
     return cls(**dict(values))
 
 
+class DraftConfig:
+    """Base of every family's config dataclass: the one validating constructor from plain values."""
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]):
+        """``cls(**values).validate()``: unknown / missing keys raise ValueError naming them (config_from_dict), bad
+        values FieldError naming the field (the family's validate)."""
+        return config_from_dict(cls, values).validate()
+
+
 def raw_config_json(hf_config: Any) -> dict | None:
     """The config.json of the folder `hf_config` was loaded from, as written (before transformers fills in its
     defaults), or None (a config built in memory, or a Hub id)."""

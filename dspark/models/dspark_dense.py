@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.block_draft import BlockDraft, check_block_fields
-from dspark.models.common import FieldError, SharedTargetWeights, config_from_dict, field_error
+from dspark.models.common import DraftConfig, FieldError, SharedTargetWeights, config_from_dict, field_error
 from dspark.models.draft_vocab import DraftVocab
 from dspark.models.heads import ConfidenceHead, build_markov_head
 from dspark.models.registry import register
@@ -35,7 +35,7 @@ from dspark.ops.rope import ROPE_TYPES, RotaryEmbedding, apply_rope
 
 
 @dataclass(kw_only=True)
-class DenseLayerSizes:
+class DenseLayerSizes(DraftConfig):
     """The sizes of a Llama / Qwen3-style decoder layer, the target's (every dense draft builds its layers from them)."""
 
     hidden_size: int

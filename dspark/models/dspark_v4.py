@@ -15,14 +15,14 @@ from __future__ import annotations
 import re
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Sequence, TypeVar
+from typing import Any, ClassVar, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.block_draft import BlockDraft, check_block_fields
-from dspark.models.common import FieldError, SharedTargetWeights, config_from_dict, field_error
+from dspark.models.common import DraftConfig, FieldError, SharedTargetWeights, field_error
 from dspark.models.heads import ConfidenceHead, build_markov_head
 from dspark.models.registry import register
 from dspark.models.v4_names import init_draft_layers_from_target  # re-exported for callers of this module
@@ -51,7 +51,7 @@ def cast_compute_weights(module: M, dtype: torch.dtype) -> M:
 # Config
 # ------------------------------------------------------------------------------------------------
 @dataclass(kw_only=True)
-class V4BlockSizes:
+class V4BlockSizes(DraftConfig):
     """Sizes of one DeepSeek-V4 decoder block (attention / MoE / mHC): the target's. Shared by every V4 draft config."""
 
     hidden_size: int
@@ -148,11 +148,6 @@ class DSparkV4Config(V4BlockSizes):
         return self
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "DSparkV4Config":
-        """Build from a plain mapping (e.g. a Hydra/OmegaConf node); unknown keys are an error."""
-        return config_from_dict(cls, values)
-
-    @classmethod
     def from_target_config(cls, hf_cfg: Any, **draft_keys: Any) -> "DSparkV4Config":
         """Attention / MoE / mHC sizes from a transformers DeepseekV4Config (the target's); refuses another target.
 
@@ -204,7 +199,7 @@ class DSparkV4Config(V4BlockSizes):
             if getattr(hf_cfg, hf_key, None) is not None:
                 values[key] = getattr(hf_cfg, hf_key)
         values.update(draft_keys)
-        return cls.from_dict(values).validate()
+        return cls.from_dict(values)
 
 
 # ------------------------------------------------------------------------------------------------

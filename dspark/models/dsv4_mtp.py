@@ -20,13 +20,13 @@ layer-level tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.common import FieldError, SharedTargetWeights, config_from_dict, field_error
+from dspark.models.common import FieldError, SharedTargetWeights, field_error
 from dspark.models.dspark_v4 import (
     V4_BLOCK_FIELDS,
     DSparkV4Config,
@@ -86,9 +86,6 @@ class DSV4MTPConfig(V4BlockSizes):
             raise FieldError(e.field, str(e).replace("DSparkV4Config.", "DSV4MTPConfig.")) from None
         return self
 
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "DSV4MTPConfig":
-        return config_from_dict(cls, values)
 
     @classmethod
     def from_target_config(cls, hf_cfg: Any, **keys: Any) -> "DSV4MTPConfig":
@@ -104,7 +101,7 @@ class DSV4MTPConfig(V4BlockSizes):
         if n_mtp > 0:
             values["num_layers"] = int(n_mtp)
         values.update(keys)
-        return cls.from_dict(values).validate()
+        return cls.from_dict(values)
 
 
 def causal_window_mask(position_ids: torch.Tensor, window: int) -> torch.Tensor:

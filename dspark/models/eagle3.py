@@ -89,9 +89,6 @@ class Eagle3Config(DenseLayerSizes):
                                          f"{ROPE_TYPES}")
         return self
 
-    @classmethod
-    def from_dict(cls, values) -> "Eagle3Config":
-        return config_from_dict(cls, values)
 
     @classmethod
     def from_target_config(cls, hf, **draft_keys) -> "Eagle3Config":

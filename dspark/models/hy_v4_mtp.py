@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models import hy_v4_names
-from dspark.models.common import FieldError, SharedTargetWeights, config_from_dict, field_error, raw_config_json
+from dspark.models.common import DraftConfig, FieldError, SharedTargetWeights, field_error, raw_config_json
 from dspark.models.mtp_common import ChainDraft
 from dspark.models.registry import register
 from dspark.ops.lm_head import lm_head_logits, vllm_head_fp32
@@ -48,7 +48,7 @@ SPARSE_ATTENTION_TYPES = ("indexed_attention", "sparse_attention", "sparse", "de
 
 
 @dataclass(kw_only=True)
-class HYV4MTPConfig:
+class HYV4MTPConfig(DraftConfig):
     """Sizes of a HY V4 MTP draft; block sizes are the target's (from_target_config)."""
 
     GROUP_KEYS: ClassVar[tuple[str, ...]] = ("num_layers", "num_steps")
@@ -142,9 +142,6 @@ class HYV4MTPConfig:
             raise bad("lora_norm_eps", "must be > 0 or null")
         return self
 
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "HYV4MTPConfig":
-        return config_from_dict(cls, values).validate()
 
     @classmethod
     def from_target_config(cls, hf_config: Any, config_json: Mapping[str, Any] | None = None,
