@@ -30,6 +30,7 @@ rules vLLM 0.33.0 applies. Facts checked against the vLLM 0.33.0 wheel (docs/CON
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 from pathlib import Path
 
 import torch
@@ -481,3 +482,31 @@ class SpeculatorsAdapter(DenseAdapter):
 
     def config_json(self, draft: DSparkDenseDraft, dtype: torch.dtype, verifier: str | None = None) -> dict:
         return speculators_config_json(draft.config, dtype, verifier)
+
+class DenseVariantAdapter(DenseAdapter):
+    """A family on the dense backbone with a vLLM architecture of its own (DFlash2, XPress): its folder is recognised by
+    `archs`, written by `export_fn`, named as the dense drafts are (DenseAdapter's to_serving / from_serving)."""
+
+    archs: ClassVar[tuple[str, ...]] = ()
+    export_fn: ClassVar = None  # staticmethod(export_<family>)
+    cli_default_target = None
+
+    @classmethod
+    def add_cli_args(cls, p) -> None:
+        add_not_for_vllm(p)
+
+    @classmethod
+    def run_cli(cls, target, draft, cfg, args, dtype: torch.dtype, max_shard_bytes: int) -> None:
+        cls.export_fn(draft, args.out, dtype=dtype, num_target_layers=len(target.layers),
+                      max_shard_bytes=max_shard_bytes, for_vllm=not args.not_for_vllm, overwrite=args.overwrite)
+
+    @classmethod
+    def read(cls, folder: Path) -> dict | None:
+        c = _draft_config_json(folder)
+        if c is None or "speculators_model_type" in c:
+            return None
+        return c if (c.get("architectures") or [None])[0] in cls.archs else None
+
+    def label(self, config: dict) -> str:
+        return self.archs[0]
+

@@ -20,9 +20,9 @@ import torch
 
 from dspark.export._io import (DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config,
                               write_tensors)
-from dspark.export.adapter import (SAFETENSORS_DTYPES, Expected, add_not_for_vllm, refuse_unservable,
+from dspark.export.adapter import (SAFETENSORS_DTYPES, Expected, refuse_unservable,
                                    serving_adapter)
-from dspark.export.dense import (DenseAdapter, _draft_config_json, dense_config_from_config, dense_config_json,
+from dspark.export.dense import (DenseVariantAdapter, dense_config_from_config, dense_config_json,
                                  dense_config_problems, dense_expected, dense_optional, dense_serving_problems,
                                  dense_tensors)
 from dspark.models.dflash2 import DFlash2Config, DFlash2Draft
@@ -136,35 +136,16 @@ def import_dflash2(folder, draft: DFlash2Draft) -> DFlash2Draft:
 
 
 @serving_adapter
-class DFlash2Adapter(DenseAdapter):
-    """vLLM's own draft-model format with architectures DFlash2DraftModel (the dense tensor naming: DenseAdapter's
-    to_serving / from_serving)."""
+class DFlash2Adapter(DenseVariantAdapter):
+    """vLLM's own draft-model format with architectures DFlash2DraftModel."""
 
     kind = "dflash2"
     cli = "dflash2"
     format = "vllm-dflash2"
     what = "DFlash2"
     cli_help = "export a training run's DFlash2 draft as a vLLM DFlash2DraftModel folder"
-    cli_default_target = None
-
-    @classmethod
-    def add_cli_args(cls, p) -> None:
-        add_not_for_vllm(p)
-
-    @classmethod
-    def run_cli(cls, target, draft, cfg, args, dtype: torch.dtype, max_shard_bytes: int) -> None:
-        export_dflash2(draft, args.out, dtype=dtype, num_target_layers=len(target.layers),
-                       max_shard_bytes=max_shard_bytes, for_vllm=not args.not_for_vllm)
-
-    @classmethod
-    def read(cls, folder: Path) -> dict | None:
-        c = _draft_config_json(folder)
-        if c is None or "speculators_model_type" in c:
-            return None
-        return c if (c.get("architectures") or [None])[0] == DFLASH2_ARCH else None
-
-    def label(self, config: dict) -> str:
-        return DFLASH2_ARCH
+    archs = (DFLASH2_ARCH,)
+    export_fn = staticmethod(export_dflash2)
 
     def config_json(self, draft: DFlash2Draft, dtype: torch.dtype, num_target_layers: int | None = None) -> dict:
         return dflash2_config_json(draft.config, dtype, num_target_layers)

@@ -24,8 +24,8 @@ import torch
 
 from dspark.export._io import (DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config,
                               write_tensors)
-from dspark.export.adapter import SAFETENSORS_DTYPES, Expected, add_not_for_vllm, refuse_unservable, serving_adapter
-from dspark.export.dense import (DenseAdapter, _draft_config_json, dense_config_from_config, dense_config_json,
+from dspark.export.adapter import SAFETENSORS_DTYPES, Expected, refuse_unservable, serving_adapter
+from dspark.export.dense import (DenseVariantAdapter, dense_config_from_config, dense_config_json,
                                  dense_config_problems, dense_expected, dense_optional, dense_serving_problems,
                                  dense_tensors)
 from dspark.models.xpress import XPressConfig, XPressDraft
@@ -120,7 +120,7 @@ def import_xpress(folder, draft: XPressDraft) -> XPressDraft:
 
 
 @serving_adapter
-class XPressAdapter(DenseAdapter):
+class XPressAdapter(DenseVariantAdapter):
     """vLLM's Qwen3XPressModel folder (the dense naming plus xpress_head.*)."""
 
     kind = "xpress"
@@ -128,26 +128,8 @@ class XPressAdapter(DenseAdapter):
     format = "vllm-xpress"
     what = "XPress"
     cli_help = "export a training run's XPress draft as a vLLM Qwen3XPressModel folder (vLLM >= 0.33, GPU)"
-    cli_default_target = None
-
-    @classmethod
-    def add_cli_args(cls, p) -> None:
-        add_not_for_vllm(p)
-
-    @classmethod
-    def run_cli(cls, target, draft, cfg, args, dtype: torch.dtype, max_shard_bytes: int) -> None:
-        export_xpress(draft, args.out, dtype=dtype, num_target_layers=len(target.layers),
-                      max_shard_bytes=max_shard_bytes, for_vllm=not args.not_for_vllm, overwrite=args.overwrite)
-
-    @classmethod
-    def read(cls, folder: Path) -> dict | None:
-        c = _draft_config_json(folder)
-        if c is None or "speculators_model_type" in c:
-            return None
-        return c if (c.get("architectures") or [None])[0] in (XPRESS_ARCH, "DFlashQwen3XPressModel") else None
-
-    def label(self, config: dict) -> str:
-        return XPRESS_ARCH
+    archs = (XPRESS_ARCH, "DFlashQwen3XPressModel")
+    export_fn = staticmethod(export_xpress)
 
     def to_serving(self, draft: XPressDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         return xpress_tensors(draft, dtype)
