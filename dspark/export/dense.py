@@ -489,6 +489,11 @@ class DenseVariantAdapter(DenseAdapter):
 
     archs: ClassVar[tuple[str, ...]] = ()
     export_fn: ClassVar = None  # staticmethod(export_<family>)
+    config_fn: ClassVar = None  # staticmethod(<family>_config_json): (draft config, dtype, num_target_layers) -> dict
+    from_config_fn: ClassVar = None  # staticmethod: a folder's config -> the draft config
+    expected_fn: ClassVar = None  # staticmethod: a folder's config -> the required tensors
+    problems_fn: ClassVar = None  # staticmethod: a folder's config -> vLLM's rules it breaks
+    note: ClassVar[str | None] = None  # what verify adds about serving it
     cli_default_target = None
 
     @classmethod
@@ -509,4 +514,25 @@ class DenseVariantAdapter(DenseAdapter):
 
     def label(self, config: dict) -> str:
         return self.archs[0]
+
+    def config_json(self, draft, dtype: torch.dtype, num_target_layers: int | None = None) -> dict:
+        return self.config_fn(draft.config, dtype, num_target_layers)
+
+    def draft_config(self, config: dict):
+        return self.from_config_fn(config)
+
+    def expected(self, config: dict) -> tuple[Expected, Expected]:
+        return self.expected_fn(config), dense_optional(config)
+
+    def serving_problems(self, config: dict) -> list[str]:
+        return self.problems_fn(config)
+
+    def notes(self, config: dict) -> list[str]:
+        return [self.note] if self.note else []
+
+    @classmethod
+    def import_folder(cls, folder, draft):
+        """Load an exported folder of this format into `draft` (strict; a "model." prefix, if present, dropped)."""
+        load_into(draft, cls().from_serving(dict(iter_tensors(Path(folder))), draft), f"import ({folder})")
+        return draft
 

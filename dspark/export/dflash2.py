@@ -18,12 +18,11 @@ from pathlib import Path
 
 import torch
 
-from dspark.export._io import (DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config,
-                              write_tensors)
+from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, sealed, write_serving_config, write_tensors
 from dspark.export.adapter import (SAFETENSORS_DTYPES, Expected, refuse_unservable,
                                    serving_adapter)
 from dspark.export.dense import (DenseVariantAdapter, dense_config_from_config, dense_config_json,
-                                 dense_config_problems, dense_expected, dense_optional, dense_serving_problems,
+                                 dense_config_problems, dense_expected, dense_serving_problems,
                                  dense_tensors)
 from dspark.models.dflash2 import DFlash2Config, DFlash2Draft
 
@@ -130,9 +129,7 @@ def dflash2_config_from_config(c: dict) -> DFlash2Config:
 
 def import_dflash2(folder, draft: DFlash2Draft) -> DFlash2Draft:
     """Load an exported DFlash2 folder into `draft` (strict; a "model." prefix, if present, is dropped)."""
-    tensors = DFlash2Adapter().from_serving(dict(iter_tensors(Path(folder))), draft)
-    load_into(draft, tensors, f"import_dflash2({folder})")
-    return draft
+    return DFlash2Adapter.import_folder(folder, draft)
 
 
 @serving_adapter
@@ -146,21 +143,11 @@ class DFlash2Adapter(DenseVariantAdapter):
     cli_help = "export a training run's DFlash2 draft as a vLLM DFlash2DraftModel folder"
     archs = (DFLASH2_ARCH,)
     export_fn = staticmethod(export_dflash2)
-
-    def config_json(self, draft: DFlash2Draft, dtype: torch.dtype, num_target_layers: int | None = None) -> dict:
-        return dflash2_config_json(draft.config, dtype, num_target_layers)
-
-    def draft_config(self, config: dict) -> DFlash2Config:
-        return dflash2_config_from_config(config)
-
-    def expected(self, config: dict) -> tuple[Expected, Expected]:
-        return dflash2_expected(config), dense_optional(config)
-
-    def serving_problems(self, config: dict) -> list[str]:
-        return dflash2_config_problems(config)
-
-    def notes(self, config: dict) -> list[str]:
-        return [V1_NOTE]
+    config_fn = staticmethod(dflash2_config_json)
+    from_config_fn = staticmethod(dflash2_config_from_config)
+    expected_fn = staticmethod(dflash2_expected)
+    problems_fn = staticmethod(dflash2_config_problems)
+    note = V1_NOTE
 
 
 __all__ = ["DFLASH2_ARCH", "DFlash2Adapter", "SELECTOR_KEYS", "dflash2_config_json", "dflash2_config_problems",

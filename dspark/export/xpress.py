@@ -22,11 +22,10 @@ from pathlib import Path
 
 import torch
 
-from dspark.export._io import (DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config,
-                              write_tensors)
+from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, sealed, write_serving_config, write_tensors
 from dspark.export.adapter import SAFETENSORS_DTYPES, Expected, refuse_unservable, serving_adapter
 from dspark.export.dense import (DenseVariantAdapter, dense_config_from_config, dense_config_json,
-                                 dense_config_problems, dense_expected, dense_optional, dense_serving_problems,
+                                 dense_config_problems, dense_expected, dense_serving_problems,
                                  dense_tensors)
 from dspark.models.xpress import XPressConfig, XPressDraft
 
@@ -114,9 +113,7 @@ def xpress_config_from_config(c: dict) -> XPressConfig:
 
 def import_xpress(folder, draft: XPressDraft) -> XPressDraft:
     """Load an exported XPress folder into `draft` (strict)."""
-    tensors = XPressAdapter().from_serving(dict(iter_tensors(Path(folder))), draft)
-    load_into(draft, tensors, f"import_xpress({folder})")
-    return draft
+    return XPressAdapter.import_folder(folder, draft)
 
 
 @serving_adapter
@@ -130,6 +127,11 @@ class XPressAdapter(DenseVariantAdapter):
     cli_help = "export a training run's XPress draft as a vLLM Qwen3XPressModel folder (vLLM >= 0.33, GPU)"
     archs = (XPRESS_ARCH, "DFlashQwen3XPressModel")
     export_fn = staticmethod(export_xpress)
+    config_fn = staticmethod(xpress_config_json)
+    from_config_fn = staticmethod(xpress_config_from_config)
+    expected_fn = staticmethod(xpress_expected)
+    problems_fn = staticmethod(xpress_config_problems)
+    note = CPU_NOTE
 
     def to_serving(self, draft: XPressDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         return xpress_tensors(draft, dtype)
@@ -140,20 +142,6 @@ class XPressAdapter(DenseVariantAdapter):
             out["xpress_head.mix_l"] = out.pop(RAW_MIX)
         return out
 
-    def config_json(self, draft: XPressDraft, dtype: torch.dtype, num_target_layers: int | None = None) -> dict:
-        return xpress_config_json(draft.config, dtype, num_target_layers)
-
-    def draft_config(self, config: dict) -> XPressConfig:
-        return xpress_config_from_config(config)
-
-    def expected(self, config: dict) -> tuple[Expected, Expected]:
-        return xpress_expected(config), dense_optional(config)
-
-    def serving_problems(self, config: dict) -> list[str]:
-        return xpress_config_problems(config)
-
-    def notes(self, config: dict) -> list[str]:
-        return [CPU_NOTE]
 
 
 __all__ = ["XPRESS_ARCH", "XPressAdapter", "export_xpress", "import_xpress", "xpress_config_json",
