@@ -28,12 +28,26 @@ def _dataset_cache(tmp_path_factory):
     yield
 
 
-def compose(overrides: list[str]):
+def compose(overrides: list[str], config_name: str = "config"):
+    """train.py's config (config_name "eval": eval.py's) from the repo's configs/ with these overrides."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
+        return hydra_compose(config_name=config_name, overrides=list(overrides))
+
+
+def compose_eval(*overrides: str):
+    return compose(list(overrides), config_name="eval")
+
+
+def tiny_chat_bench(root) -> Path:
+    """A two-conversation benchmark folder (chat.jsonl: three turns in all) for eval.py's data_dir."""
+    bench = root / "bench"
+    bench.mkdir()
+    (bench / "chat.jsonl").write_text('{"turns": ["How do I make a good cup of tea?", "And coffee?"]}\n'
+                                      '{"turns": ["Write a short poem about the sea."]}\n')
+    return bench
 
 
 def tiny_v4_config(**overrides):

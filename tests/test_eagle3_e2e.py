@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, compose
+from conftest import REPO, compose, compose_eval as _eval_cfg
 from dspark.errors import ConfigError
 from dspark.training.run import run_training
 
@@ -24,14 +24,6 @@ from dspark.training.run import run_training
 EAGLE3_RUN = ["experiment=eagle3_tiny", "trainer.max_steps=6", "trainer.val_check_interval=3",
               "callbacks.last_checkpoint.every_n_train_steps=1", "trainer.log_every_n_steps=1",
               "trainer.enable_progress_bar=false"]
-
-
-def _eval_cfg(*overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        return hydra_compose(config_name="eval", overrides=list(overrides))
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +67,9 @@ def test_train_eval_export_verify_and_import_back(run, tmp_path):
     assert (run / "checkpoints" / "last.ckpt").is_file()
 
     # eval.py run_dir=RUN: the target from the run's record; greedy speculative output = the plain target's
-    bench = tmp_path / "bench"
-    bench.mkdir()
-    (bench / "chat.jsonl").write_text('{"turns": ["How do I make a good cup of tea?", "And coffee?"]}\n'
-                                      '{"turns": ["Write a short poem about the sea."]}\n')
+    from conftest import tiny_chat_bench
+
+    bench = tiny_chat_bench(tmp_path)
     cfg = ev.with_run_target(_eval_cfg(f"run_dir={run}", f"data_dir={bench}", "benchmarks=[chat]",
                                        "max_new_tokens=24", "plots=false", "confidence=false"), run)
     assert cfg.target.kind == "tiny_llama"

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, TINY_RUN, compose, wait_until
+from conftest import REPO, TINY_RUN, compose, wait_until, compose_eval as _eval_cfg
 from dspark import factory
 from dspark.errors import ConfigError, IntegrityError, RunDirBusy
 from dspark.integrity import check_file, sidecar_path
@@ -141,14 +141,6 @@ def test_disk_full_during_a_checkpoint_write_keeps_the_previous_one(tmp_path, mo
 
 
 # ---- the trained draft ------------------------------------------------------------------------------------
-def _eval_cfg(*overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        return hydra_compose(config_name="eval", overrides=list(overrides))
-
-
 @pytest.mark.parametrize("how", ["truncate", "flip"])
 def test_damaged_draft_is_refused_by_eval_and_export(run_copy, how, capsys, no_model_loads):
     from dspark.evaluation.run_eval import draft_source

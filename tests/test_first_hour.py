@@ -14,17 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY_RUN, compose
+from conftest import REPO, TINY_RUN, compose, compose_eval as _eval_cfg
 from dspark import factory
 from dspark.evaluation import run_eval as ev
-
-
-def _eval_cfg(*overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        return hydra_compose(config_name="eval", overrides=list(overrides))
 
 
 def _cli(args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:

@@ -9,17 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, TINY_RUN, compose
+from conftest import TINY_RUN, compose, compose_eval as _eval_cfg
 from dspark.factory import ConfigError
 from dspark.training.run import run_training
-
-
-def _eval_cfg(*overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        return hydra_compose(config_name="eval", overrides=list(overrides))
 
 
 def test_dsv4_mtp_tiny_run_trains_and_evaluates(tmp_path):

@@ -8,16 +8,8 @@ import json
 
 import torch
 
-from conftest import REPO, compose
+from conftest import compose, compose_eval as _eval_cfg
 from dspark.training.run import run_training
-
-
-def _eval_cfg(*overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        return hydra_compose(config_name="eval", overrides=list(overrides))
 
 
 def test_train_eval_export_verify_and_import_back(tmp_path):
@@ -33,10 +25,9 @@ def test_train_eval_export_verify_and_import_back(tmp_path):
     assert summary["global_step"] == 6
     saved = json.loads((run / "metrics.json").read_text())
     assert 1.0 <= saved["final"]["val/tau_prob"] <= 1.0 + 4
-    bench = tmp_path / "bench"
-    bench.mkdir()
-    (bench / "chat.jsonl").write_text('{"turns": ["How do I make a good cup of tea?", "And coffee?"]}\n'
-                                      '{"turns": ["Write a short poem about the sea."]}\n')
+    from conftest import tiny_chat_bench
+
+    bench = tiny_chat_bench(tmp_path)
     cfg = ev.with_run_target(_eval_cfg(f"run_dir={run}", f"data_dir={bench}", "benchmarks=[chat]",
                                        "max_new_tokens=24", "plots=false", "confidence=false"), run)
     r = ev.run_eval(cfg)["chat"]

@@ -6,17 +6,9 @@ import json
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, compose_eval as _eval_cfg
 from dspark import factory
 from dspark.evaluation import run_eval as ev
-
-
-def _eval_cfg(*overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        return hydra_compose(config_name="eval", overrides=list(overrides))
 
 
 @pytest.fixture
