@@ -3,7 +3,7 @@
 # learning-per-second recipe on the N = 4,696 regenerated conversations, a checkpoint at every quarter of the budget,
 # each quarter measured by eval.py (MT-Bench / GSM8K / HumanEval, T = 0, gamma = block size), then the curve table.
 #
-#   bash scripts/smollm2_budget.sh dspark [STEPS]      # dspark | dflash | dflash2 | eagle3; STEPS default 2000
+#   bash scripts/smollm2_budget.sh dspark [STEPS]      # dspark | dflash | dflash2 | eagle3 | xpress; STEPS default 2000
 #
 # Budget: today's 400 steps x 8 sequences x 16 anchors = 51,200 blocks; STEPS = 2000 with 32 anchors = 512,000
 # blocks (10x). Resumable at every stage: rerun the same command (a killed training resumes from its last.ckpt, the
@@ -12,7 +12,7 @@
 # eval: the training alone, or the evals of a finished training; default all).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DRAFT=${1:?usage: bash scripts/smollm2_budget.sh dspark|dflash|dflash2|eagle3 [STEPS]}
+DRAFT=${1:?usage: bash scripts/smollm2_budget.sh dspark|dflash|dflash2|eagle3|xpress [STEPS]}
 STEPS=${2:-2000}
 PY=${PYTHON:-python}
 RUN=${OUT:-runs/budget}/$DRAFT
@@ -26,6 +26,7 @@ case "$DRAFT" in
   # EAGLE-3: drafts k = 6 as the block drafts do, so training-time test 6 deep; 2 sequences a step score about the
   # block drafts' loss rows per step (6 x ~190 assistant tokens vs their 32 anchors x 6 positions minus the masked)
   eagle3) RECIPE=(draft.num_steps=6 train.batch_size=2) ;;
+  xpress) RECIPE=(train.num_anchors=32) VOCAB=null ;;   # vLLM's XPress needs the whole vocabulary
   *) RECIPE=(train.num_anchors=32) ;;
 esac
 PHASE=${PHASE:-all}
@@ -34,7 +35,7 @@ if [ "$PHASE" != eval ] && [ ! -f "$RUN/draft/model.safetensors" ]; then
   [ -e "$RUN/checkpoints/last.ckpt" ] && resume=(resume=last)
   "$PY" train.py experiment="${DRAFT}_smollm2" data.path="$DATA" trainer.max_steps="$STEPS" \
     trainer.val_check_interval=$(( STEPS / 8 )) trainer.precision=$PRECISION trainer.enable_progress_bar=false \
-    draft.draft_vocab_size=16384 "${RECIPE[@]}" \
+    draft.draft_vocab_size=${VOCAB:-16384} "${RECIPE[@]}" \
     callbacks.last_checkpoint.every_n_train_steps=$Q callbacks.last_checkpoint.save_top_k=-1 \
     run_dir="$RUN" "${resume[@]}" ${EXTRA:-}
 fi
