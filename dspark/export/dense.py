@@ -483,6 +483,26 @@ class SpeculatorsAdapter(DenseAdapter):
     def config_json(self, draft: DSparkDenseDraft, dtype: torch.dtype, verifier: str | None = None) -> dict:
         return speculators_config_json(draft.config, dtype, verifier)
 
+def write_dense_variant(out_dir, tensors: dict[str, torch.Tensor], config: dict, problems: list[str], where: str,
+                        for_vllm: bool, max_shard_bytes: int) -> Path:
+    """A variant family's folder (DFlash2, XPress): its tensors and config.json; a draft vLLM would serve differently
+    (`problems`) is refused unless for_vllm is False (then its config lists the reasons under dspark_not_for_vllm)."""
+    not_served = refuse_unservable(problems, where, for_vllm, "for_vllm=False / CLI --not-for-vllm writes it anyway")
+    out_dir = Path(out_dir)
+    write_tensors(tensors, out_dir, max_shard_bytes)
+    write_serving_config(out_dir, "config.json", config, not_served)
+    return out_dir
+
+
+def variant_config_from_config(c: dict, cls: type, **own):
+    """A variant family's draft config from its folder's config: the dense fields (dense_config_from_config) + its
+    own keys."""
+    import dataclasses
+
+    base = dense_config_from_config({**c, "markov_rank": 0})
+    return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, **own).validate()
+
+
 class DenseVariantAdapter(DenseAdapter):
     """A family on the dense backbone with a vLLM architecture of its own (DFlash2, XPress): its folder is recognised by
     `archs`, written by `export_fn`, named as the dense drafts are (DenseAdapter's to_serving / from_serving)."""

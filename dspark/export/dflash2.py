@@ -13,17 +13,15 @@ with the tensor set and the rules vLLM 0.33.0 applies (docs/dflash2.md):
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
 
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, sealed, write_serving_config, write_tensors
-from dspark.export.adapter import (SAFETENSORS_DTYPES, Expected, refuse_unservable,
-                                   serving_adapter)
-from dspark.export.dense import (DenseVariantAdapter, dense_config_from_config, dense_config_json,
-                                 dense_config_problems, dense_expected, dense_serving_problems,
-                                 dense_tensors)
+from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, sealed
+from dspark.export.adapter import SAFETENSORS_DTYPES, Expected, serving_adapter
+from dspark.export.dense import (DenseVariantAdapter, dense_config_json, dense_config_problems, dense_expected,
+                                 dense_serving_problems, dense_tensors, variant_config_from_config,
+                                 write_dense_variant)
 from dspark.models.dflash2 import DFlash2Config, DFlash2Draft
 
 DFLASH2_ARCH = "DFlash2DraftModel"
@@ -109,22 +107,15 @@ def dflash2_serving_problems(cfg: DFlash2Config) -> list[str]:
 def export_dflash2(draft: DFlash2Draft, out_dir, dtype: torch.dtype = torch.bfloat16,
                    num_target_layers: int | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                    for_vllm: bool = True) -> Path:
-    """Write config.json + safetensors of a DFlash2DraftModel folder; a draft vLLM would serve differently is
-    refused unless for_vllm is False (then its config lists the reasons under dspark_not_for_vllm)."""
-    not_served = refuse_unservable(dflash2_serving_problems(draft.config), "export_dflash2", for_vllm,
-                                   "for_vllm=False / CLI --not-for-vllm writes it anyway")
-    out_dir = Path(out_dir)
-    write_tensors(dense_tensors(draft, dtype), out_dir, max_shard_bytes)
-    write_serving_config(out_dir, "config.json", dflash2_config_json(draft.config, dtype, num_target_layers),
-                         not_served)
-    return out_dir
+    """Write config.json + safetensors of a DFlash2DraftModel folder (write_dense_variant)."""
+    return write_dense_variant(out_dir, dense_tensors(draft, dtype),
+                               dflash2_config_json(draft.config, dtype, num_target_layers),
+                               dflash2_serving_problems(draft.config), "export_dflash2", for_vllm, max_shard_bytes)
 
 
 def dflash2_config_from_config(c: dict) -> DFlash2Config:
     """The draft config of a DFlash2 folder's config.json (to build a draft to import into)."""
-    base = dense_config_from_config({**c, "markov_rank": 0})
-    values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    return DFlash2Config(**values, **_selector_values(c)).validate()
+    return variant_config_from_config(c, DFlash2Config, **_selector_values(c))
 
 
 def import_dflash2(folder, draft: DFlash2Draft) -> DFlash2Draft:

@@ -17,16 +17,15 @@ vLLM 0.34.0 loads it (and 0.33.0: same names and keys; docs/research/xpress_vllm
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
 
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, sealed, write_serving_config, write_tensors
-from dspark.export.adapter import SAFETENSORS_DTYPES, Expected, refuse_unservable, serving_adapter
-from dspark.export.dense import (DenseVariantAdapter, dense_config_from_config, dense_config_json,
-                                 dense_config_problems, dense_expected, dense_serving_problems,
-                                 dense_tensors)
+from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, sealed
+from dspark.export.adapter import SAFETENSORS_DTYPES, Expected, serving_adapter
+from dspark.export.dense import (DenseVariantAdapter, dense_config_json, dense_config_problems, dense_expected,
+                                 dense_serving_problems, dense_tensors, variant_config_from_config,
+                                 write_dense_variant)
 from dspark.models.xpress import XPressConfig, XPressDraft
 
 XPRESS_ARCH = "Qwen3XPressModel"
@@ -94,21 +93,15 @@ def xpress_config_problems(c: dict) -> list[str]:
 def export_xpress(draft: XPressDraft, out_dir, dtype: torch.dtype = torch.bfloat16,
                   num_target_layers: int | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                   for_vllm: bool = True) -> Path:
-    """Write config.json + safetensors of a Qwen3XPressModel folder."""
-    not_served = refuse_unservable(dense_serving_problems(draft.config), "export_xpress", for_vllm,
-                                   "for_vllm=False / CLI --not-for-vllm writes it anyway")
-    out_dir = Path(out_dir)
-    write_tensors(xpress_tensors(draft, dtype), out_dir, max_shard_bytes)
-    write_serving_config(out_dir, "config.json", xpress_config_json(draft.config, dtype, num_target_layers),
-                         not_served)
-    return out_dir
+    """Write config.json + safetensors of a Qwen3XPressModel folder (write_dense_variant)."""
+    return write_dense_variant(out_dir, xpress_tensors(draft, dtype),
+                               xpress_config_json(draft.config, dtype, num_target_layers),
+                               dense_serving_problems(draft.config), "export_xpress", for_vllm, max_shard_bytes)
 
 
 def xpress_config_from_config(c: dict) -> XPressConfig:
-    base = dense_config_from_config({**c, "markov_rank": 0})
-    values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
     x = _xpress_values(c)
-    return XPressConfig(**values, **{k: x[k] for k in XPRESS_KEYS}).validate()
+    return variant_config_from_config(c, XPressConfig, **{k: x[k] for k in XPRESS_KEYS})
 
 
 def import_xpress(folder, draft: XPressDraft) -> XPressDraft:
