@@ -204,7 +204,15 @@ class Eagle3Draft(ChainDraft, DraftVocab, SharedTargetWeights, nn.Module):
     def head_weight(self) -> torch.Tensor:
         """[Vd, H]: the target's LM head at the draft vocabulary's rows (what the export writes as lm_head.weight)."""
         w = self._shared("lm_head_weight")
-        return w if not self.reduced_vocab else w.index_select(0, self.draft_to_target())
+        if not self.reduced_vocab:
+            return w
+        # gathered once per head and mapping, not per draft step (the head is frozen; d2t changes only by copy_)
+        key = (w.data_ptr(), w.device, w.dtype, self.d2t.data_ptr(), self.d2t._version)
+        cached = self.__dict__.get("_head_rows")
+        if cached is None or cached[0] != key:
+            cached = (key, w.index_select(0, self.draft_to_target()))
+            self.__dict__["_head_rows"] = cached
+        return cached[1]
 
     def draft_logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
         """hidden_out [..., H] (pre-norm) -> lm_head(norm(.)) [..., Vd] over the draft vocabulary."""
