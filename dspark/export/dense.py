@@ -483,16 +483,6 @@ class SpeculatorsAdapter(DenseAdapter):
     def config_json(self, draft: DSparkDenseDraft, dtype: torch.dtype, verifier: str | None = None) -> dict:
         return speculators_config_json(draft.config, dtype, verifier)
 
-def write_dense_variant(out_dir, tensors: dict[str, torch.Tensor], config: dict, problems: list[str], where: str,
-                        for_vllm: bool, max_shard_bytes: int) -> Path:
-    """A variant family's folder (DFlash2, XPress): its tensors and config.json; a draft vLLM would serve differently
-    (`problems`) is refused unless for_vllm is False (then its config lists the reasons under dspark_not_for_vllm)."""
-    not_served = refuse_unservable(problems, where, for_vllm, "for_vllm=False / CLI --not-for-vllm writes it anyway")
-    out_dir = Path(out_dir)
-    write_tensors(tensors, out_dir, max_shard_bytes)
-    write_serving_config(out_dir, "config.json", config, not_served)
-    return out_dir
-
 
 def variant_config_from_config(c: dict, cls: type, **own):
     """A variant family's draft config from its folder's config: the dense fields (dense_config_from_config) + its
@@ -505,10 +495,9 @@ def variant_config_from_config(c: dict, cls: type, **own):
 
 class DenseVariantAdapter(DenseAdapter):
     """A family on the dense backbone with a vLLM architecture of its own (DFlash2, XPress): its folder is recognised by
-    `archs`, written by `export_fn`, named as the dense drafts are (DenseAdapter's to_serving / from_serving)."""
+    `archs`, written by `export`, named as the dense drafts are (DenseAdapter's to_serving / from_serving)."""
 
     archs: ClassVar[tuple[str, ...]] = ()
-    export_fn: ClassVar = None  # staticmethod(export_<family>)
     config_fn: ClassVar = None  # staticmethod(<family>_config_json): (draft config, dtype, num_target_layers) -> dict
     from_config_fn: ClassVar = None  # staticmethod: a folder's config -> the draft config
     expected_fn: ClassVar = None  # staticmethod: a folder's config -> the required tensors
@@ -522,8 +511,24 @@ class DenseVariantAdapter(DenseAdapter):
 
     @classmethod
     def run_cli(cls, target, draft, cfg, args, dtype: torch.dtype, max_shard_bytes: int) -> None:
-        cls.export_fn(draft, args.out, dtype=dtype, num_target_layers=len(target.layers),
-                      max_shard_bytes=max_shard_bytes, for_vllm=not args.not_for_vllm, overwrite=args.overwrite)
+        cls.export(draft, args.out, dtype=dtype, num_target_layers=len(target.layers),
+                   max_shard_bytes=max_shard_bytes, for_vllm=not args.not_for_vllm, overwrite=args.overwrite)
+
+    @classmethod
+    @sealed
+    def export(cls, draft, out_dir, dtype: torch.dtype = torch.bfloat16, num_target_layers: int | None = None,
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, for_vllm: bool = True) -> Path:
+        """Write config.json + safetensors of this family's folder (to_serving's tensors, config_json's config); a
+        draft vLLM would serve differently (dense_serving_problems: the family's own rules hold by its config's
+        validate) is refused unless for_vllm is False (then its config lists the reasons under dspark_not_for_vllm).
+        The families' modules name it export_<kind>."""
+        not_served = refuse_unservable(dense_serving_problems(draft.config), f"export_{cls.kind}", for_vllm,
+                                       "for_vllm=False / CLI --not-for-vllm writes it anyway")
+        adapter = cls()
+        out_dir = Path(out_dir)
+        write_tensors(adapter.to_serving(draft, dtype), out_dir, max_shard_bytes)
+        write_serving_config(out_dir, "config.json", adapter.config_json(draft, dtype, num_target_layers), not_served)
+        return out_dir
 
     @classmethod
     def read(cls, folder: Path) -> dict | None:

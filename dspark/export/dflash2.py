@@ -13,16 +13,12 @@ with the tensor set and the rules vLLM 0.33.0 applies (docs/dflash2.md):
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, sealed
 from dspark.export.adapter import SAFETENSORS_DTYPES, Expected, serving_adapter
 from dspark.export.dense import (DenseVariantAdapter, dense_config_json, dense_config_problems, dense_expected,
-                                 dense_serving_problems, dense_tensors, variant_config_from_config,
-                                 write_dense_variant)
-from dspark.models.dflash2 import DFlash2Config, DFlash2Draft
+                                 variant_config_from_config)
+from dspark.models.dflash2 import DFlash2Config
 
 DFLASH2_ARCH = "DFlash2DraftModel"
 SELECTOR_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -97,30 +93,9 @@ def dflash2_config_problems(c: dict) -> list[str]:
     return out
 
 
-def dflash2_serving_problems(cfg: DFlash2Config) -> list[str]:
-    """Exporters: why vLLM 0.33.0 would serve this draft differently from how it was trained (DFlash's rules; the
-    DFlash2 ones hold by DFlash2Config.validate)."""
-    return dense_serving_problems(cfg)
-
-
-@sealed
-def export_dflash2(draft: DFlash2Draft, out_dir, dtype: torch.dtype = torch.bfloat16,
-                   num_target_layers: int | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                   for_vllm: bool = True) -> Path:
-    """Write config.json + safetensors of a DFlash2DraftModel folder (write_dense_variant)."""
-    return write_dense_variant(out_dir, dense_tensors(draft, dtype),
-                               dflash2_config_json(draft.config, dtype, num_target_layers),
-                               dflash2_serving_problems(draft.config), "export_dflash2", for_vllm, max_shard_bytes)
-
-
 def dflash2_config_from_config(c: dict) -> DFlash2Config:
     """The draft config of a DFlash2 folder's config.json (to build a draft to import into)."""
     return variant_config_from_config(c, DFlash2Config, **_selector_values(c))
-
-
-def import_dflash2(folder, draft: DFlash2Draft) -> DFlash2Draft:
-    """Load an exported DFlash2 folder into `draft` (strict; a "model." prefix, if present, is dropped)."""
-    return DFlash2Adapter.import_folder(folder, draft)
 
 
 @serving_adapter
@@ -133,12 +108,17 @@ class DFlash2Adapter(DenseVariantAdapter):
     what = "DFlash2"
     cli_help = "export a training run's DFlash2 draft as a vLLM DFlash2DraftModel folder"
     archs = (DFLASH2_ARCH,)
-    export_fn = staticmethod(export_dflash2)
     config_fn = staticmethod(dflash2_config_json)
     from_config_fn = staticmethod(dflash2_config_from_config)
     expected_fn = staticmethod(dflash2_expected)
     problems_fn = staticmethod(dflash2_config_problems)
     note = V1_NOTE
+
+
+# write a DFlash2DraftModel folder (DenseVariantAdapter.export: the dense serving rules; the DFlash2 ones hold by
+# DFlash2Config.validate) / load one into a draft (strict; a "model." prefix, if present, is dropped)
+export_dflash2 = DFlash2Adapter.export
+import_dflash2 = DFlash2Adapter.import_folder
 
 
 __all__ = ["DFLASH2_ARCH", "DFlash2Adapter", "SELECTOR_KEYS", "dflash2_config_json", "dflash2_config_problems",

@@ -17,15 +17,11 @@ vLLM 0.34.0 loads it (and 0.33.0: same names and keys; docs/research/xpress_vllm
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, sealed
 from dspark.export.adapter import SAFETENSORS_DTYPES, Expected, serving_adapter
 from dspark.export.dense import (DenseVariantAdapter, dense_config_json, dense_config_problems, dense_expected,
-                                 dense_serving_problems, dense_tensors, variant_config_from_config,
-                                 write_dense_variant)
+                                 dense_tensors, variant_config_from_config)
 from dspark.models.xpress import XPressConfig, XPressDraft
 
 XPRESS_ARCH = "Qwen3XPressModel"
@@ -89,24 +85,9 @@ def xpress_config_problems(c: dict) -> list[str]:
     return out
 
 
-@sealed
-def export_xpress(draft: XPressDraft, out_dir, dtype: torch.dtype = torch.bfloat16,
-                  num_target_layers: int | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                  for_vllm: bool = True) -> Path:
-    """Write config.json + safetensors of a Qwen3XPressModel folder (write_dense_variant)."""
-    return write_dense_variant(out_dir, xpress_tensors(draft, dtype),
-                               xpress_config_json(draft.config, dtype, num_target_layers),
-                               dense_serving_problems(draft.config), "export_xpress", for_vllm, max_shard_bytes)
-
-
 def xpress_config_from_config(c: dict) -> XPressConfig:
     x = _xpress_values(c)
     return variant_config_from_config(c, XPressConfig, **{k: x[k] for k in XPRESS_KEYS})
-
-
-def import_xpress(folder, draft: XPressDraft) -> XPressDraft:
-    """Load an exported XPress folder into `draft` (strict)."""
-    return XPressAdapter.import_folder(folder, draft)
 
 
 @serving_adapter
@@ -119,7 +100,6 @@ class XPressAdapter(DenseVariantAdapter):
     what = "XPress"
     cli_help = "export a training run's XPress draft as a vLLM Qwen3XPressModel folder (vLLM >= 0.33, GPU)"
     archs = (XPRESS_ARCH, "DFlashQwen3XPressModel")
-    export_fn = staticmethod(export_xpress)
     config_fn = staticmethod(xpress_config_json)
     from_config_fn = staticmethod(xpress_config_from_config)
     expected_fn = staticmethod(xpress_expected)
@@ -135,6 +115,10 @@ class XPressAdapter(DenseVariantAdapter):
             out["xpress_head.mix_l"] = out.pop(RAW_MIX)
         return out
 
+
+# write a Qwen3XPressModel folder (DenseVariantAdapter.export) / load one into a draft (strict)
+export_xpress = XPressAdapter.export
+import_xpress = XPressAdapter.import_folder
 
 
 __all__ = ["XPRESS_ARCH", "XPressAdapter", "export_xpress", "import_xpress", "xpress_config_json",
