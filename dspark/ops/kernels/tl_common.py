@@ -19,20 +19,13 @@ def _sum_cpu(src, dst, a_len, b_len):
             dst[a] += src[a, b]
 
 
+# dst[a] = pick over b of src[a, b]; pick is T.max or T.min
 @T.macro
-def _max_cpu(src, dst, a_len, b_len):
+def _extreme_cpu(src, dst, a_len, b_len, pick):
     for a in T.serial(a_len):
         dst[a] = src[a, 0]
         for b in T.serial(b_len):
-            dst[a] = T.max(dst[a], src[a, b])
-
-
-@T.macro
-def _min_cpu(src, dst, a_len, b_len):
-    for a in T.serial(a_len):
-        dst[a] = src[a, 0]
-        for b in T.serial(b_len):
-            dst[a] = T.min(dst[a], src[a, b])
+            dst[a] = pick(dst[a], src[a, b])
 
 
 @T.macro
@@ -92,8 +85,10 @@ def reduce_last(kind: str, src, dst, cpu: bool):
         if kind != "sum":
             raise ValueError("3-D CPU reductions: sum only")
         _sum3_cpu(src, dst, src.shape[0], src.shape[1], src.shape[2])
+    elif kind == "sum":
+        _sum_cpu(src, dst, src.shape[0], src.shape[1])
     else:
-        {"sum": _sum_cpu, "max": _max_cpu, "min": _min_cpu}[kind](src, dst, src.shape[0], src.shape[1])
+        _extreme_cpu(src, dst, src.shape[0], src.shape[1], {"max": T.max, "min": T.min}[kind])
 
 
 def fexp(x, cpu: bool):
