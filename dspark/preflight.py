@@ -31,10 +31,6 @@ def check_train(values: dict) -> None:
     require(tr["num_anchors"] < data["max_length"], "train.num_anchors",
             f"{tr['num_anchors']} anchors cannot fit in a sequence of data.max_length={data['max_length']} (an anchor "
             f"a needs a loss-masked token a+1): use fewer than {data['max_length']}")
-    reduced = (values.get("draft") or {}).get("draft_vocab_size")
-    require(not reduced or tr.get("fused_loss", True), "train.fused_loss",
-            f"false with draft.draft_vocab_size={reduced}: a reduced draft vocabulary trains through the fused "
-            "loss only; set train.fused_loss=true")
 
 
 def check_trainer(values: dict) -> None:

@@ -16,13 +16,14 @@ Built with the project's own builders, so it measures what train.py runs:
 Variants (each in its own subprocess, so that its peak memory is its own):
   fused/online     the configured path: fused chunked loss (train.fused_loss=true), target run in the step
   fused/cached     the same, target features given in the batch (data.feature_cache)
-  unfused/online   the materialised reference: [A*g, V] logits + autograd (train.fused_loss=false)
+  unfused/online   the materialised reference: [loss rows, V] logits + autograd (train.fused_loss=false)
   dense-mask/...   (--variants) the old dense [A*g, S + A*g] attention mask instead of the packed one
 Memory: peak RSS = the process's VmHWM over the whole run; growth = that peak minus VmRSS once the target, draft
 and batch exist (VmHWM reset then through /proc/self/clear_refs): gradients, AdamW state and the steps' own peak.
 (Not per-step VmHWM - VmRSS: the allocator keeps freed warm-up memory mapped, which hides a step's peak.)
 The unfused path is skipped, with
-the reason printed, when its predicted extra memory (8 x A*g*V*4 bytes) exceeds --max-unfused-gb.
+the reason printed, when its predicted extra memory (8 x A*g*V*4 bytes, at most: only the loss rows are
+scored) exceeds --max-unfused-gb.
 
   python scripts/bench_step.py                      # the table of docs/benchmarks.md (V x anchors x dtype)
   python scripts/bench_step.py --seq 4096 16384 --vocab 4096 --anchors 512 --dtypes float32 \

@@ -23,8 +23,9 @@ gradients too (row chunk by row chunk, in a few [chunk, V] buffers allocated onc
 backward only scales them by the incoming scalar gradient: no second pass over the vocabulary.
 The teacher side (y, W) is frozen and gets no gradient.
 
-`lm_loss` dispatches (dspark.ops.backend) between the chunked torch reference here and the tilelang
-kernels (dspark.ops.kernels.fused_loss_tl) on CUDA.
+`lm_loss` is the one entry point: it dispatches (dspark.ops.backend) between the chunked torch reference here and the
+tilelang kernels (dspark.ops.kernels.fused_loss_tl) on CUDA, or, with materialise=True, runs the materialised
+computation (full [N, V] logits, autograd: `lm_loss_naive`).
 """
 from __future__ import annotations
 
@@ -249,6 +250,7 @@ def lm_loss(
     backend: str | None = None,
     teacher_w: torch.Tensor | None = None,
     teacher_cols: torch.Tensor | None = None,
+    materialise: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused DSpark LM loss (see module doc).
 
@@ -257,8 +259,12 @@ def lm_loss(
     labels [N], coef_ce / coef_l1 [N] (zero rows contribute nothing); y None: no teacher (CE only); teacher_w [Vt, H]
     + teacher_cols [V]: the teacher over its own vocabulary (a reduced draft's held-out metrics, module docstring).
     Returns (loss scalar fp32, differentiable w.r.t. x, latent, w2; ce [N]; l1 [N]; draft argmax [N];
-    teacher argmax [N]); the per-row outputs carry no gradient.
+    teacher argmax [N]); the per-row outputs carry no gradient. materialise=True: the same from full [N, V] logits
+    and autograd (`lm_loss_naive`), the reference the chunked and tilelang paths are tested against.
     """
+    if materialise:
+        return lm_loss_naive(x, y, w, latent, w2, labels, coef_ce, coef_l1, teacher_w=teacher_w,
+                             teacher_cols=teacher_cols)
     teacher = {} if teacher_w is None else {"teacher_w": teacher_w, "teacher_cols": teacher_cols}
     # the tilelang kernels take the plain form (a teacher over the draft's own rows); the others run the reference
     impl = _impl(_backend.resolve(x, backend)) if (y is not None and not teacher) else lm_loss_reference
@@ -271,13 +277,35 @@ def lm_loss(
     return loss, parts.ce, parts.l1, parts.draft_argmax, parts.teacher_argmax
 
 
-def lm_loss_naive(x, y, w, latent, w2, labels, coef_ce, coef_l1):
-    """The materialised computation (full [N, V] logits, autograd), for tests and the benchmark."""
-    d = F.linear(x.to(w.dtype), w).float()
-    if latent is not None:
-        d = d + F.linear(latent.to(w2.dtype), w2).float()
-    t = F.linear(y.to(w.dtype), w).float()
-    ce = F.cross_entropy(d, labels.long(), reduction="none")
-    l1 = (d.softmax(-1) - t.softmax(-1)).abs().sum(-1)
-    loss = (coef_ce.float() * ce).sum() + (coef_l1.float() * l1).sum()
-    return loss, ce.detach(), l1.detach(), d.argmax(-1), t.argmax(-1)
+def lm_loss_naive(x, y, w, latent, w2, labels, coef_ce, coef_l1, *, teacher_w=None, teacher_cols=None):
+    """The materialised computation: full [N, V] logits and autograd, the same contract and returns as `lm_loss`
+    (its `materialise=True`; the reference every other implementation is tested against, and the benchmark's).
+    The GEMMs run in w's dtype, the rest in float32 (float64 for float64 inputs), autocast off, as in the chunked
+    reference."""
+    check_inputs(x, y, w, latent, w2, labels, coef_ce, coef_l1, teacher_w, teacher_cols)
+    acc = _acc(w)
+    with torch.autocast(x.device.type, enabled=False):
+        d = F.linear(x.to(w.dtype), w).to(acc)  # [N, V]
+        if latent is not None:
+            d = d + F.linear(latent.to(w2.dtype), w2).to(acc)
+        ce = F.cross_entropy(d, labels.long(), reduction="none")
+        loss = (coef_ce.to(acc) * ce).sum()
+        if y is None:  # no teacher: CE only
+            l1 = torch.full_like(ce, float("nan"))
+            t_arg = torch.full_like(labels, -1, dtype=torch.long)
+        else:
+            with torch.no_grad():
+                head = w if teacher_w is None else teacher_w
+                t = F.linear(y.to(head.dtype), head).to(acc)  # [N, V] or [N, Vt]
+                t_arg = t.argmax(-1)
+                p = t.softmax(-1)
+                outside = 0.0
+                if teacher_cols is not None:  # the teacher's mass outside the draft's ids counts in full
+                    p = p.index_select(1, teacher_cols)
+                    outside = (1.0 - p.sum(-1)).clamp_min(0.0)
+            l1 = (d.softmax(-1) - p).abs().sum(-1) + outside
+            loss = loss + (coef_l1.to(acc) * l1).sum()
+    d_arg = d.detach().argmax(-1)
+    if teacher_cols is not None:
+        d_arg = teacher_cols[d_arg]  # draft ids -> teacher ids
+    return loss, ce.detach(), l1.detach(), d_arg, t_arg

@@ -17,7 +17,7 @@ from dspark.models.block_draft import block_attention_mask, packed_block_attenti
 from dspark.targets.hf_target import FrozenTarget
 from dspark.training.blocks import Blocks, build_blocks
 from dspark.training.module import DraftLightningModule, OptimConfig, is_distributed
-from dspark.training.objectives import LossWeights, draft_losses, draft_losses_fused, position_weights
+from dspark.training.objectives import LossWeights, draft_losses, position_weights
 
 
 @dataclass
@@ -32,22 +32,14 @@ class DraftRows:
 
 
 @dataclass
-class DraftOutputs:
-    logits: torch.Tensor  # [B, A, g, V] Markov-corrected draft logits (teacher-forced prev)
-    conf_logits: torch.Tensor | None  # [B, A, g]
-    hidden: torch.Tensor  # [B, A, g, H] backbone output at the prediction rows (before the Markov head)
-    blocks: Blocks
-    final: torch.Tensor  # [B, S, H]
-
-
-@dataclass
 class BlockKeys:
     """The block objective's train.* keys (their defaults: configs/config.yaml)."""
 
     decay_gamma: float = field(metadata={"doc": "position weight w_k = exp(-k / decay_gamma)",
                                          "check": lambda v: None if v > 0 else "must be > 0"})
     loss_weights: dict[str, float] = field(metadata={"doc": "{ce, l1, conf} loss weights"})
-    fused_loss: bool = field(metadata={"doc": "losses from hidden rows, no [N, V] logits"})
+    fused_loss: bool = field(metadata={"doc": "losses from hidden rows, no [N, V] logits (false: the materialised "
+                                              "reference)"})
 
 
 class BlockDraftModule(DraftLightningModule):
@@ -59,13 +51,10 @@ class BlockDraftModule(DraftLightningModule):
                  fused_loss: bool = True):
         super().__init__(draft, target, optim)
         self.decay_gamma, self.loss_weights = decay_gamma, loss_weights
-        self.fused_loss = fused_loss  # losses from hidden rows (dspark.ops.fused_loss), no [B, A, g, V] logits
+        self.fused_loss = fused_loss  # False: the loss from materialised [N, V] logits (the reference), same values
         # the block mask as its rule (PackedBlockMask: each block scores only the keys it sees); False: the dense
         # [B, A*Lb, S + A*Lb] bool mask (the reference; scripts/bench_step.py compares the two)
         self.packed_attention_mask = True
-        if getattr(draft, "reduced_vocab", False) and not fused_loss:
-            raise ConfigError("train.fused_loss=false: a reduced draft vocabulary (draft.draft_vocab_size) trains "
-                              "through the fused loss only; set train.fused_loss=true")
 
     @staticmethod
     def check_keys(train) -> None:
@@ -162,15 +151,6 @@ class BlockDraftModule(DraftLightningModule):
         h, latent, conf = self._heads(batch, blocks, h_all)
         return DraftRows(hidden=h, latent=latent, conf_logits=conf, blocks=blocks, final=final)
 
-    def draft_outputs(self, batch: dict[str, torch.Tensor]) -> DraftOutputs:
-        """The prediction rows as logits: base_logits(h) + the Markov bias [B, A, g, V]."""
-        h_all, blocks, final = self._hidden(batch)
-        h, latent, conf = self._heads(batch, blocks, h_all)
-        logits = self.draft.base_logits(h)  # [B, A, g, V]
-        if latent is not None:
-            logits = logits + self.draft.markov_head.project(latent)
-        return DraftOutputs(logits=logits, conf_logits=conf, hidden=h, blocks=blocks, final=final)
-
     def _teacher_rows(self, final: torch.Tensor, b: Blocks) -> torch.Tensor:
         """Target final hidden at the teacher positions: [B, S, H] -> [B, A, g, H]."""
         H = final.shape[-1]
@@ -178,33 +158,25 @@ class BlockDraftModule(DraftLightningModule):
         return rows.view(*b.labels.shape, H)
 
     def _losses(self, batch) -> tuple[dict[str, torch.Tensor], Blocks]:
-        """The DSpark losses (objectives.draft_losses), through the fused LM loss unless fused_loss is off (then
-        from materialised [B, A, g, V] logits; the two are tested equal)."""
+        """The block objective's losses (objectives.draft_losses) of a batch: fused, or from materialised logits when
+        fused_loss is off (the two are tested equal)."""
         flat = lambda t: None if t is None else t.flatten(0, 1)  # noqa: E731  [B, A, ...] -> [B*A, ...]
-        kw = dict(decay_gamma=self.decay_gamma, weights=self.loss_weights)
-        if self.fused_loss:
-            r = self.draft_rows(batch)
-            b = r.blocks
-            eval_mask = b.eval_mask.flatten(0, 1)  # [B*A, g]
-            head = self.draft.markov_head
-            lm_head, draft_id, full_head = self._scored_head()
-            labels = flat(b.labels) if draft_id is None else draft_id[flat(b.labels)]  # [B*A, g] draft ids
-            teacher = not self.training or self._teacher_in_training()
-            # held out, a reduced draft is measured against the target's whole distribution (true L1 / tau_prob)
-            full_teacher = None if (draft_id is None or self.training) else (full_head, self.draft.draft_to_target())
-            losses = draft_losses_fused(
-                flat(self.draft.head_input(r.hidden)), flat(self._teacher_rows(r.final, b)) if teacher else None,
-                lm_head, flat(r.latent), None if head is None else head.markov_w2.weight,
-                labels, eval_mask, flat(r.conf_logits),
-                normalizer=self._global_normalizer(eval_mask) if self.training else None,
-                teacher_head=full_teacher, **kw)
-            return losses, b
-        out = self.draft_outputs(batch)
-        b = out.blocks
-        teacher = self.target.logits_from_final(self._teacher_rows(out.final, b))  # [B, A, g, V]
+        r = self.draft_rows(batch)
+        b = r.blocks
         eval_mask = b.eval_mask.flatten(0, 1)  # [B*A, g]
-        losses = draft_losses(flat(out.logits), flat(b.labels), eval_mask, flat(teacher), flat(out.conf_logits),
-                              normalizer=self._global_normalizer(eval_mask) if self.training else None, **kw)
+        head = self.draft.markov_head
+        lm_head, draft_id, full_head = self._scored_head()
+        labels = flat(b.labels) if draft_id is None else draft_id[flat(b.labels)]  # [B*A, g] draft ids
+        teacher = not self.training or self._teacher_in_training()
+        # held out, a reduced draft is measured against the target's whole distribution (true L1 / tau_prob)
+        full_teacher = None if (draft_id is None or self.training) else (full_head, self.draft.draft_to_target())
+        losses = draft_losses(
+            flat(self.draft.head_input(r.hidden)), flat(self._teacher_rows(r.final, b)) if teacher else None,
+            lm_head, flat(r.latent), None if head is None else head.markov_w2.weight,
+            labels, eval_mask, flat(r.conf_logits),
+            decay_gamma=self.decay_gamma, weights=self.loss_weights,
+            normalizer=self._global_normalizer(eval_mask) if self.training else None,
+            teacher_head=full_teacher, materialise=not self.fused_loss)
         return losses, b
 
     def losses(self, batch) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ trainable weight). Parts:
                 3 passes; when its backward recomputes them (torch.utils.checkpoint above RECOMPUTE_BYTES) the
                 forward once more, less its last GEMM (p.v over each block's own keys): checkpoint's early stop
                 ends the recomputation once the backward has what it needs, and no backward needs that output
-  lm_head_loss  per scored row (the fused loss: valid eval rows only): draft GEMM x W[Vd, H]^T, Markov GEMM
+  lm_head_loss  per scored row (valid eval rows only, fused or materialised): draft GEMM x W[Vd, H]^T, Markov GEMM
                 latent x W2[Vd, r]^T, teacher GEMM y W[Vt, H]^T (when the step runs one), and the gradients the fused
                 loss forms in its forward: dD W, dD W2, dD^T E. Plus the draft's heads over every prediction row:
                 the gated / RNN Markov projection (3 passes) and the confidence head (3 passes when the confidence
@@ -81,7 +81,6 @@ class StepShapes:
     block_rows: int  # B x A x Lb
     pred_rows: int  # B x A x g: the rows the draft's heads run over
     loss_rows: int  # valid eval_mask rows (the loss tokens)
-    scored_rows: int  # rows the LM-head GEMMs run over (fused loss: loss_rows; materialised logits: pred_rows)
     attention_pairs: int  # (query, key) pairs scored per query head per layer, summed over the batch
     attention_own_pairs: int  # of those, the pairs of a block's queries with its own keys: B x A x Lb x Lb
     attention_recompute: bool  # the attention's backward recomputes its forward (checkpointed block groups)
@@ -123,8 +122,8 @@ def _heads_flops(d: DraftDims, s: StepShapes) -> int:
 
 
 def _lm_head_flops(d: DraftDims, s: StepShapes) -> int:
-    """The LM-head loss's GEMMs over the scored rows M (the fused loss forms the gradients in its forward)."""
-    h, r, m, vd, vt = d.hidden, d.markov_rank, s.scored_rows, s.draft_vocab, s.teacher_vocab
+    """The LM-head loss's GEMMs over the loss rows M (the fused loss forms the gradients in its forward)."""
+    h, r, m, vd, vt = d.hidden, d.markov_rank, s.loss_rows, s.draft_vocab, s.teacher_vocab
     n = 2 * m * vd * h * 2  # D = X W^T [M, H] x [H, Vd]; dX = dD W [M, Vd] x [Vd, H]
     n += 2 * m * vt * h  # teacher Y W^T [M, H] x [H, Vt] (Vt = 0: none)
     if r:
@@ -228,15 +227,12 @@ def step_shapes(module, batch: dict[str, torch.Tensor]) -> StepShapes:
     a, lb = blocks.input_ids.shape[1:]
     loss_rows = int(blocks.eval_mask.sum())
     vd, vt = module.lm_head_vocab()
-    fused = bool(module.fused_loss)
-    if not fused:  # materialised logits: every prediction row, the teacher's logits always
-        vt = int(cfg.vocab_size)
     pairs, recompute = attention_work(batch["anchors"], lb, s, cfg.sliding_window, int(cfg.num_attention_heads),
                                       packed=bool(getattr(module, "packed_attention_mask", True)))
     conf_head = getattr(module.draft, "confidence_head", None) is not None
     return StepShapes(
         context_rows=b * s, block_rows=b * a * lb, pred_rows=b * a * g, loss_rows=loss_rows,
-        scored_rows=loss_rows if fused else b * a * g, attention_pairs=pairs, attention_own_pairs=b * a * lb * lb,
+        attention_pairs=pairs, attention_own_pairs=b * a * lb * lb,
         attention_recompute=recompute,
         draft_vocab=int(vd), teacher_vocab=int(vt), conf_loss=bool(conf_head and vt and module.loss_weights.conf))
 

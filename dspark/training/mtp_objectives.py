@@ -152,7 +152,7 @@ def mtp_losses(steps: list[StepOutputs], teacher_logits: list[torch.Tensor], *, 
         if metrics:
             with torch.no_grad():
                 bi, ti = st.rows[:, 0], st.rows[:, 1]
-                l1 = (logq.exp() - logp.exp()).abs().sum(-1)  # [N_k], as objectives.l1_distance
+                l1 = (logq.exp() - logp.exp()).abs().sum(-1)  # [N_k], the block objective's L1
                 c_grid[bi, ti, k] = acceptance_targets(l1)
                 hit_grid[bi, ti, k] = st.logits.argmax(-1) == teacher.argmax(-1)
                 valid_grid[bi, ti, k] = True

@@ -35,13 +35,6 @@ def position_weights(eval_mask: torch.Tensor, decay_gamma: float | None) -> torc
     return eval_mask.float() * decay
 
 
-def l1_distance(draft_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """[N, g, V] x2 -> ||softmax(d) - softmax(t)||_1 over V, [N, g] (fp32)."""
-    q = draft_logits.float().softmax(-1)
-    p = teacher_logits.float().softmax(-1)
-    return (q - p).abs().sum(-1)
-
-
 def acceptance_targets(l1: torch.Tensor) -> torch.Tensor:
     """c*_k = clamp(1 - 0.5 * L1, 0, 1), detached. [N, g] -> [N, g]."""
     return (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
@@ -74,45 +67,6 @@ def _confidence_and_metrics(out, loss, w, denom, l1, hit, eval_mask, conf_logits
 
 
 def draft_losses(
-    draft_logits: torch.Tensor,
-    labels: torch.Tensor,
-    eval_mask: torch.Tensor,
-    teacher_logits: torch.Tensor | None,
-    conf_logits: torch.Tensor | None,
-    *,
-    decay_gamma: float | None,
-    weights: LossWeights,
-    normalizer: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """Loss parts and metrics.
-
-    draft_logits [N, g, V] (Markov-corrected for DSpark), labels [N, g], eval_mask [N, g] bool,
-    teacher_logits [N, g, V] or None (CE only), conf_logits [N, g] or None.
-    Returns {"loss", "ce", "l1", "conf", "tau_prob", "agree_count" [g], "agree_total" [g]}: top-1
-    agreement with the teacher per position is agree_count / agree_total. Loss parts that are switched
-    off (weight 0 or inputs None) are absent.
-    """
-    w = position_weights(eval_mask, decay_gamma)  # [N, g]
-    denom = (w.sum() if normalizer is None else normalizer).clamp_min(1e-8)
-    out: dict[str, torch.Tensor] = {}
-    loss = torch.zeros((), device=draft_logits.device)
-    if weights.ce:
-        ce = F.cross_entropy(draft_logits.float().flatten(0, 1), labels.flatten(), reduction="none")
-        out["ce"] = (w * ce.view_as(w)).sum() / denom
-        loss = loss + weights.ce * out["ce"]
-    if teacher_logits is not None:
-        l1 = l1_distance(draft_logits, teacher_logits)  # [N, g]
-        if weights.l1:
-            out["l1"] = (w * l1).sum() / denom
-            loss = loss + weights.l1 * out["l1"]
-        with torch.no_grad():
-            hit = draft_logits.argmax(-1) == teacher_logits.argmax(-1)  # [N, g]
-        loss = _confidence_and_metrics(out, loss, w, denom, l1, hit, eval_mask, conf_logits, weights)
-    out["loss"] = loss
-    return out
-
-
-def draft_losses_fused(
     draft_rows: torch.Tensor,
     teacher_rows: torch.Tensor,
     lm_head: torch.Tensor,
@@ -128,11 +82,12 @@ def draft_losses_fused(
     backend: str | None = None,
     chunk_rows: int | None = None,
     teacher_head: tuple[torch.Tensor, torch.Tensor] | None = None,
+    materialise: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """draft_losses computed from hidden rows by the fused LM loss (dspark.ops.fused_loss): no [N, g, V]
-    logits are ever materialised. Same returned dict and the same values as
-    draft_losses(lm_head(draft_rows) + markov_latent @ markov_w2^T, labels, eval_mask,
-    lm_head(teacher_rows), conf_logits, ...).
+    """The block objective's loss parts and metrics from hidden rows, through the one LM loss
+    (dspark.ops.fused_loss.lm_loss): fused by default, no [N, g, V] logits ever materialised; materialise=True runs
+    the same from full logits and autograd (the reference; train.fused_loss=false). The draft logits are
+    lm_head(draft_rows) + markov_latent @ markov_w2^T, the teacher's lm_head(teacher_rows).
 
     draft_rows [N, g, H] (the LM head input: the draft's normed hidden), teacher_rows [N, g, H] (target
     final hidden) or None (no teacher GEMM: CE only, no l1 / tau_prob / agreement), lm_head [V, H] (frozen; a
@@ -140,7 +95,10 @@ def draft_losses_fused(
     labels / eval_mask [N, g] (labels in the draft's ids; -1: a token outside a reduced draft's vocabulary, no CE
     there), conf_logits [N, g] or None, teacher_head (the full target head [Vt, H], the target id of every draft id
     [V]) or None: the teacher over its whole vocabulary (a reduced draft's true L1, fused_loss docstring). Only rows
-    with eval_mask set are computed. "ce" and "l1" are reported detached; "loss" carries the gradient of every part.
+    with eval_mask set are computed.
+    Returns {"loss", "ce", "l1", "conf", "tau_prob", "agree_count" [g], "agree_total" [g]}: top-1 agreement with the
+    teacher per position is agree_count / agree_total; parts switched off (weight 0 or inputs None) are absent.
+    "ce" and "l1" are reported detached; "loss" carries the gradient of every part.
     """
     from dspark.ops.fused_loss import DEFAULT_CHUNK_ROWS, lm_loss
 
@@ -159,6 +117,7 @@ def draft_losses_fused(
         None if markov_latent is None else rows(markov_latent), markov_w2,
         lab.clamp_min(0), wv * weights.ce * in_vocab, wv * weights.l1,
         backend=backend, chunk_rows=chunk_rows or DEFAULT_CHUNK_ROWS, teacher_w=tw, teacher_cols=cols,
+        materialise=materialise,
     )
     out: dict[str, torch.Tensor] = {}
     if weights.ce:

@@ -1,11 +1,11 @@
 """The chunked fused DSpark loss against the materialised computation (values and gradients), its
-autograd wrapper (gradcheck), draft_losses_fused against draft_losses, and dispatch errors."""
+autograd wrapper (gradcheck), draft_losses fused against draft_losses materialised, and dispatch errors."""
 import pytest
 import torch
 from conftest import assert_same_argmax
 
 from dspark.ops.fused_loss import lm_loss, lm_loss_naive, lm_loss_reference
-from dspark.training.objectives import LossWeights, draft_losses, draft_losses_fused
+from dspark.training.objectives import LossWeights, draft_losses
 
 
 def _case(seed=0, n=11, h=6, v=13, r=3, dtype=torch.float32, markov=True):
@@ -92,7 +92,7 @@ def test_no_grad_path_and_bad_inputs():
         lm_loss(x, y, w, e, w2, labels, a, b, backend="tilelang")
 
 
-def test_draft_losses_fused_matches_draft_losses():
+def test_draft_losses_fused_matches_materialised():
     g = torch.Generator().manual_seed(3)
     N, G, H, V, R = 5, 4, 6, 9, 3
     rows = torch.randn(N, G, H, generator=g)
@@ -108,12 +108,11 @@ def test_draft_losses_fused_matches_draft_losses():
         leaves_a = [t.clone().requires_grad_(True) for t in (rows, lat, w2, conf)]
         leaves_b = [t.clone().requires_grad_(True) for t in (rows, lat, w2, conf)]
         ra, la, wa, ca = leaves_a
-        logits = ra @ w.t() + la @ wa.t()
-        ref = draft_losses(logits, labels, mask, teach @ w.t(), ca, decay_gamma=4.0, weights=weights,
-                           normalizer=torch.tensor(3.0))
+        ref = draft_losses(ra, teach, w, la, wa, labels, mask, ca, decay_gamma=4.0, weights=weights,
+                           normalizer=torch.tensor(3.0), materialise=True)
         rb, lb, wb, cb = leaves_b
-        got = draft_losses_fused(rb, teach, w, lb, wb, labels, mask, cb, decay_gamma=4.0, weights=weights,
-                                 normalizer=torch.tensor(3.0), backend="torch", chunk_rows=3)
+        got = draft_losses(rb, teach, w, lb, wb, labels, mask, cb, decay_gamma=4.0, weights=weights,
+                           normalizer=torch.tensor(3.0), backend="torch", chunk_rows=3)
         assert set(got) == set(ref)
         for k in ref:
             torch.testing.assert_close(got[k].detach(), ref[k].detach(), atol=1e-5, rtol=1e-5, msg=k)
@@ -185,6 +184,21 @@ def test_module_fused_losses_equal_unfused(kind, markov):
         torch.testing.assert_close(p.grad, r, atol=2e-5, rtol=1e-3, msg=name)
         n_checked += 1
     assert fused_m.draft.markov_head.markov_w2.weight.grad.abs().sum() > 0 and n_checked > 5
+
+
+@pytest.mark.parametrize("kind,markov", [("v4", "vanilla"), ("v4", "gated"), ("v4", "rnn"), ("dense", "vanilla")])
+def test_the_loss_rows_are_the_drafts_logits(kind, markov):
+    """What the loss scores (head input x the scored LM-head rows + latent x markov_w2) is the logits the draft
+    drafts with (base_logits + the Markov head's bias), for every prediction row."""
+    module = _module(kind, markov, True)
+    with torch.no_grad():
+        module.draft.markov_head.markov_w2.weight.mul_(100)  # the trained size of the bias, not the init's ~1e-4
+        r = module.draft_rows(_batch())
+        draft, head = module.draft, module.draft.markov_head
+        lm_head = module._scored_head()[0]
+        scored = draft.head_input(r.hidden) @ lm_head.T + r.latent @ head.markov_w2.weight.T  # [B, A, g, V]
+        drafted = draft.base_logits(r.hidden) + head.project(r.latent)
+    torch.testing.assert_close(scored.float(), drafted.float(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("markov", ["vanilla", "gated", "rnn"])

@@ -1,6 +1,6 @@
 """Training with a reduced draft vocabulary (draft.draft_vocab_size) and without a teacher GEMM (CE-only objectives).
 
-The fused loss is checked against naive materialised computations written here from the definitions
+The one LM loss, fused and materialised, is checked against naive computations written here from the definitions
 (dspark.ops.fused_loss docstring): values and autograd gradients, on small float64 tensors.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from dspark.ops.fused_loss import lm_loss, lm_loss_reference
 
 N, H, V, R = 7, 5, 13, 3
+PATHS = pytest.mark.parametrize("materialise", [False, True], ids=["fused", "materialised"])
 
 
 def _inputs(seed=0, markov=True):
@@ -38,7 +39,8 @@ def _grads(loss, *ts):
 
 
 @pytest.mark.parametrize("markov", [True, False])
-def test_restricted_teacher_equals_naive(markov):
+@PATHS
+def test_restricted_teacher_equals_naive(markov, materialise):
     """Training form: head rows at the kept ids, teacher softmax over the same ids (renormalised)."""
     x, y, w, kept, lat, w2, a, b, labels = _inputs(markov=markov)
     d = _draft_logits(x, w, kept, lat, w2)
@@ -46,7 +48,8 @@ def test_restricted_teacher_equals_naive(markov):
     ce = F.cross_entropy(d, labels, reduction="none")
     l1 = (d.softmax(-1) - p).abs().sum(-1)
     naive = (a * ce + b * l1).sum()
-    loss, ce_f, l1_f, d_arg, t_arg = lm_loss(x, y, w[kept], lat, w2, labels, a, b, chunk_rows=3)
+    loss, ce_f, l1_f, d_arg, t_arg = lm_loss(x, y, w[kept], lat, w2, labels, a, b, chunk_rows=3,
+                                              materialise=materialise)
     torch.testing.assert_close(loss, naive)
     torch.testing.assert_close(ce_f, ce.detach())
     torch.testing.assert_close(l1_f, l1.detach())
@@ -56,7 +59,8 @@ def test_restricted_teacher_equals_naive(markov):
 
 
 @pytest.mark.parametrize("markov", [True, False])
-def test_full_teacher_is_the_true_total_variation(markov):
+@PATHS
+def test_full_teacher_is_the_true_total_variation(markov, materialise):
     """Held-out form: the draft's q is zero outside its ids; p is the target's whole distribution, so
     l1 = ||q_V - p||_1 over the full vocabulary, and the ids compared for agreement are target ids."""
     x, y, w, kept, lat, w2, a, b, labels = _inputs(seed=1, markov=markov)
@@ -67,7 +71,7 @@ def test_full_teacher_is_the_true_total_variation(markov):
     ce = F.cross_entropy(d, labels, reduction="none")
     naive = (a * ce + b * l1).sum()
     loss, ce_f, l1_f, d_arg, t_arg = lm_loss(x, y, w[kept], lat, w2, labels, a, b, chunk_rows=4,
-                                              teacher_w=w, teacher_cols=kept)
+                                              teacher_w=w, teacher_cols=kept, materialise=materialise)
     torch.testing.assert_close(loss, naive)
     torch.testing.assert_close(l1_f, l1.detach())
     assert torch.equal(d_arg, kept[d.argmax(-1)]) and torch.equal(t_arg, p.argmax(-1))
@@ -75,12 +79,14 @@ def test_full_teacher_is_the_true_total_variation(markov):
         torch.testing.assert_close(got, want)
 
 
-def test_no_teacher_is_ce_only():
+@PATHS
+def test_no_teacher_is_ce_only(materialise):
     """y = None: no teacher GEMM; the loss and gradients are the CE part alone, l1 NaN, teacher argmax -1."""
     x, y, w, kept, lat, w2, a, b, labels = _inputs(seed=2)
     d = _draft_logits(x, w, kept, lat, w2)
     naive = (a * F.cross_entropy(d, labels, reduction="none")).sum()
-    loss, ce_f, l1_f, d_arg, t_arg = lm_loss(x, None, w[kept], lat, w2, labels, a, b, chunk_rows=2)
+    loss, ce_f, l1_f, d_arg, t_arg = lm_loss(x, None, w[kept], lat, w2, labels, a, b, chunk_rows=2,
+                                              materialise=materialise)
     torch.testing.assert_close(loss, naive)
     assert torch.isnan(l1_f).all() and (t_arg == -1).all()
     for got, want in zip(_grads(loss, x, lat, w2), _grads(naive, x, lat, w2)):
@@ -96,18 +102,19 @@ def test_bad_teacher_arguments_are_refused():
                           teacher_cols=torch.tensor([0, 1, 2, 3, 4, V]))
 
 
-def test_out_of_vocabulary_labels_get_no_ce():
-    """draft_losses_fused: a label outside a reduced draft's vocabulary (-1) adds no CE; the other rows' CE is the
+@PATHS
+def test_out_of_vocabulary_labels_get_no_ce(materialise):
+    """draft_losses: a label outside a reduced draft's vocabulary (-1) adds no CE; the other rows' CE is the
     naive one, normalised over the rows that have one."""
-    from dspark.training.objectives import LossWeights, draft_losses_fused, position_weights
+    from dspark.training.objectives import LossWeights, draft_losses, position_weights
 
     x, y, w, kept, lat, w2, a, b, labels = _inputs(seed=3)
     rows = lambda t: t.detach().view(1, N, *t.shape[1:])  # noqa: E731  [N, ...] -> [1, N, ...]
     lab = labels.clone()
     lab[2] = -1
     mask = torch.ones(1, N, dtype=torch.bool)
-    out = draft_losses_fused(rows(x), None, w[kept], rows(lat), w2.detach(), lab.view(1, N), mask, None,
-                             decay_gamma=4.0, weights=LossWeights(ce=1.0, l1=0.0, conf=0.0))
+    out = draft_losses(rows(x), None, w[kept], rows(lat), w2.detach(), lab.view(1, N), mask, None,
+                       decay_gamma=4.0, weights=LossWeights(ce=1.0, l1=0.0, conf=0.0), materialise=materialise)
     wk = position_weights(mask, 4.0).view(N).double()
     ce = F.cross_entropy(_draft_logits(x, w, kept, lat, w2).detach(), labels, reduction="none")
     ok = lab >= 0
@@ -233,10 +240,9 @@ def test_the_verifier_refuses_a_vocabulary_map_that_does_not_match(tmp_path):
 
 
 @pytest.mark.parametrize("change, key", [(["draft.draft_vocab_size=4096"], "draft.draft_vocab_size"),
-                                         (["draft.draft_vocab_size=0"], "draft.draft_vocab_size"),
-                                         (["draft.draft_vocab_size=256", "train.fused_loss=false"], "train.fused_loss")])
+                                         (["draft.draft_vocab_size=0"], "draft.draft_vocab_size")])
 def test_an_unservable_vocabulary_setting_is_one_line_before_any_model_loads(tmp_path, change, key):
-    """Larger than the target's vocabulary (2048), not positive, or through the materialised loss: one ConfigError
+    """Larger than the target's vocabulary (2048) or not positive: one ConfigError
     line naming the key, from the checks that run before any model loads."""
     from conftest import compose
 
