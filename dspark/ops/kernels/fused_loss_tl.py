@@ -36,6 +36,25 @@ def lm_rows_kernel(V: int, with_grad: bool = True, grad_dtype: str = "bfloat16",
     n_tiles = (V + BV - 1) // BV
     BIG = 3.0e38
 
+    # one row's statistics from its BV per-lane ones ([1, BV] fragments -> [1]); red, tmp: scratch
+    @T.macro
+    def lanes_lse(m, z_sum, red, tmp, lse):
+        """lse = the row's log-sum-exp, from the lanes' online max m and sum-exp z_sum (relative to m)."""
+        reduce_last("max", m, red, cpu)
+        for z, i in T.Parallel(1, BV):
+            tmp[z, i] = z_sum[z, i] * fexp(m[z, i] - red[z], cpu)
+        reduce_last("sum", tmp, lse, cpu)
+        for z in T.Parallel(1):
+            lse[z] = red[z] + flog(lse[z], cpu)
+
+    @T.macro
+    def lanes_argmax(best, best_idx, red, tmp, arg):
+        """arg = the smallest index among the lanes holding the maximum best (torch's tie rule)."""
+        reduce_last("max", best, red, cpu)
+        for z, i in T.Parallel(1, BV):
+            tmp[z, i] = T.if_then_else(best[z, i] == red[z], best_idx[z, i], T.cast(V, F32))
+        reduce_last("min", tmp, arg, cpu)
+
     @T.prim_func
     def lm_rows(D: T.Tensor((NR, V), F32), TL: T.Tensor((NR, V), F32), LAB: T.Tensor((NR,), I32),
                 A: T.Tensor((NR,), F32), B: T.Tensor((NR,), F32),
@@ -86,27 +105,10 @@ def lm_rows_kernel(V: int, with_grad: bool = True, grad_dtype: str = "bfloat16",
                         bd[z, i] = T.max(bd[z, i], d)
                         bti[z, i] = T.if_then_else(t > bt[z, i], T.cast(v, F32), bti[z, i])
                         bt[z, i] = T.max(bt[z, i], t)
-            reduce_last("max", md, red, cpu)
-            for z, i in T.Parallel(1, BV):
-                tmp[z, i] = zd[z, i] * fexp(md[z, i] - red[z], cpu)
-            reduce_last("sum", tmp, lse_d, cpu)
-            for z in T.Parallel(1):
-                lse_d[z] = red[z] + flog(lse_d[z], cpu)
-            reduce_last("max", mt, red, cpu)
-            for z, i in T.Parallel(1, BV):
-                tmp[z, i] = zt[z, i] * fexp(mt[z, i] - red[z], cpu)
-            reduce_last("sum", tmp, lse_t, cpu)
-            for z in T.Parallel(1):
-                lse_t[z] = red[z] + flog(lse_t[z], cpu)
-            # argmax: the smallest index among the lanes holding the maximum (torch's tie rule)
-            reduce_last("max", bd, red, cpu)
-            for z, i in T.Parallel(1, BV):
-                tmp[z, i] = T.if_then_else(bd[z, i] == red[z], bdi[z, i], T.cast(V, F32))
-            reduce_last("min", tmp, arg_d, cpu)
-            reduce_last("max", bt, red, cpu)
-            for z, i in T.Parallel(1, BV):
-                tmp[z, i] = T.if_then_else(bt[z, i] == red[z], bti[z, i], T.cast(V, F32))
-            reduce_last("min", tmp, arg_t, cpu)
+            lanes_lse(md, zd, red, tmp, lse_d)
+            lanes_lse(mt, zt, red, tmp, lse_t)
+            lanes_argmax(bd, bdi, red, tmp, arg_d)
+            lanes_argmax(bt, bti, red, tmp, arg_t)
             # pass 2: L1 and c = sum q sign(q - p)
             for z, i in T.Parallel(1, BV):
                 zd[z, i] = 0.0
