@@ -29,7 +29,7 @@ def build_target(cfg: DictConfig, dataset=None) -> FrozenTarget:
     from dspark.data.feature_cache_build import target_loading
 
     layer_ids = [int(i) for i in (cfg.draft.get("target_layer_ids") or [])]
-    folder, dtype, aux = target_folder(cfg), str(cfg.target.dtype), bool(layer_ids)
+    folder, dtype, aux = target_folder(cfg.target), str(cfg.target.dtype), bool(layer_ids)
     loading = target_loading(cfg, dataset)
     if loading.head_only:
         also = partial(registry.init_reads, cfg.draft) if loading.init_reads else None
@@ -106,7 +106,7 @@ def build_datamodule(cfg: DictConfig, tokenizer, dataset=None, target: FrozenTar
     from dspark.data.feature_cache_build import cache_wanted, prepare_feature_cache, stream_wanted
     from dspark.training.data_module import ChatDataModule, held_out_count
 
-    if cache_wanted(cfg) and target is None:
+    if cache_wanted(cfg.data) and target is None:
         raise ValueError("build_datamodule: data.feature_cache needs the target (pass target=)")
     tr = cfg.train
     dataset = dataset if dataset is not None else build_dataset(cfg.data, tokenizer)
@@ -115,7 +115,7 @@ def build_datamodule(cfg: DictConfig, tokenizer, dataset=None, target: FrozenTar
     val = held_out_count(cfg.data.val_examples, len(dataset))  # auto -> its count (run.choose_held_out says it)
     # streamed: the first pass follows the producer's shards (whether or not the cache is complete by now)
     groups = feature_stream.first_pass_groups(len(dataset), val, feature_stream.SHARD_SIZE) \
-        if stream_wanted(cfg) else None
+        if stream_wanted(cfg.data) else None
     return ChatDataModule(
         dataset, pad_id=int(pad), batch_size=int(tr.batch_size), num_anchors=int(tr.num_anchors),
         total_batches=int(cfg.trainer.max_steps) * int(cfg.trainer.accumulate_grad_batches),

@@ -95,10 +95,10 @@ def check_data(values: dict) -> None:
             "final hidden of every context position: use teacher_rows=all, context_rows=all")
 
 
-def _target_hf_config(cfg: DictConfig):
+def _target_hf_config(target: DictConfig):
     """The target's HF config from its local folder (no weights), or None when the target is not a local
     folder (a Hub id: the loader decides)."""
-    folder = target_folder(cfg)
+    folder = target_folder(target)
     if not Path(folder).is_dir():
         local = folder.startswith(("/", ".", "~")) or Path(folder).exists()
         require(not local, "target.path", f"{folder!r} is not a folder")
@@ -117,12 +117,12 @@ def _target_hf_config(cfg: DictConfig):
         raise ConfigError(f"target.path: {folder!r} holds no readable config.json ({e})") from e
 
 
-def _tokenizer(cfg: DictConfig):
+def _tokenizer(target: DictConfig):
     """The target folder's tokenizer (no weights): a null draft.mask_token_id is its <|mask|> token."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(target_folder(cfg), local_files_only=True)
+        return AutoTokenizer.from_pretrained(target_folder(target), local_files_only=True)
     except (OSError, ValueError):
         return None
 
@@ -132,10 +132,10 @@ def check_draft(cfg: DictConfig) -> dict | None:
     taps inside the target, hidden size, mask token, the family's own rules. -> the resolved draft group (as
     draft/draft_config.json and the checkpoints hold it), None for a target this check cannot read (a Hub id)."""
     registry.check_init_from_target(cfg.draft)
-    hf_config = _target_hf_config(cfg)
+    hf_config = _target_hf_config(cfg.target)
     if hf_config is None:
         return None
-    tokenizer = _tokenizer(cfg) if cfg.draft.get("mask_token_id", 0) is None else None
+    tokenizer = _tokenizer(cfg.target) if cfg.draft.get("mask_token_id", 0) is None else None
     config = registry.build_config(cfg.draft, hf_config, tokenizer)
     return registry.resolved_group(config, str(cfg.draft.kind), cfg.draft)
 

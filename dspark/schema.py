@@ -225,6 +225,7 @@ RUN_GROUPS = ("train", "data", "target", "draft", "trainer", "callbacks", "logge
 
 @dataclass
 class EvalKeys:
+    target: TargetKeys = field(metadata=doc("the target group (target=...)"))
     run_dir: Optional[str] = field(metadata=doc("training run dir with draft/"))
     draft_ckpt: Optional[str] = field(metadata=doc("OR a Lightning .ckpt"))
     draft_config: Optional[str] = field(metadata=doc("explicit draft_config.json / config.yaml"))
@@ -371,15 +372,23 @@ def check_run_keys(cfg, overrides: Iterable[str] = ()) -> dict:
 
 
 def check_eval_keys(cfg, schema: type = EvalKeys) -> dict:
-    """Every key of an eval.py / serve_check config (target group included)."""
+    """Every key of an eval.py / serve_check config (target group included); returns the plain values."""
     values = plain(cfg)
-    valid = set(keys_of(schema)) | {"target"}
-    for key in values:
-        if key not in valid:
-            raise unknown_key_error("", str(key), valid)
-    check_section(schema, {k: v for k, v in values.items() if k != "target"}, "")
-    check_section(TargetKeys, values.get("target") or {}, "target")
+    check_section(schema, values, "")
     return values
+
+
+def typed(schema: type, values: Mapping[str, Any]):
+    """The schema's dataclass holding checked plain values, nested groups as their own dataclasses."""
+    hints = typing.get_type_hints(schema)
+    return schema(**{f.name: typed(hints[f.name], values[f.name]) if dataclasses.is_dataclass(hints[f.name])
+                     else values[f.name] for f in dataclasses.fields(schema)})
+
+
+def eval_config(cfg, schema: type = EvalKeys):
+    """The typed config of eval.py (EvalKeys) or serve_check (ServeCheckKeys), built once from Hydra's DictConfig
+    after every key is checked; what the evaluation reads, by attribute (cfg.num_prompts, cfg.target.kind)."""
+    return cfg if isinstance(cfg, schema) else typed(schema, check_eval_keys(cfg, schema))
 
 
 def describe(schema: type, prefix: str) -> list[tuple[str, str]]:

@@ -26,6 +26,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from dspark.errors import ConfigError  # noqa: E402
+from dspark.schema import ServeCheckKeys, eval_config  # noqa: E402
 
 log = logging.getLogger("dspark.serve_check")
 def served_as(export_dir: Path) -> tuple[str, bool]:
@@ -44,7 +45,7 @@ def served_as(export_dir: Path) -> tuple[str, bool]:
     return adapter.draft_config(config).vllm_method, adapter.vllm_reads_merged
 
 
-def export_run(cfg: DictConfig, run_dir: Path, kind: str, target_dir: str, out: Path) -> Path:
+def export_run(cfg: ServeCheckKeys, run_dir: Path, kind: str, target_dir: str, out: Path) -> Path:
     """The run's draft exported in float32 through the export CLI, as a user would: dense drafts as a draft
     folder; DeepSeek-V4 DSpark and MTP drafts merged into a copy of the target (how vLLM loads them)."""
     from dspark.export.__main__ import main as export_main
@@ -54,7 +55,7 @@ def export_run(cfg: DictConfig, run_dir: Path, kind: str, target_dir: str, out: 
     adapter = primary_adapter(kind)
     fmt = adapter.cli
     args = [fmt, "--run-dir", str(run_dir), "--target", str(cfg.target.kind), "--out", str(out), "--dtype", "float32"]
-    if cfg.target.get("path"):
+    if cfg.target.path:
         args += ["--target-path", str(cfg.target.path)]
     if adapter.vllm_reads_merged:
         args += ["--merge-into", str(target_dir)]
@@ -64,7 +65,7 @@ def export_run(cfg: DictConfig, run_dir: Path, kind: str, target_dir: str, out: 
     return out
 
 
-def project_decode(cfg: DictConfig, target, draft, draft_group, convs: list[list[str]]):
+def project_decode(cfg: ServeCheckKeys, target, draft, draft_group, convs: list[list[str]]):
     """eval.py's decoding of one benchmark's conversations -> (parity.Request list in vLLM order, eval.py's
     report, gamma, eos ids)."""
     from dspark.evaluation import run_eval as ev
@@ -75,7 +76,7 @@ def project_decode(cfg: DictConfig, target, draft, draft_group, convs: list[list
     default_g = getattr(dcfg, "block_size", None) or getattr(dcfg, "num_steps", None)  # MTP: num_steps
     g = int(cfg.num_drafts) if cfg.num_drafts is not None else int(default_g)
     temperature, eos, max_new = float(cfg.temperature), ev.eos_ids(cfg, target), int(cfg.max_new_tokens)
-    sample = str(cfg.get("draft_sample_method", "greedy"))  # eval.yaml: vLLM's draft_sample_method
+    sample = cfg.draft_sample_method  # eval.yaml: vLLM's draft_sample_method
     prompts_seen: list[list[int]] = []
 
     def spec_decode(prompts, gens):
@@ -100,7 +101,7 @@ def project_decode(cfg: DictConfig, target, draft, draft_group, convs: list[list
     return requests, report, g, eos
 
 
-def run_serve_check(cfg: DictConfig, target_from_run: bool = False) -> dict:
+def run_serve_check(cfg: DictConfig | ServeCheckKeys, target_from_run: bool = False) -> dict:
     """Both engines on every benchmark; writes and returns the report (module docstring). target_from_run: against
     the target the run recorded (draft/target.json), as eval.py does when the command line names no target."""
     from dspark.evaluation import run_eval as ev
@@ -109,11 +110,9 @@ def run_serve_check(cfg: DictConfig, target_from_run: bool = False) -> dict:
     from dspark.serving.parity import compare
     from dspark.targets.source import target_folder
 
-    from dspark.schema import ServeCheckKeys, check_eval_keys
-
-    check_eval_keys(cfg, ServeCheckKeys)
+    cfg = eval_config(cfg, ServeCheckKeys)  # the typed config, every key checked
     ev._validate(cfg)
-    vllm_python(cfg.get("vllm_python"))  # fail before any decoding when vLLM is missing
+    vllm_python(cfg.vllm_python)  # fail before any decoding when vLLM is missing
     source = ev.draft_source(cfg)
     if target_from_run:
         cfg = ev.with_run_target(cfg, source[2])
@@ -124,12 +123,12 @@ def run_serve_check(cfg: DictConfig, target_from_run: bool = False) -> dict:
                     cfg.target.dtype)
     benchmarks = ev.read_benchmarks(cfg)  # checked before any model loads
     target, draft, draft_group, weights, run_dir = ev.build(cfg, source)
-    tpath = target_folder(cfg)
+    tpath = target_folder(cfg.target)
     out_dir = ev.resolve_path(cfg.out) if cfg.out else run_dir / "serve_check"
-    export_dir = (ev.resolve_path(cfg.export) if cfg.get("export")
+    export_dir = (ev.resolve_path(cfg.export) if cfg.export
                   else export_run(cfg, run_dir, str(draft_group.kind), tpath, out_dir / "export"))
     served_method, merged = served_as(export_dir)
-    method = cfg.get("method") or served_method
+    method = cfg.method or served_method
     # a merged export is a target copy: vLLM serves it as the target and reads the draft from it
     vllm_target, vllm_draft = (str(export_dir), None) if merged else (tpath, str(export_dir))
 
@@ -140,13 +139,13 @@ def run_serve_check(cfg: DictConfig, target_from_run: bool = False) -> dict:
         decoded[name] = (requests, report, time.perf_counter() - t0)
         log.info("%s: eval.py AL %s (%d requests)", name, report["mean_acceptance_length"], len(requests))
     longest = max(len(r.prompt_ids) for reqs, _, _ in decoded.values() for r in reqs)
-    max_len = int(cfg.get("max_model_len") or (longest + int(cfg.max_new_tokens) + g + 16))
+    max_len = int(cfg.max_model_len or (longest + int(cfg.max_new_tokens) + g + 16))
     del target, draft
 
     vllm = serve_with_vllm(cfg, decoded, vllm_target=vllm_target, vllm_draft=vllm_draft, plain_target=tpath,
                            method=method, gamma=g, eos=eos, max_len=max_len, export_dir=export_dir, out_dir=out_dir)
     reports = {}
-    tol, z_max = float(cfg.get("al_tolerance", 0.02)), float(cfg.get("al_z_max", 3.0))
+    tol, z_max = cfg.al_tolerance, cfg.al_z_max
     for name, (requests, eval_report, eval_s) in decoded.items():
         r = vllm["runs"][name]
         if "spec" not in r:  # vLLM refused to serve it: the eval side alone, the refusal in the summary
@@ -157,7 +156,7 @@ def run_serve_check(cfg: DictConfig, target_from_run: bool = False) -> dict:
             rep["vllm_greedy_drafts"] = compare(requests, r["spec_greedy_drafts"].requests(),
                                                 r["spec_greedy_drafts"].counters, temperature, tol, z_max)["vllm"]
         rep.update(benchmark=name, gamma=g, max_new_tokens=int(cfg.max_new_tokens), method=method,
-                   draft_sample_method=str(cfg.get("draft_sample_method", "greedy")) if temperature > 0 else None,
+                   draft_sample_method=cfg.draft_sample_method if temperature > 0 else None,
                    export=str(export_dir), draft_weights=str(weights), eval_report=eval_report,
                    seconds={"eval_py_spec_and_plain": eval_s, "vllm_spec": r["spec"].seconds,
                             "vllm_plain": r["plain"].seconds if "plain" in r else None})
@@ -183,8 +182,8 @@ def _check_note(draft_group) -> str | None:
     return primary_adapter(str(draft_group.kind)).check_note(draft_group)
 
 
-def serve_with_vllm(cfg, decoded: dict, *, vllm_target: str, vllm_draft: str | None, plain_target: str, method: str,
-                    gamma: int, eos: list[int], max_len: int, export_dir: Path, out_dir: Path) -> dict:
+def serve_with_vllm(cfg: ServeCheckKeys, decoded: dict, *, vllm_target: str, vllm_draft: str | None, plain_target: str,
+                    method: str, gamma: int, eos: list[int], max_len: int, export_dir: Path, out_dir: Path) -> dict:
     """Load audit, then the draft served (and, at T=0, the plain target) on every benchmark's prompt ids.
     A refusal by vLLM (load or serve) is recorded, not raised: it is the result of the check."""
     from dspark.serving.audit import describe, judge
@@ -193,7 +192,7 @@ def serve_with_vllm(cfg, decoded: dict, *, vllm_target: str, vllm_draft: str | N
 
     temperature = float(cfg.temperature)
     out = {"runs": {name: {} for name in decoded}, "engine": {}, "serve_error": None, "versions": None}
-    with VLLMWorker(cfg.get("vllm_python"), log_path=out_dir / "vllm_worker.log") as w:
+    with VLLMWorker(cfg.vllm_python, log_path=out_dir / "vllm_worker.log") as w:
         try:  # vLLM's own draft class and load_weights on the export, before serving it
             out["load"] = judge(w.load_check(target=vllm_target, draft=vllm_draft, method=method,
                                              num_speculative_tokens=gamma, max_model_len=max_len,
@@ -203,22 +202,22 @@ def serve_with_vllm(cfg, decoded: dict, *, vllm_target: str, vllm_draft: str | N
             out["load"] = {"ok": False, "error": str(exc), "class": None}
         log.info("vLLM load audit: %s", out["load"].get("error") or describe(out["load"]))
         spec = dict(draft=vllm_draft, method=method, num_speculative_tokens=gamma)
-        sample = str(cfg.get("draft_sample_method", "greedy"))
+        sample = cfg.draft_sample_method
         # at T > 0 both engines draft the same way (eval.yaml draft_sample_method = vLLM's: greedy = argmax drafts
         # accepted with probability p(y), vLLM's default; probabilistic = drafts sampled from q, min(1, p/q));
         # with probabilistic, vLLM's default is served as well and its AL reported beside
         configs = [("spec", vllm_target, {**spec, "speculative_extra": {"draft_sample_method": sample}}
                     if temperature > 0 else spec)]
-        if cfg.get("vllm_plain", True) and temperature == 0:
+        if cfg.vllm_plain and temperature == 0:
             configs.append(("plain", plain_target, {}))
-        if temperature > 0 and sample != "greedy" and cfg.get("vllm_default_drafting", True):
+        if temperature > 0 and sample != "greedy" and cfg.vllm_default_drafting:
             configs.append(("spec_greedy_drafts", vllm_target,
                             {**spec, "speculative_extra": {"draft_sample_method": "greedy"}}))
         for label, target, extra in configs:
             try:
                 info = w.init(target=target, dtype="float32", max_model_len=max_len, seed=int(cfg.seed),
-                              kv_cache_gib=int(cfg.get("kv_cache_gib", 1)),
-                              fix_cpu_float_expand=bool(cfg.get("vllm_fix_cpu_float_expand", False)), **extra)
+                              kv_cache_gib=cfg.kv_cache_gib, fix_cpu_float_expand=cfg.vllm_fix_cpu_float_expand,
+                              **extra)
             except VLLMWorkerError as exc:
                 out["serve_error"] = str(exc)
                 log.error("vLLM refused to serve it: %s", exc)
@@ -271,7 +270,7 @@ def main(cfg: DictConfig) -> None:
     quiet_console()
     with one_line_errors("serve_check"):  # the run's own target unless the command line names one (as eval.py)
         summary = run_serve_check(cfg, target_from_run=not target_given(HydraConfig.get().overrides.task))
-    if cfg.get("strict") and not summary["parity"]:
+    if cfg.strict and not summary["parity"]:
         sys.exit(1)
 
 

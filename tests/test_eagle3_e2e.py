@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO, compose, compose_eval as _eval_cfg
 from dspark.errors import ConfigError
+from dspark.schema import eval_config
 from dspark.training.run import run_training
 
 # the experiment's own keys, shortened: 6 steps, held-out validation at 3 and 6, a checkpoint every step
@@ -70,8 +71,8 @@ def test_train_eval_export_verify_and_import_back(run, tmp_path):
     from conftest import tiny_chat_bench
 
     bench = tiny_chat_bench(tmp_path)
-    cfg = ev.with_run_target(_eval_cfg(f"run_dir={run}", f"data_dir={bench}", "benchmarks=[chat]",
-                                       "max_new_tokens=24", "plots=false", "confidence=false"), run)
+    cfg = ev.with_run_target(eval_config(_eval_cfg(f"run_dir={run}", f"data_dir={bench}", "benchmarks=[chat]",
+                                                   "max_new_tokens=24", "plots=false", "confidence=false")), run)
     assert cfg.target.kind == "tiny_llama"
     r = ev.run_eval(cfg)["chat"]
     assert r["draft_kind"] == "eagle3" and r["gamma"] == 3 and len(r["per_position_rate"]) == 3

@@ -17,6 +17,7 @@ import pytest
 from conftest import REPO, TINY_RUN, compose, compose_eval as _eval_cfg
 from dspark import factory
 from dspark.evaluation import run_eval as ev
+from dspark.schema import eval_config
 
 
 def _cli(args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
@@ -94,9 +95,9 @@ def test_the_run_target_comes_from_its_records(tmp_path):
     assert ev.recorded_target(hub) == {"kind": "hf", "path": "Org/model", "dtype": "bfloat16"}
     full = _record(tmp_path / "full", "hf", "/models/m", {"kind": "hf", "path": "/models/m", "dtype": "float16"})
     assert ev.recorded_target(full)["dtype"] == "float16"  # the run's own config, when it agrees with target.json
-    cfg = ev.with_run_target(_eval_cfg(f"run_dir={hy}"), hy)
+    cfg = ev.with_run_target(eval_config(_eval_cfg(f"run_dir={hy}")), hy)
     assert cfg.target.kind == "tiny_hy_v4" and cfg.target.dtype == "float32"
-    assert ev.with_run_target(_eval_cfg("run_dir=x"), tmp_path / "no_records").target.kind == "tiny_v4"
+    assert ev.with_run_target(eval_config(_eval_cfg("run_dir=x")), tmp_path / "no_records").target.kind == "tiny_v4"
 
 
 def _serve_check_cfg(*overrides):

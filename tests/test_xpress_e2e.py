@@ -9,6 +9,7 @@ import json
 import torch
 
 from conftest import compose, compose_eval as _eval_cfg
+from dspark.schema import eval_config
 from dspark.training.run import run_training
 
 
@@ -28,8 +29,8 @@ def test_train_eval_export_verify_and_import_back(tmp_path):
     from conftest import tiny_chat_bench
 
     bench = tiny_chat_bench(tmp_path)
-    cfg = ev.with_run_target(_eval_cfg(f"run_dir={run}", f"data_dir={bench}", "benchmarks=[chat]",
-                                       "max_new_tokens=24", "plots=false", "confidence=false"), run)
+    cfg = ev.with_run_target(eval_config(_eval_cfg(f"run_dir={run}", f"data_dir={bench}", "benchmarks=[chat]",
+                                                   "max_new_tokens=24", "plots=false", "confidence=false")), run)
     r = ev.run_eval(cfg)["chat"]
     assert r["draft_kind"] == "xpress" and r["gamma"] == 4
     assert r["num_requests"] == 3 and r["greedy_outputs_equal_target"] == "3/3"

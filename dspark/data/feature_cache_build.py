@@ -23,29 +23,30 @@ from dspark.targets.source import local_model_folder, target_folder
 log = logging.getLogger("dspark.feature_cache")
 
 
-def cache_wanted(cfg: DictConfig) -> bool:
-    return cfg.data.feature_cache not in (None, "", False)
+def cache_wanted(data: DictConfig) -> bool:
+    """Whether the data section asks for an offline feature cache (data.feature_cache set)."""
+    return data.feature_cache not in (None, "", False)
 
 
-def stream_wanted(cfg: DictConfig) -> bool:
+def stream_wanted(data: DictConfig) -> bool:
     """data.feature_stream: training reads the cache while a child process writes it (dspark.data.feature_stream)."""
-    return cache_wanted(cfg) and bool(cfg.data.get("feature_stream", False))
+    return cache_wanted(data) and bool(data.feature_stream)
 
 
-def cache_layout(cfg: DictConfig):
+def cache_layout(data: DictConfig):
     """data.feature_cache_layout -> CacheLayout (encoding, teacher_rows, context_rows)."""
     from dspark.data.feature_cache import CacheLayout
 
     try:
-        return CacheLayout.from_dict(OmegaConf.to_container(cfg.data.feature_cache_layout, resolve=True))
+        return CacheLayout.from_dict(OmegaConf.to_container(data.feature_cache_layout, resolve=True))
     except ValueError as e:
         raise ConfigError(f"data.feature_cache_layout: {e}") from e
 
 
-def cache_dtype(cfg: DictConfig) -> torch.dtype:
+def cache_dtype(data: DictConfig) -> torch.dtype:
     from dspark.data.feature_cache import CACHE_DTYPES
 
-    return CACHE_DTYPES[str(cfg.data.feature_cache_dtype)]
+    return CACHE_DTYPES[str(data.feature_cache_dtype)]
 
 
 def target_cache_identity(target) -> dict:
@@ -56,23 +57,24 @@ def target_cache_identity(target) -> dict:
     return target.cache_identity if isinstance(target, HeadOnlyTarget) else target_identity(target)
 
 
-def feature_cache_dir(cfg: DictConfig, target, dataset, identity: dict | None = None) -> Path | None:
+def feature_cache_dir(data: DictConfig, target, dataset, identity: dict | None = None) -> Path | None:
     """data.feature_cache: null -> None; auto -> <DSPARK_CACHE or ~/.cache/dspark>/features/<key> (key from `identity`,
     default: the target's); else a folder."""
     from dspark.data.feature_cache import cache_key, dataset_fingerprint
 
-    if not cache_wanted(cfg):
+    if not cache_wanted(data):
         return None
-    if str(cfg.data.feature_cache) != "auto":
-        return Path(str(cfg.data.feature_cache)).expanduser()
+    if str(data.feature_cache) != "auto":  # a named folder: no identity needed (no target may be at hand)
+        return Path(str(data.feature_cache)).expanduser()
     ident = identity if identity is not None else target_cache_identity(target)
-    return cache_dir_for_key(cfg, cache_key(ident, dataset_fingerprint(dataset), cache_dtype(cfg), cache_layout(cfg)))
+    key = cache_key(ident, dataset_fingerprint(dataset), cache_dtype(data), cache_layout(data))
+    return cache_dir_for_key(data, key)
 
 
-def cache_dir_for_key(cfg: DictConfig, key: str) -> Path:
+def cache_dir_for_key(data: DictConfig, key: str) -> Path:
     """data.feature_cache's folder for a cache named `key`: auto -> <DSPARK_CACHE or ~/.cache/dspark>/features/<key>."""
-    if str(cfg.data.feature_cache) != "auto":
-        return Path(str(cfg.data.feature_cache)).expanduser()
+    if str(data.feature_cache) != "auto":
+        return Path(str(data.feature_cache)).expanduser()
     from dspark.data.dataset import default_cache_dir
 
     return default_cache_dir() / "features" / key
@@ -84,7 +86,7 @@ def rows_before_target(cfg: DictConfig, dataset_builder):
     them."""
     from dspark.targets.hf_target import load_target_tokenizer, resolve_target_source
 
-    return dataset_builder(cfg.data, load_target_tokenizer(resolve_target_source(target_folder(cfg))))
+    return dataset_builder(cfg.data, load_target_tokenizer(resolve_target_source(target_folder(cfg.target))))
 
 
 @dataclass(frozen=True)
@@ -103,25 +105,25 @@ def plan_feature_cache(cfg: DictConfig, dataset) -> CachePlan | None:
     target / rows / dtype / layout is refused now (ConfigError naming each difference), before any model loads. A
     checkpoint whose identity cannot be computed without loading it gives `hit=False` (the whole target loads and
     prepare_feature_cache decides, as before). None when data.feature_cache is null."""
-    if not cache_wanted(cfg):
+    if not cache_wanted(cfg.data):
         return None
     from dspark.data.feature_cache import META_NAME, FeatureCache, dataset_fingerprint
     from dspark.targets.checkpoint import checkpoint_identity
     from dspark.targets.hf_target import resolve_target_source
 
     layer_ids = [int(i) for i in (cfg.draft.get("target_layer_ids") or [])]
-    source = resolve_target_source(target_folder(cfg))
+    source = resolve_target_source(target_folder(cfg.target))
     try:
         ident = checkpoint_identity(local_model_folder(source), layer_ids, str(cfg.target.dtype), name_or_path=source)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # not in the HF cache yet, .bin files, unmapped names
         log.info("feature cache: whether it is complete cannot be told from the checkpoint files (%s); the whole "
                  "target loads", e)
         return CachePlan(None, None, False)
-    path = feature_cache_dir(cfg, None, dataset, identity=ident)
+    path = feature_cache_dir(cfg.data, None, dataset, identity=ident)
     if not (path / META_NAME).is_file():
         return CachePlan(path, ident, False)
     try:
-        FeatureCache(path)._check(ident, dataset_fingerprint(dataset), cache_dtype(cfg), cache_layout(cfg))
+        FeatureCache(path)._check(ident, dataset_fingerprint(dataset), cache_dtype(cfg.data), cache_layout(cfg.data))
     except ValueError as e:
         raise ConfigError(f"data.feature_cache: {e}") from e
     return CachePlan(path, ident, True)
@@ -151,7 +153,7 @@ def target_loading(cfg: DictConfig, dataset) -> TargetLoading:
     from dspark.models import registry
 
     plan = plan_feature_cache(cfg, dataset) if dataset is not None else None
-    streamed = plan is not None and not plan.hit and stream_wanted(cfg)
+    streamed = plan is not None and not plan.hit and stream_wanted(cfg.data)
     if streamed and plan.identity is None:
         raise ConfigError("data.feature_stream: the target's cache identity cannot be computed from its checkpoint "
                           "files (logged above), so this process cannot check the shards a producer writes; set "
@@ -194,9 +196,9 @@ def _wait_for_meta(path: Path, poll_s: float = 2.0) -> None:
         polls += 1
 
 
-def vllm_producer_settings(cfg: DictConfig) -> dict:
+def vllm_producer_settings(data: DictConfig) -> dict:
     """data.vllm_producer -> build_feature_cache_vllm's engine keywords."""
-    opts = cfg.data.vllm_producer
+    opts = data.vllm_producer
     return {"batch_size": int(opts.batch_size), "tensor_parallel_size": int(opts.tensor_parallel_size),
             "python": opts.python, "kv_cache_gib": int(opts.kv_cache_gib)}
 
@@ -208,8 +210,8 @@ def _build_with_vllm(cfg: DictConfig, target, dataset, path: Path, layout) -> Pa
     name_or_path = str(getattr(target.model.config, "_name_or_path", "") or "")
     return build_feature_cache_vllm(
         local_model_folder(name_or_path), list(target.layer_ids), dataset, path,
-        target_dtype=str(target.embed_weight.dtype).removeprefix("torch."), dtype=cache_dtype(cfg),
-        name_or_path=name_or_path, layout=layout, **vllm_producer_settings(cfg))
+        target_dtype=str(target.embed_weight.dtype).removeprefix("torch."), dtype=cache_dtype(cfg.data),
+        name_or_path=name_or_path, layout=layout, **vllm_producer_settings(cfg.data))
 
 
 def build_feature_cache_offline(cfg: DictConfig, dataset_builder, shard_size: int | None = None) -> Path:
@@ -222,23 +224,23 @@ def build_feature_cache_offline(cfg: DictConfig, dataset_builder, shard_size: in
     from dspark.targets.checkpoint import checkpoint_identity
     from dspark.targets.hf_target import resolve_target_source
 
-    if not cache_wanted(cfg):
+    if not cache_wanted(cfg.data):
         raise ConfigError("data.feature_cache: set it (auto or a folder): there is no cache to build")
     if str(cfg.data.feature_producer) != "vllm":
         raise ConfigError("data.feature_producer: building a cache without training is for the vllm producer "
                           "(the hf producer builds it in train.py)")
-    source = resolve_target_source(target_folder(cfg))
+    source = resolve_target_source(target_folder(cfg.target))
     folder = local_model_folder(source)
     layer_ids = [int(i) for i in (cfg.draft.get("target_layer_ids") or [])]
-    dtype, layout = cache_dtype(cfg), cache_layout(cfg)
+    dtype, layout = cache_dtype(cfg.data), cache_layout(cfg.data)
     dataset = rows_before_target(cfg, dataset_builder)
     ident = None
     if str(cfg.data.feature_cache) == "auto":
         ident = checkpoint_identity(folder, layer_ids, str(cfg.target.dtype), name_or_path=source)
-    path = feature_cache_dir(cfg, None, dataset, identity=ident)
+    path = feature_cache_dir(cfg.data, None, dataset, identity=ident)
     return build_feature_cache_vllm(folder, layer_ids, dataset, path, target_dtype=str(cfg.target.dtype), dtype=dtype,
                                     name_or_path=source, layout=layout, shard_size=shard_size or SHARD_SIZE,
-                                    **vllm_producer_settings(cfg))
+                                    **vllm_producer_settings(cfg.data))
 
 
 def produce_feature_cache(cfg: DictConfig, dataset_builder, shard_size: int) -> Path:
@@ -251,11 +253,11 @@ def produce_feature_cache(cfg: DictConfig, dataset_builder, shard_size: int) -> 
         return build_feature_cache_offline(cfg, dataset_builder, shard_size=shard_size)
     dataset = rows_before_target(cfg, dataset_builder)
     layer_ids = [int(i) for i in (cfg.draft.get("target_layer_ids") or [])]
-    target = load_hf_target(target_folder(cfg), layer_ids, str(cfg.target.dtype), require_aux=bool(layer_ids))
+    target = load_hf_target(target_folder(cfg.target), layer_ids, str(cfg.target.dtype), require_aux=bool(layer_ids))
     target.to(_build_device(cfg, target))
-    return build_feature_cache(target, dataset, feature_cache_dir(cfg, target, dataset),
-                               batch_size=int(cfg.train.val_batch_size), dtype=cache_dtype(cfg),
-                               layout=cache_layout(cfg), shard_size=shard_size)
+    return build_feature_cache(target, dataset, feature_cache_dir(cfg.data, target, dataset),
+                               batch_size=int(cfg.train.val_batch_size), dtype=cache_dtype(cfg.data),
+                               layout=cache_layout(cfg.data), shard_size=shard_size)
 
 
 def start_feature_stream(cfg: DictConfig, target, dataset):
@@ -265,9 +267,9 @@ def start_feature_stream(cfg: DictConfig, target, dataset):
     from dspark.data import feature_stream as fs
     from dspark.data.feature_cache import PROGRESS_NAME, cache_key, dataset_fingerprint
 
-    layout, dtype, shard_size = cache_layout(cfg), cache_dtype(cfg), int(fs.SHARD_SIZE)
+    layout, dtype, shard_size = cache_layout(cfg.data), cache_dtype(cfg.data), int(fs.SHARD_SIZE)
     key = cache_key(target_cache_identity(target), dataset_fingerprint(dataset), dtype, layout)
-    path = cache_dir_for_key(cfg, key)
+    path = cache_dir_for_key(cfg.data, key)
     path.mkdir(parents=True, exist_ok=True)
     work = Path(str(cfg.run_dir)) / fs.PRODUCER_DIR
     stream = fs.FeatureStream(path, key, len(dataset), shard_size, dtype, layout, log_path=work / "producer.log")
@@ -321,20 +323,20 @@ def prepare_feature_cache(cfg: DictConfig, target, dataset):
     With data.feature_stream and the cache not complete: a FeatureStream, its producer a child process
     (start_feature_stream).
     """
-    if not cache_wanted(cfg):
+    if not cache_wanted(cfg.data):
         return None
     from dspark.data.feature_cache import META_NAME, FeatureCache, build_feature_cache, dataset_fingerprint
 
-    layout, producer = cache_layout(cfg), str(cfg.data.feature_producer)
-    path = feature_cache_dir(cfg, target, dataset)
+    layout, producer = cache_layout(cfg.data), str(cfg.data.feature_producer)
+    path = feature_cache_dir(cfg.data, target, dataset)
     reused = (path / META_NAME).is_file()
-    if stream_wanted(cfg) and not reused:
+    if stream_wanted(cfg.data) and not reused:
         return start_feature_stream(cfg, target, dataset)
     t0 = time.perf_counter()
     try:
         if isinstance(target, HeadOnlyTarget):  # loaded on a hit (plan_feature_cache): nothing to build, every rank
             cache = FeatureCache(path)
-            cache._check(target.cache_identity, dataset_fingerprint(dataset), cache_dtype(cfg), layout)
+            cache._check(target.cache_identity, dataset_fingerprint(dataset), cache_dtype(cfg.data), layout)
         elif _local_rank() == 0:  # builds, or checks an existing cache against this target and dataset
             if producer == "vllm":
                 _build_with_vllm(cfg, target, dataset, path, layout)
@@ -343,7 +345,7 @@ def prepare_feature_cache(cfg: DictConfig, target, dataset):
                 target.to(device)
                 try:
                     build_feature_cache(target, dataset, path, batch_size=int(cfg.train.val_batch_size),
-                                        dtype=cache_dtype(cfg), layout=layout)
+                                        dtype=cache_dtype(cfg.data), layout=layout)
                 finally:
                     target.to(home)
             cache = FeatureCache(path)

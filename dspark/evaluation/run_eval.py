@@ -14,7 +14,7 @@ ECE/AUC, threshold sweep, scheduler simulation; dspark.evaluation.analysis) + re
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import logging
 import platform
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from dspark import factory
 from dspark.errors import require
@@ -33,6 +33,7 @@ from dspark.evaluation.verify import NOT_REPRODUCED, REJECTION_SAMPLE_METHODS
 from dspark.evaluation.speculative import DRAFT_SAMPLE_METHODS, Decoded, Timing, acceptance_counter, plain_generate, \
     speculative_generate_batch
 from dspark.integrity import check_file
+from dspark.schema import EvalKeys, TargetKeys, check_section, eval_config, typed
 from dspark.io import atomic_write_json, unwritable
 from dspark.targets.health import degenerate_warning, output_health
 from dspark.targets.hf_target import FrozenTarget
@@ -53,19 +54,19 @@ def resolve_path(path: str | Path) -> Path:
     return p if p.is_absolute() else (REPO_ROOT / p).resolve()
 
 
-def benchmark_dir(cfg: DictConfig) -> Path:
+def benchmark_dir(cfg: EvalKeys) -> Path:
     """data_dir, or the prompt sets shipped in dspark/assets/eval when it is null."""
-    return SHIPPED_BENCHMARKS if cfg.get("data_dir") in (None, "") else resolve_path(cfg.data_dir)
+    return SHIPPED_BENCHMARKS if cfg.data_dir in (None, "") else resolve_path(cfg.data_dir)
 
 
-def read_benchmarks(cfg: DictConfig) -> dict[str, list[list[str]]]:
+def read_benchmarks(cfg: EvalKeys) -> dict[str, list[list[str]]]:
     """name -> the first num_prompts conversations of <data_dir>/<name>.jsonl, every file checked (read before
     any model loads, so a wrong path or a malformed line fails in a second, not after the target loads)."""
     data_dir = benchmark_dir(cfg)
     out = {}
     for name in cfg.benchmarks:
         path = data_dir / f"{name}.jsonl"
-        require(path.is_file(), "benchmarks", f"{name}: {str(path)!r} does not exist (data_dir={cfg.get('data_dir')}; "
+        require(path.is_file(), "benchmarks", f"{name}: {str(path)!r} does not exist (data_dir={cfg.data_dir}; "
                 f"a folder of <name>.jsonl files, null = the shipped sets in {SHIPPED_BENCHMARKS})")
         out[str(name)] = read_benchmark(path, int(cfg.num_prompts))
         require(len(out[str(name)]) > 0, "benchmarks", f"{name}: no prompts in {path}")
@@ -133,7 +134,7 @@ def _safe_torch_load(path: Path) -> dict:
     return torch.load(str(path), map_location="cpu", weights_only=True)
 
 
-def draft_source(cfg: DictConfig) -> tuple[DictConfig, Path, Path]:
+def draft_source(cfg: EvalKeys) -> tuple[DictConfig, Path, Path]:
     """-> (draft group config, weights file, run dir the default report folder lives in)."""
     has_run, has_ckpt = cfg.run_dir not in (None, ""), cfg.draft_ckpt not in (None, "")
     require(has_run != has_ckpt, "run_dir", "set exactly one of run_dir (a training run dir) or draft_ckpt (a .ckpt)")
@@ -144,14 +145,14 @@ def draft_source(cfg: DictConfig) -> tuple[DictConfig, Path, Path]:
         require(weights.is_file() and conf.is_file(), "run_dir",
                 f"{str(run_dir)!r} lacks draft/model.safetensors + draft/draft_config.json (written when training ends)")
         draft_dir.check(folder)  # complete and unaltered, before any model loads
-        if cfg.get("draft_config"):
+        if cfg.draft_config:
             conf = resolve_path(cfg.draft_config)
         return _load_draft_group(conf), weights, run_dir
     ckpt = resolve_path(cfg.draft_ckpt)
     require(ckpt.is_file(), "draft_ckpt", f"{str(ckpt)!r} is not a file (DeepSpeed checkpoint folders: convert first)")
     check_file(ckpt, hint="evaluate another checkpoint of the run (draft_ckpt=<path>) or its draft/ (run_dir=)")
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
-    candidates = ([resolve_path(cfg.draft_config)] if cfg.get("draft_config") else
+    candidates = ([resolve_path(cfg.draft_config)] if cfg.draft_config else
                   [run_dir / "draft" / "draft_config.json", run_dir / ".hydra" / "config.yaml"])
     conf = next((c for c in candidates if c.is_file()), None)
     require(conf is not None, "draft_config", f"no draft config for {str(ckpt)!r}; tried {[str(c) for c in candidates]}")
@@ -170,13 +171,13 @@ def load_draft_weights(draft: torch.nn.Module, weights: Path) -> None:
     draft.load_state_dict(state, strict=True)
 
 
-def build(cfg: DictConfig, source: tuple[DictConfig, Path, Path] | None = None
+def build(cfg: EvalKeys, source: tuple[DictConfig, Path, Path] | None = None
           ) -> tuple[FrozenTarget, torch.nn.Module, DictConfig, Path, Path]:
     """-> (target, draft with trained weights, draft group, weights path, run dir); `source`: draft_source(cfg)
     when the caller has it already."""
     draft_group, weights, run_dir = source if source is not None else draft_source(cfg)
     draft_group = OmegaConf.merge(draft_group, {"init_from_target": False})  # trained weights overwrite it
-    build_cfg = OmegaConf.create({"target": OmegaConf.to_container(cfg.target, resolve=True),
+    build_cfg = OmegaConf.create({"target": dataclasses.asdict(cfg.target),
                                   "draft": OmegaConf.to_container(draft_group, resolve=True)})
     target = factory.build_target(build_cfg)
     draft = factory.build_draft(build_cfg, target)
@@ -189,7 +190,7 @@ def build(cfg: DictConfig, source: tuple[DictConfig, Path, Path] | None = None
     return target, draft, draft_group, weights, run_dir
 
 
-def _check_training_target(cfg: DictConfig, run_dir: Path, target: FrozenTarget) -> None:
+def _check_training_target(cfg: EvalKeys, run_dir: Path, target: FrozenTarget) -> None:
     """Refuse a target other than the one the draft was trained against (draft/target.json fingerprint), unless
     allow_target_mismatch; older runs without that file only get the kind/path comparison, as a warning."""
     recorded = run_dir / draft_dir.DRAFT_DIR / draft_dir.TARGET_FILE
@@ -200,7 +201,7 @@ def _check_training_target(cfg: DictConfig, run_dir: Path, target: FrozenTarget)
             msg = (f"the draft was trained against target kind={trained.get('kind')} path={trained.get('path')} "
                    f"(fingerprint {str(trained.get('fingerprint'))[:12]}), this target (kind={cfg.target.kind} "
                    f"path={cfg.target.path}) has fingerprint {now[:12]}: different weights")
-            require(bool(cfg.get("allow_target_mismatch", False)), "target", msg + "; set allow_target_mismatch=true "
+            require(cfg.allow_target_mismatch, "target", msg + "; set allow_target_mismatch=true "
                     "to evaluate anyway")
             log.warning(msg)
         return
@@ -240,32 +241,35 @@ def recorded_target(run_dir: Path) -> dict | None:
     return {**group, "kind": record.get("kind"), "path": record.get("path")}
 
 
-def with_run_target(cfg: DictConfig, run_dir: Path) -> DictConfig:
-    """cfg with `target` replaced by the target the run trained against (recorded_target), when it records one."""
+def with_run_target(cfg: EvalKeys, run_dir: Path) -> EvalKeys:
+    """cfg with `target` replaced by the target the run trained against (recorded_target), when it records one (its
+    keys checked as a command line's are)."""
     trained = recorded_target(run_dir)
     if trained is None:
         log.info("target: %s (the run records no target; target=... chooses another)", _target_words(cfg.target))
         return cfg
-    out = copy.deepcopy(cfg)
-    with open_dict(out):
-        out.target = trained
+    known = {f.name for f in dataclasses.fields(TargetKeys)}
+    values = {**dataclasses.asdict(cfg.target), **{k: v for k, v in trained.items() if k in known}}
+    check_section(TargetKeys, values, "target")
+    out = dataclasses.replace(cfg, target=typed(TargetKeys, values))
     log.info("target: %s, the one the draft was trained against (from %s; target=... evaluates another)",
              _target_words(out.target), run_dir / draft_dir.DRAFT_DIR / draft_dir.TARGET_FILE)
     return out
 
 
-def _target_words(t) -> str:
+def _target_words(t: TargetKeys | dict) -> str:
+    t = dataclasses.asdict(t) if dataclasses.is_dataclass(t) else t
     return f"kind={t.get('kind')} path={t.get('path')}"
 
 
-def target_config_json(group) -> dict | None:
+def target_config_json(group: dict) -> dict | None:
     """The config.json of a target group's model, read without loading it; None when it is not at hand without
     work (a Hub id not in the Hugging Face cache, a SmolLM2 GGUF not converted yet)."""
     kind, path = group.get("kind"), group.get("path")
     file: Path | None = None
     if path in (None, "???"):
         if shipped_without_work(str(kind)):
-            file = Path(factory.target_folder(OmegaConf.create({"target": dict(group)}))) / "config.json"
+            file = Path(factory.target_folder(group)) / "config.json"
     elif Path(str(path)).expanduser().is_dir():
         file = Path(str(path)).expanduser() / "config.json"
     else:
@@ -282,11 +286,11 @@ def target_config_json(group) -> dict | None:
         return None
 
 
-def check_target_fits(cfg: DictConfig, draft_group: DictConfig, run_dir: Path) -> None:
+def check_target_fits(cfg: EvalKeys, draft_group: DictConfig, run_dir: Path) -> None:
     """Before any model loads: refuse a target of another architecture than the one the draft was trained against
     (config.json model_type of the chosen target vs the run's recorded one), and a target the draft's family
     cannot be built against (its config checks, on the target's config alone)."""
-    chosen = target_config_json(cfg.target)
+    chosen = target_config_json(dataclasses.asdict(cfg.target))
     if chosen is None:
         return
     now_type, kind = chosen.get("model_type"), str(draft_group.kind)
@@ -326,10 +330,10 @@ def _hf_config(config_json: dict):
         return None
 
 
-def eos_ids(cfg: DictConfig, target: FrozenTarget) -> list[int]:
+def eos_ids(cfg: EvalKeys, target: FrozenTarget) -> list[int]:
     if cfg.eos_token_id is not None:
         ids = cfg.eos_token_id
-        return [int(i) for i in (ids if OmegaConf.is_list(ids) or isinstance(ids, list) else [ids])]
+        return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
     found: list[int] = []
     gen = getattr(target.model, "generation_config", None)
     for ids in (getattr(gen, "eos_token_id", None), getattr(target.tokenizer, "eos_token_id", None)):
@@ -339,20 +343,15 @@ def eos_ids(cfg: DictConfig, target: FrozenTarget) -> list[int]:
 
 
 # ---- running ---------------------------------------------------------------------------------------
-def _validate(cfg: DictConfig) -> None:
-    require(int(cfg.num_prompts) >= 1, "num_prompts", f"must be >= 1, got {cfg.num_prompts}")
-    require(int(cfg.max_new_tokens) >= 1, "max_new_tokens", f"must be >= 1, got {cfg.max_new_tokens}")
-    require(float(cfg.temperature) >= 0, "temperature", f"must be >= 0, got {cfg.temperature}")
-    require(cfg.num_drafts is None or int(cfg.num_drafts) >= 1, "num_drafts", f"must be >= 1 or null, got {cfg.num_drafts}")
+def _validate(cfg: EvalKeys) -> None:
+    """What the schema's types and ranges (checked when the typed config was built) do not say."""
     require(len(cfg.benchmarks) >= 1, "benchmarks", "name at least one benchmark")
-    require(int(cfg.batch_size) >= 1, "batch_size", f"must be >= 1, got {cfg.batch_size}")
-    require(str(cfg.turns) in ("all", "first"), "turns", f"must be 'all' or 'first', got {cfg.turns!r}")
-    require(str(cfg.device) == "cpu" or torch.cuda.is_available(), "device", f"{cfg.device!r} but CUDA is not available")
+    require(cfg.device == "cpu" or torch.cuda.is_available(), "device", f"{cfg.device!r} but CUDA is not available")
     require(not cfg.sps_table or resolve_path(cfg.sps_table).is_file(), "sps_table",
             f"{cfg.sps_table!r} is not a file")
-    require(str(cfg.get("draft_sample_method", "greedy")) in DRAFT_SAMPLE_METHODS, "draft_sample_method",
-            f"must be one of {DRAFT_SAMPLE_METHODS}, got {cfg.get('draft_sample_method')!r}")
-    method = str(cfg.get("rejection_sample_method", "standard"))
+    require(cfg.draft_sample_method in DRAFT_SAMPLE_METHODS, "draft_sample_method",
+            f"must be one of {DRAFT_SAMPLE_METHODS}, got {cfg.draft_sample_method!r}")
+    method = cfg.rejection_sample_method
     require(method not in NOT_REPRODUCED, "rejection_sample_method",
             f"{method!r} is one of vLLM's lossy methods {NOT_REPRODUCED}, which eval.py does not reproduce; "
             f"use one of {REJECTION_SAMPLE_METHODS}")
@@ -456,7 +455,7 @@ def benchmark_report(spec: ConversationRuns, plain: ConversationRuns | None, tem
     return report
 
 
-SAMPLES_PER_BENCHMARK = 3  # decoded texts kept in each benchmark report (`+num_samples=N` changes it)
+SAMPLES_PER_BENCHMARK = 3  # decoded texts kept in each benchmark report
 
 
 def decoded_samples(tokenizer, convs: list[list[str]], spec: ConversationRuns, plain: ConversationRuns | None,
@@ -482,19 +481,17 @@ def _versions() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
 
 
-def _sps(cfg: DictConfig, target: FrozenTarget) -> SPSTable:
+def _sps(cfg: EvalKeys, target: FrozenTarget) -> SPSTable:
     if cfg.sps_table:
         return SPSTable.load(resolve_path(cfg.sps_table))
     return analysis.profile_target_sps(target, context=int(cfg.sps_context))
 
 
-def run_eval(cfg: DictConfig, target_from_run: bool = False) -> dict[str, dict]:
+def run_eval(cfg: DictConfig | EvalKeys, target_from_run: bool = False) -> dict[str, dict]:
     """Evaluate every benchmark; write the reports and plots (module docstring); return the reports.
     target_from_run: evaluate against the target the run recorded (draft/target.json), not cfg.target (eval.py
     sets it unless the command line names a target)."""
-    from dspark.schema import check_eval_keys
-
-    check_eval_keys(cfg)
+    cfg = eval_config(cfg)  # the typed config (dspark.schema.EvalKeys), every key checked
     _validate(cfg)
     benchmarks = read_benchmarks(cfg)  # inputs first: prompts, run dir and draft files, report folder, then models
     source = draft_source(cfg)
@@ -516,10 +513,8 @@ def run_eval(cfg: DictConfig, target_from_run: bool = False) -> dict[str, dict]:
     layout = str(getattr(dcfg, "layout", "chain"))
     temperature, eos = float(cfg.temperature), eos_ids(cfg, target)
     max_new, bs, seed = int(cfg.max_new_tokens), int(cfg.batch_size), int(cfg.seed)
-    sample_method = str(cfg.get("draft_sample_method", "greedy"))
-    draft_cache = bool(cfg.get("draft_cache", True))  # `+draft_cache=false`: recompute the draft's context per round
-    n_samples = int(cfg.get("num_samples", SAMPLES_PER_BENCHMARK))
-    reject_method = str(cfg.get("rejection_sample_method", "standard"))
+    sample_method, draft_cache = cfg.draft_sample_method, cfg.draft_cache  # draft_cache=false: recompute per round
+    n_samples, reject_method = SAMPLES_PER_BENCHMARK, cfg.rejection_sample_method
     tag = f"T{temperature:g}.g{g}" + ("" if sample_method == "greedy" or temperature == 0 else ".prob") + (
         "" if reject_method == "standard" else f".{reject_method}")
     common = {
@@ -528,7 +523,7 @@ def run_eval(cfg: DictConfig, target_from_run: bool = False) -> dict[str, dict]:
         "draft_cache": draft_cache,
         "max_new_tokens": max_new, "batch_size": bs, "turns": str(cfg.turns), "seed": seed,
         "draft_kind": str(draft_group.kind), "draft_weights": str(weights),
-        "target": OmegaConf.to_container(cfg.target, resolve=True), "eos_token_id": eos, "mask_token_id": mask_id,
+        "target": dataclasses.asdict(cfg.target), "eos_token_id": eos, "mask_token_id": mask_id,
         "versions": _versions(),
     }
 
@@ -561,7 +556,7 @@ def run_eval(cfg: DictConfig, target_from_run: bool = False) -> dict[str, dict]:
             health = output_health([t.tolist() for turns in target_outputs.outputs for t in turns])
             reports[name]["target_output_health"] = health
             reports[name]["target_warning"] = degenerate_warning(health, target.tokenizer, what=f"{name}'s AL")
-        if cfg.get("adaptive_verification", False) and any(d.steps and any(d.steps) for d in spec.batches):
+        if cfg.adaptive_verification and any(d.steps and any(d.steps) for d in spec.batches):
             reports[name]["adaptive_verification"] = {
                 **adaptive.simulate([d.steps for d in spec.batches], sps()),
                 "vllm_method": draft.config.vllm_method,  # the estimator lives in every DraftModelSpeculator

@@ -1,9 +1,10 @@
 """Where a configured target's files are: the `target` group (kind, path) -> a local folder or a Hub id."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from dspark.errors import ConfigError
 
@@ -50,14 +51,19 @@ def shipped_without_work(kind: str) -> bool:
     return kind in SHIPPED_TARGETS and SHIPPED_TARGETS[kind][1]
 
 
-def target_folder(cfg: DictConfig) -> str:
-    """The local folder (or Hub id) of the configured target; SmolLM2 is converted from its GGUF once, then cached."""
-    t = cfg.target
-    path = None if OmegaConf.is_missing(t, "path") else t.get("path")  # `path: ???` (target=hf) reads as unset
+def target_folder(target) -> str:
+    """The local folder (or Hub id) of a target section (kind, path: the run's `target` group as a DictConfig, a
+    mapping or schema.TargetKeys); SmolLM2 is converted from its GGUF once, then cached."""
+    if isinstance(target, Mapping):
+        # `path: ???` (target=hf) reads as unset
+        path = None if OmegaConf.is_config(target) and OmegaConf.is_missing(target, "path") else target.get("path")
+        kind = target.get("kind")
+    else:
+        path, kind = target.path, target.kind
     if path not in (None, "???"):
         return str(path)
-    if t.kind in SHIPPED_TARGETS:
-        return str(SHIPPED_TARGETS[t.kind][0]())
+    if kind in SHIPPED_TARGETS:
+        return str(SHIPPED_TARGETS[kind][0]())
     raise ConfigError("target.path: set it to a local HF model folder or a Hub id in the Hugging Face cache "
                       "(Qwen/Qwen3-8B)")
 

@@ -32,6 +32,15 @@ class DraftRows:
 
 
 @dataclass
+class DraftOutputs:
+    logits: torch.Tensor  # [B, A, g, V] Markov-corrected draft logits (teacher-forced prev)
+    conf_logits: torch.Tensor | None  # [B, A, g]
+    hidden: torch.Tensor  # [B, A, g, H] backbone output at the prediction rows (before the Markov head)
+    blocks: Blocks
+    final: torch.Tensor  # [B, S, H]
+
+
+@dataclass
 class BlockKeys:
     """The block objective's train.* keys (their defaults: configs/config.yaml)."""
 
@@ -150,6 +159,16 @@ class BlockDraftModule(DraftLightningModule):
         h_all, blocks, final = self._hidden(batch)
         h, latent, conf = self._heads(batch, blocks, h_all)
         return DraftRows(hidden=h, latent=latent, conf_logits=conf, blocks=blocks, final=final)
+
+    def draft_outputs(self, batch: dict[str, torch.Tensor]) -> DraftOutputs:
+        """The prediction rows as the logits the draft drafts with: base_logits(h) + the Markov bias [B, A, g, V]
+        (the training forward seen from eval; the loss reads draft_rows)."""
+        h_all, blocks, final = self._hidden(batch)
+        h, latent, conf = self._heads(batch, blocks, h_all)
+        logits = self.draft.base_logits(h)  # [B, A, g, V]
+        if latent is not None:
+            logits = logits + self.draft.markov_head.project(latent)
+        return DraftOutputs(logits=logits, conf_logits=conf, hidden=h, blocks=blocks, final=final)
 
     def _teacher_rows(self, final: torch.Tensor, b: Blocks) -> torch.Tensor:
         """Target final hidden at the teacher positions: [B, S, H] -> [B, A, g, H]."""

@@ -228,7 +228,7 @@ def test_init_from_a_shipped_v41_checkpoint_starts_from_its_drafter(tmp_path):
     target = factory.build_target(cfg)
     src = factory.build_draft(cfg, target)
     _randomise(src, 5)
-    shipped = merge_v41_into_target(src, target_dir=factory.target_folder(cfg), out_dir=tmp_path / "ckpt",
+    shipped = merge_v41_into_target(src, target_dir=factory.target_folder(cfg.target), out_dir=tmp_path / "ckpt",
                                     dtype=torch.float32)
     cfg2 = compose(["experiment=dspark_v41", f"draft.init_from={shipped}"])
     started = factory.build_draft(cfg2, target)

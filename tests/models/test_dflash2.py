@@ -287,8 +287,8 @@ def test_the_tiny_experiment_builds_its_target_once_the_same_everywhere(tmp_path
     from dspark.targets.source import target_folder
 
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
-    folder = Path(target_folder(compose(["experiment=dflash2_tiny"])))
+    folder = Path(target_folder(compose(["experiment=dflash2_tiny"]).target))
     assert folder == tmp_path / "cache" / "tiny_llama" and (folder / "config.json").is_file()
-    assert Path(target_folder(compose(["experiment=dflash2_tiny"]))) == folder  # built once, then reused
+    assert Path(target_folder(compose(["experiment=dflash2_tiny"]).target)) == folder  # built once, then reused
     other = build_tiny_llama(tmp_path / "again")
     assert (folder / "model.safetensors").read_bytes() == (other / "model.safetensors").read_bytes()
