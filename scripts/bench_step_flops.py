@@ -1,4 +1,4 @@
-"""FLOPs, time and MFU of a dense block draft's training step (issue #34, "Measure the step").
+"""FLOPs, time and MFU of a draft's training step (issue #34, "Measure the step").
 
 For each experiment (default: dspark_smollm2 and dflash_smollm2; the other arguments are train.py's Hydra
 overrides, applied to every experiment), the module is built as train.py builds it (dspark.training.run._train:
@@ -10,8 +10,10 @@ Batches without target features (data.feature_cache=null) get them before the cl
 hands them: the frozen target is never in the timed step (nor in the FLOP count).
 
 Printed per experiment: FLOPs per step by part (dspark.training.flops: matrix products only, optimizer
-~16 FLOP/param; exact integers and GFLOP, the mean over the timed steps, each part rounded on its own), loss tokens
-per step, the median s/step, the achieved GFLOP/s, the GEMM peak measured here ([768 x H] @ [H x V] at the same
+~16 FLOP/param; exact integers and GFLOP, the mean over the timed steps, each part rounded on its own; a draft
+dspark.training.flops does not model, e.g. EAGLE-3 or an MTP head: the matrix products torch's FlopCounterMode counts
+in the step's forward and backward, as one part `counted`, plus the optimizer), loss tokens per step (block drafts:
+the scored eval rows; chain drafts: the scored rows summed over the chain's steps), the median s/step, the achieved GFLOP/s, the GEMM peak measured here ([768 x H] @ [H x V] at the same
 dtype and thread count, best of its repeats, dspark.training.flops.gemm_peak), MFU = achieved / peak; and
 torch.profiler's top non-GEMM ops of one more step by self CPU time (GEMM ops: aten::mm / addmm / addmm_ / bmm /
 baddbmm / matmul / linear, whose share is printed as one number).
@@ -157,9 +159,6 @@ def measure(experiment: str, overrides: list[str], *, steps: int, warmup: int, p
 
     cfg = compose_config(experiment, overrides)
     module, opt, sched, datamodule = build(cfg, overrides)
-    if not flops.is_dense_block_module(module):
-        raise SystemExit(f"bench_step_flops: {experiment} trains a {cfg.draft.kind} draft; FLOPs are counted for "
-                         "dspark_dense drafts only")
     device = _device(cfg)
     precision = str(cfg.trainer.precision)
     step = make_step(module, opt, sched, cfg.trainer.gradient_clip_val, autocast_for(precision, device), device)
@@ -171,7 +170,7 @@ def measure(experiment: str, overrides: list[str], *, steps: int, warmup: int, p
     times, counts = [], []
     for i in range(warmup, warmup + steps):
         times.append(step(data[i], i))
-        counts.append(flops.module_step_flops(module, data[i]))
+        counts.append(step_flops(module, step, data[i], i))
     ops, gemm_share = [], None
     if profile_top:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -181,14 +180,36 @@ def measure(experiment: str, overrides: list[str], *, steps: int, warmup: int, p
     d = module.draft.config
     peak = flops.gemm_peak(int(d.hidden_size), module.lm_head_vocab()[0], dtype, device=device,
                            budget_s=peak_budget_s)
-    per_step = {k: round(sum(c[k] for c, _ in counts) / steps) for k in (*flops.PARTS, "total")}
+    per_step = {k: round(sum(c[k] for c, _ in counts) / steps) for k in counts[0][0]}
     achieved = sum(c["total"] for c, _ in counts) / sum(times)  # FLOP/s over the timed steps
     return {"experiment": experiment, "precision": precision, "dtype": str(dtype).removeprefix("torch."),
             "device": device, "threads": torch.get_num_threads(), "features_cached": cached,
-            "flops_per_step": per_step, "loss_tokens_per_step": sum(s.loss_rows for _, s in counts) / steps,
+            "flops_per_step": per_step, "loss_tokens_per_step": sum(n for _, n in counts) / steps,
             "s_per_step": statistics.median(times), "times": times, "achieved_gflops": achieved / 1e9,
             "gemm_peak": peak, "mfu": achieved / (peak["gflops"] * 1e9), "top_ops": ops,
             "gemm_self_share": gemm_share}
+
+
+def step_flops(module, step, batch: dict, i: int) -> tuple[dict, int]:
+    """(FLOPs of one training step by part, its loss tokens). A dense block draft: dspark.training.flops's exact
+    count (tests/training/test_flops.py holds it equal to the dispatched ops'); any other draft: one more step run
+    under torch's FlopCounterMode (matrix products and attention, forward and backward) + the optimizer's FLOPs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dspark.training import flops
+
+    if flops.is_dense_block_module(module):
+        parts, shapes = flops.module_step_flops(module, batch)
+        return parts, shapes.loss_rows
+    with FlopCounterMode(display=False) as counter:
+        step(batch, i)
+    params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    optimizer = flops.OPTIMIZER_FLOPS_PER_PARAM * params
+    lm = batch["loss_mask"] * batch["attention_mask"]  # [B, S]: chain step k scores the rows whose label t+k+2 counts
+    k_steps = int(getattr(module, "num_steps", 1))
+    tokens = sum(int(lm[:, k + 2:].sum()) for k in range(k_steps))
+    return {"counted": counter.get_total_flops(), "optimizer": optimizer,
+            "total": counter.get_total_flops() + optimizer}, tokens
 
 
 def print_report(r: dict) -> None:

@@ -188,3 +188,34 @@ def test_run_metrics_carry_flops_and_mfu(tiny_llama, tmp_path):
     assert sum(fps[p] for p in flops.PARTS) == pytest.approx(fps["total"], rel=1e-9) and fps["lm_head_loss"] > 0
     assert t["loss_tokens_per_s"] > 0 and t["gemm_peak_dtype"] == "float32" and t["threads"] >= 1
     assert t["mfu"] == pytest.approx(fps["total"] / t["s_per_step"] / (t["gemm_peak_gflops"] * 1e9), rel=0.02)
+
+
+def test_bench_script_counts_a_chain_draft_with_torch_and_its_loss_tokens_are_the_scored_rows(tmp_path):
+    """A draft dspark.training.flops does not model (EAGLE-3): one step under FlopCounterMode, plus the optimizer's
+    16 FLOP / parameter; its loss tokens are the rows the chain's steps score (recursive_forward's labels)."""
+    import torch
+
+    from dspark.training.mtp_objectives import recursive_forward
+
+    spec = importlib.util.spec_from_file_location("bench_step_flops", REPO / "scripts" / "bench_step_flops.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    overrides = ["data.limit=24", "data.val_examples=4", "data.max_length=64", f"run_dir={tmp_path / 'run'}"]
+    cfg = bench.compose_config("eagle3_tiny", overrides)
+    module, opt, sched, datamodule = bench.build(cfg, overrides)
+    batch = bench.batches(module, datamodule, 1, "cpu")[0]
+    step = bench.make_step(module, opt, sched, None, bench.autocast_for("32-true", "cpu"), "cpu")
+    parts, tokens = bench.step_flops(module, step, batch, 0)
+    params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    assert parts["optimizer"] == flops.OPTIMIZER_FLOPS_PER_PARAM * params
+    assert parts["total"] == parts["counted"] + parts["optimizer"] and parts["counted"] > 0
+    ids, lm = batch["input_ids"], batch["loss_mask"] * batch["attention_mask"]
+    with torch.no_grad():
+        feats = module.features(batch)
+        steps = recursive_forward(module.draft, module.draft.context_hidden(feats), ids, lm, feats.final,
+                                  module.num_steps)
+    assert tokens == sum(int(st.labels.numel()) for st in steps) > 0
+    # the counted FLOPs hold at least the LM head's forward over those rows (2 x rows x H x draft vocabulary)
+    d = module.draft.config
+    vd = int(getattr(d, "draft_vocab_size", None) or d.vocab_size)
+    assert parts["counted"] >= 2 * tokens * int(d.hidden_size) * vd
