@@ -178,7 +178,8 @@ def measure(experiment: str, overrides: list[str], *, steps: int, warmup: int, p
         ops, gemm_share = top_ops(prof, profile_top)
     dtype = flops.precision_dtype(precision)
     d = module.draft.config
-    peak = flops.gemm_peak(int(d.hidden_size), module.lm_head_vocab()[0], dtype, device=device,
+    vocab = int(getattr(d, "draft_vocab_size", None) or d.vocab_size)  # the rows the draft's LM-head GEMM scores
+    peak = flops.gemm_peak(int(d.hidden_size), vocab, dtype, device=device,
                            budget_s=peak_budget_s)
     per_step = {k: round(sum(c[k] for c, _ in counts) / steps) for k in counts[0][0]}
     achieved = sum(c["total"] for c, _ in counts) / sum(times)  # FLOP/s over the timed steps

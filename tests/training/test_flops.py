@@ -219,3 +219,7 @@ def test_bench_script_counts_a_chain_draft_with_torch_and_its_loss_tokens_are_th
     d = module.draft.config
     vd = int(getattr(d, "draft_vocab_size", None) or d.vocab_size)
     assert parts["counted"] >= 2 * tokens * int(d.hidden_size) * vd
+    (r,) = bench.main(["--experiments", "eagle3_tiny", "--steps", "1", "--warmup", "0", "--profile-top", "0",
+                       "--peak-budget-s", "0.1", *overrides])  # the whole script, its MFU against the head's GEMM
+    assert set(r["flops_per_step"]) == {"counted", "optimizer", "total"} and 0 < r["mfu"]
+    assert r["gemm_peak"]["shape"][2] == vd
