@@ -1,9 +1,14 @@
 #!/usr/bin/env python
 """Learning curves of the 10x-budget runs (scripts/smollm2_budget.sh): per draft, the held-out tau_prob and top-1
-agreement at every validation, eval.py's AL per benchmark at every quarter of the budget, and the DSpark / DFlash
-ratio; written into the given folder as a markdown table, its JSON and a plot (curves.*).
+agreement at every validation, eval.py's AL per benchmark at every quarter of the budget, the ratio to DFlash, and
+the training compute spent by each quarter (FLOPs per step x steps); written into the given folder as a markdown
+table, its JSON and a plot (curves.*: tau by step, macro AL by quarter, macro AL by training TFLOP).
 
-    python scripts/budget_curves.py runs/budget
+    python scripts/budget_curves.py runs/budget [docs/results/budget_step_flops.json]
+
+FLOPs per step: the run's own count (metrics.json throughput, dspark.training.flops: dense block drafts), else the
+optional JSON's {draft: {"flops_per_step": N}} (scripts/bench_step_flops.py's count, e.g. for EAGLE-3); a draft with
+neither gets no compute column.
 """
 from __future__ import annotations
 
@@ -45,24 +50,31 @@ def quarter_evals(run: Path) -> list[dict]:
     return out
 
 
-def collect(root: Path) -> dict:
+def collect(root: Path, step_flops: dict | None = None) -> dict:
     runs = {}
     for run in sorted(p for p in root.iterdir() if p.is_dir() and (p / "logs").is_dir()):
         metrics = json.loads((run / "metrics.json").read_text()) if (run / "metrics.json").is_file() else {}
-        runs[run.name] = {"validation": validation_curve(run), "evals": quarter_evals(run),
-                          "throughput": metrics.get("throughput"), "global_step": metrics.get("global_step")}
+        own = ((metrics.get("throughput") or {}).get("flops_per_step") or {}).get("total")
+        given = ((step_flops or {}).get(run.name) or {}).get("flops_per_step")
+        evals, steps = quarter_evals(run), metrics.get("global_step")
+        per_step = own or given
+        for e in evals:  # the training compute behind the quarter's checkpoint
+            e["train_tflop"] = None if not (per_step and steps) else e["quarter"] * (steps // 4) * per_step / 1e12
+        runs[run.name] = {"validation": validation_curve(run), "evals": evals, "flops_per_step": per_step,
+                          "throughput": metrics.get("throughput"), "global_step": steps}
     return runs
 
 
 def markdown(runs: dict) -> str:
-    lines = ["| draft | quarter | AL mt-bench / gsm8k / humaneval | macro AL | / DFlash | cumulative rate pos 0 / 1 / 2 |"
-             " greedy == target |", "|---|---|---|---|---|---|---|"]
+    lines = ["| draft | quarter | training TFLOP | AL mt-bench / gsm8k / humaneval | macro AL | / DFlash | cumulative rate "
+             "pos 0 / 1 / 2 | greedy == target |", "|---|---|---|---|---|---|---|---|"]
     base = {e["quarter"]: e["macro"] for e in runs.get("dflash", {}).get("evals", [])}
     for name, r in runs.items():
         for e in r["evals"]:
             ratio = base.get(e["quarter"])
-            lines.append("| {} | {} | {} | {:.3f} | {} | {} | {} |".format(
-                name, e["quarter"], " / ".join(f"{e['al'][b]:.3f}" for b in e["al"]), e["macro"],
+            lines.append("| {} | {} | {} | {} | {:.3f} | {} | {} | {} |".format(
+                name, e["quarter"], "-" if e["train_tflop"] is None else f"{e['train_tflop']:.0f}",
+                " / ".join(f"{e['al'][b]:.3f}" for b in e["al"]), e["macro"],
                 "-" if not ratio else f"{e['macro'] / ratio:.3f}",
                 " / ".join(f"{v:.3f}" for v in e["per_position"][:3]),
                 "-" if None in e["greedy_equal"] else all(e["greedy_equal"])))
@@ -80,15 +92,19 @@ def plot(runs: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4))
     for name, r in runs.items():
         if r["validation"]:
             a.plot([v["step"] for v in r["validation"]], [v["tau_prob"] for v in r["validation"]], marker="o", label=name)
         if r["evals"]:
             b.plot([e["quarter"] for e in r["evals"]], [e["macro"] for e in r["evals"]], marker="s", label=name)
+        costed = [e for e in r["evals"] if e["train_tflop"] is not None]
+        if costed:
+            c.plot([e["train_tflop"] for e in costed], [e["macro"] for e in costed], marker="s", label=name)
     a.set(xlabel="optimizer step", ylabel="held-out tau_prob", title="held-out expected acceptance length")
     b.set(xlabel="quarter of the budget", ylabel="macro AL (eval.py, T=0)", title="measured acceptance length")
-    for ax in (a, b):
+    c.set(xlabel="training TFLOP", ylabel="macro AL (eval.py, T=0)", title="measured AL at equal compute")
+    for ax in (a, b, c):
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -97,7 +113,7 @@ def plot(runs: dict, path: Path) -> None:
 
 def main(argv: list[str]) -> int:
     root = Path(argv[0])
-    runs = collect(root)
+    runs = collect(root, json.loads(Path(argv[1]).read_text()) if len(argv) > 1 else None)
     (root / "curves.json").write_text(json.dumps(runs, indent=1))
     text = markdown(runs)
     (root / "curves.md").write_text(text)

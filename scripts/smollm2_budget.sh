@@ -51,4 +51,5 @@ for k in 1 2 3 4; do
   "$PY" eval.py target=smollm2 "${src[@]}" num_prompts="${NUM_PROMPTS:-32}" max_new_tokens="${MAX_NEW_TOKENS:-128}" \
     compare_target=$compare plots=false out="$dir" ${EVAL_EXTRA:-}
 done
-"$PY" scripts/budget_curves.py "${OUT:-runs/budget}"
+# the compute behind each quarter: the runs' own FLOP counts, EAGLE-3's from scripts/bench_step_flops.py
+"$PY" scripts/budget_curves.py "${OUT:-runs/budget}" docs/results/budget_step_flops.json
