@@ -116,6 +116,31 @@ def test_resume_continues_the_same_loss_curve(tmp_path, capsys):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
 
 
+def _logged_steps(run_dir) -> dict[str, list[int]]:
+    """metric -> the steps its rows carry, over every CSV log version of a run (each step once)."""
+    out: dict[str, set[int]] = {}
+    for version in sorted((run_dir / "logs").glob("version_*")):
+        with open(version / "metrics.csv") as fh:
+            for row in csv.DictReader(fh):
+                for name in ("train/loss", "val/tau_prob", "lr-AdamW"):
+                    if row.get(name):
+                        out.setdefault(name, set()).add(int(row["step"]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def test_a_finished_run_resumed_for_more_steps_logs_where_a_straight_run_does(tmp_path):
+    """A run that ended (its last step validated, its last checkpoint written after that) resumed with a larger
+    trainer.max_steps logs every row at the step a run that never stopped logs it (Lightning alone logs them one
+    step too high: dspark.training.run.LogsFollowCheckpoints)."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_training(compose(TINY_RUN + [f"run_dir={straight}"]))
+    run_training(compose(TINY_RUN + [f"run_dir={resumed}", "trainer.max_steps=3"]))
+    run_training(compose(TINY_RUN + [f"run_dir={resumed}", "resume=last", "resume_override=[trainer.max_steps]"]))
+    want = _logged_steps(straight)
+    assert want["train/loss"] == list(range(6)) and want["val/tau_prob"] == [2, 5]
+    assert _logged_steps(resumed) == want
+
+
 @pytest.mark.parametrize(
     "override,key",
     [

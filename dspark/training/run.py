@@ -62,12 +62,18 @@ class LogsFollowCheckpoints(Callback):
     Loggers are flushed whenever a checkpoint is saved (the CSV logger also writes every step). Lightning saves
     a step's checkpoint just BEFORE it logs that step's row, so the checkpoint carries that row
     (`dspark_log_row`: step + metrics) and a run resumed from it logs the row again first: a kill between the
-    two loses nothing (a row written twice has the same values, and readers keep the later one)."""
+    two loses nothing (a row written twice has the same values, and readers keep the later one).
+
+    A resumed run also logs its steps where a run that never stopped would: Lightning's logging step
+    (`_batches_that_stepped`, one per optimizer step) is set to the restored global step at the first batch. Lightning
+    adds one on restart assuming the save came before the step's count, which is wrong for a checkpoint saved after a
+    run's last validation: without this a finished run resumed logged every later row one step too high."""
 
     KEY = "dspark_log_row"
 
     def __init__(self):
         self._pending: dict | None = None
+        self._restored = False
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         for logger in trainer.loggers:
@@ -78,6 +84,12 @@ class LogsFollowCheckpoints(Callback):
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint):
         self._pending = checkpoint.get(self.KEY)
+        self._restored = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self._restored:  # after Lightning's restart bookkeeping (its loop reset), before anything logs this step
+            self._restored = False
+            trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
 
     def on_train_start(self, trainer, pl_module):
         row, self._pending = self._pending, None

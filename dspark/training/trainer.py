@@ -38,7 +38,7 @@ def make_trainer(cfg: DictConfig, callbacks: list[Callback], plugins: list) -> T
     last step's train metrics and lr are logged even when log_every_n_steps does not divide max_steps."""
     kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_cls = get_class(kwargs.pop("_target_", "lightning.pytorch.Trainer"))
-    cbs = [*instantiate_group(cfg, "callbacks"), *callbacks]
+    cbs = [*callbacks, *instantiate_group(cfg, "callbacks")]  # the run's own first: they fix the logging step
     if kwargs.get("enable_checkpointing") is False:  # Lightning refuses a ModelCheckpoint then
         cbs = [c for c in cbs if not isinstance(c, ModelCheckpoint)]
     if kwargs.get("enable_progress_bar", True) is not False:
