@@ -7,7 +7,8 @@
 #
 # Budget: today's 400 steps x 8 sequences x 16 anchors = 51,200 blocks; STEPS = 2000 with 32 anchors = 512,000
 # blocks (10x). Resumable at every stage: rerun the same command (a killed training resumes from its last.ckpt, the
-# evals already written are kept). Environment: OUT (default runs/budget), NUM_PROMPTS (32), MAX_NEW_TOKENS (128),
+# evals already written are kept). Environment: OUT (default runs/budget), NUM_PROMPTS (16, the table's: the first 16
+# conversations of each benchmark, MT-Bench both turns), MAX_NEW_TOKENS (128),
 # DATA (the mix jsonl), EXTRA (more train.py overrides), EVAL_EXTRA (more eval.py overrides), PHASE (all | train |
 # eval: the training alone, or the evals of a finished training; default all).
 set -euo pipefail
@@ -48,7 +49,7 @@ for k in 1 2 3 4; do
   src=(draft_ckpt="$ckpt")
   compare=false
   [ "$k" = 4 ] && { src=(run_dir="$RUN"); compare=true; }   # the final draft, checked == plain greedy decoding
-  "$PY" eval.py target=smollm2 "${src[@]}" num_prompts="${NUM_PROMPTS:-32}" max_new_tokens="${MAX_NEW_TOKENS:-128}" \
+  "$PY" eval.py target=smollm2 "${src[@]}" num_prompts="${NUM_PROMPTS:-16}" max_new_tokens="${MAX_NEW_TOKENS:-128}" \
     compare_target=$compare plots=false out="$dir" ${EVAL_EXTRA:-}
 done
 # the compute behind each quarter: the runs' own FLOP counts, EAGLE-3's from scripts/bench_step_flops.py
