@@ -30,7 +30,7 @@ from dspark.evaluation import adaptive, analysis, plots
 from dspark.evaluation.metrics import AcceptanceCounter
 from dspark.evaluation.scheduler import SPSTable
 from dspark.evaluation.verify import NOT_REPRODUCED, REJECTION_SAMPLE_METHODS
-from dspark.evaluation.speculative import DRAFT_SAMPLE_METHODS, Decoded, Timing, acceptance_counter, plain_generate, \
+from dspark.evaluation.speculative import Decoded, Timing, acceptance_counter, plain_generate, \
     speculative_generate_batch
 from dspark.integrity import check_file
 from dspark.schema import EvalKeys, TargetKeys, check_section, eval_config, typed
@@ -349,8 +349,6 @@ def _validate(cfg: EvalKeys) -> None:
     require(cfg.device == "cpu" or torch.cuda.is_available(), "device", f"{cfg.device!r} but CUDA is not available")
     require(not cfg.sps_table or resolve_path(cfg.sps_table).is_file(), "sps_table",
             f"{cfg.sps_table!r} is not a file")
-    require(cfg.draft_sample_method in DRAFT_SAMPLE_METHODS, "draft_sample_method",
-            f"must be one of {DRAFT_SAMPLE_METHODS}, got {cfg.draft_sample_method!r}")
     method = cfg.rejection_sample_method
     require(method not in NOT_REPRODUCED, "rejection_sample_method",
             f"{method!r} is one of vLLM's lossy methods {NOT_REPRODUCED}, which eval.py does not reproduce; "
