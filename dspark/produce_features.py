@@ -12,13 +12,12 @@ import threading
 import time
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from dspark.data import feature_stream
 from dspark.data.feature_cache import production_plan
 from dspark.data.feature_cache_build import produce_feature_cache
 from dspark.factory import build_dataset
 from dspark.io import remove_stale_tmp
+from dspark.schema import run_config
 
 log = logging.getLogger("dspark.feature_stream")
 
@@ -47,7 +46,7 @@ def main(argv: list[str]) -> int:
     log.info("producer: %s, %d shards of %d examples, order %s...", folder, len(spec["order"]), spec["shard_size"],
              spec["order"][:8])
     with production_plan(spec["order"], spec["key"]):
-        produce_feature_cache(OmegaConf.create(spec["config"]), build_dataset, int(spec["shard_size"]))
+        produce_feature_cache(run_config(spec["config"]), build_dataset, int(spec["shard_size"]))
     (folder / feature_stream.LOCK_NAME).unlink(missing_ok=True)  # complete: an ordinary offline cache
     log.info("producer: %s complete", folder)
     return 0

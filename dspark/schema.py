@@ -379,7 +379,8 @@ def check_eval_keys(cfg, schema: type = EvalKeys) -> dict:
 
 
 def typed(schema: type, values: Mapping[str, Any]):
-    """The schema's dataclass holding checked plain values, nested groups as their own dataclasses."""
+    """The schema's dataclass holding checked plain values (keys it does not have are left out), nested groups as
+    their own dataclasses."""
     hints = typing.get_type_hints(schema)
     return schema(**{f.name: typed(hints[f.name], values[f.name]) if dataclasses.is_dataclass(hints[f.name])
                      else values[f.name] for f in dataclasses.fields(schema)})
@@ -389,6 +390,45 @@ def eval_config(cfg, schema: type = EvalKeys):
     """The typed config of eval.py (EvalKeys) or serve_check (ServeCheckKeys), built once from Hydra's DictConfig
     after every key is checked; what the evaluation reads, by attribute (cfg.num_prompts, cfg.target.kind)."""
     return cfg if isinstance(cfg, schema) else typed(schema, check_eval_keys(cfg, schema))
+
+
+@dataclass(kw_only=True)
+class RunConfig(RunKeys):
+    """train.py's config as one typed object, built once after every key is checked (`run_config`); each piece reads
+    its own section by attribute: `target` (TargetKeys), `data` (DataKeys), `train` (TrainKeys, the keys every
+    objective shares). Typed by their owners: `draft` (the family's group: its Config types it,
+    registry.build_config), `objective` (the train.* keys the objectives own: the draft's objective types its own,
+    Module.KEYS), `trainer` (lightning's Trainer arguments), `callbacks` / `logger` ({_target_: ...} nodes)."""
+
+    target: TargetKeys
+    data: DataKeys
+    train: TrainKeys
+    objective: dict[str, Any]
+    draft: dict[str, Any]
+    trainer: dict[str, Any]
+    callbacks: Optional[dict[str, Any]]
+    logger: Optional[dict[str, Any]]
+
+    def values(self) -> dict:
+        """The plain config again (train.* whole), as checkpoints' hyper_parameters and the loggers hold it."""
+        out = dataclasses.asdict(self)
+        out["train"] = {**out["train"], **out.pop("objective")}
+        return out
+
+
+def run_config(cfg) -> RunConfig:
+    """The typed config of train.py (RunConfig) from Hydra's DictConfig (or its plain values), every key checked;
+    a RunConfig is returned as it is."""
+    if isinstance(cfg, RunConfig):
+        return cfg
+    values = check_run_keys(cfg)
+    train = values["train"]
+    return RunConfig(
+        **{k: values[k] for k in keys_of(RunKeys)},
+        target=typed(TargetKeys, values["target"]), data=typed(DataKeys, values["data"]), train=typed(TrainKeys, train),
+        objective={k: v for k, v in train.items() if k not in keys_of(TrainKeys)},
+        draft=values["draft"], trainer=values["trainer"], callbacks=values.get("callbacks"),
+        logger=values.get("logger"))
 
 
 def describe(schema: type, prefix: str) -> list[tuple[str, str]]:

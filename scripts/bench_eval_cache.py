@@ -132,9 +132,9 @@ def save_untrained(experiment: str, run_dir: str) -> None:
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"experiment={experiment}"])
     torch.manual_seed(0)
-    target = factory.build_target(cfg)
-    draft = factory.build_draft(cfg, target)
-    export_draft(draft, cfg, Path(run_dir) / "draft", target.fingerprint())
+    target = factory.build_target(cfg.target, cfg.draft)
+    draft = factory.build_draft(cfg.draft, target)
+    export_draft(draft, cfg.draft, cfg.target, Path(run_dir) / "draft", target.fingerprint())
     print(f"untrained {experiment} draft written to {run_dir}/draft")
 
 

@@ -82,6 +82,7 @@ def build(case: dict):
 
     sys.path.insert(0, str(REPO))
     from dspark.models import registry
+    from dspark.schema import TrainKeys, typed
     from dspark.targets.hf_target import FrozenTarget
     from dspark.training.blocks import sample_anchors
     from dspark.training.module import OptimConfig
@@ -100,13 +101,12 @@ def build(case: dict):
              "target_layer_ids": list(range(case["layers"])), "markov_rank": 64, "markov_head_type": "vanilla",
              "sliding_window": case.get("window"), "layout": "anchor", "init_from_target": False, "arch": {}}
     draft = registry.build_draft(group, target)
-    train = OmegaConf.load(REPO / "configs" / "config.yaml").train
-    train.lr = 6e-4  # DeepSpec
-    train.fused_loss = case["variant"].startswith("fused") or case["variant"].startswith("dense-mask")
-    optim = OptimConfig(lr=float(train.lr), weight_decay=float(train.weight_decay), betas=tuple(train.betas),
-                        warmup_ratio=float(train.warmup_ratio), min_lr_ratio=float(train.min_lr_ratio),
-                        max_steps=1000)
-    module = MODULES[registry.family("dspark_dense").objective].from_config(train, draft, target, optim)
+    train = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "config.yaml").train)
+    train["lr"] = 6e-4  # DeepSpec
+    train["fused_loss"] = case["variant"].startswith("fused") or case["variant"].startswith("dense-mask")
+    module_cls = MODULES[registry.family("dspark_dense").objective]
+    optim = OptimConfig.from_keys(typed(TrainKeys, train), max_steps=1000)
+    module = module_cls.from_config(typed(module_cls.KEYS, train), draft, target, optim)
     if case["variant"].startswith("dense-mask"):
         module.packed_attention_mask = False
     module.train()

@@ -53,22 +53,24 @@ def build(cfg, overrides: list[str]):
 
     sys.path.insert(0, str(REPO))
     from dspark import factory
-    from dspark.data.feature_cache_build import rows_before_target
+    from dspark.data.feature_cache_build import rows_before_target, target_loading
     from dspark.errors import ConfigError
     from dspark.preflight import check_training_config
+    from dspark.schema import run_config
     from dspark.training.draft_vocab import install_draft_vocab
 
     check_training_config(cfg, overrides)
-    if cfg.data.get("feature_stream"):
+    run = run_config(cfg)
+    if run.data.feature_stream:
         raise ConfigError("bench_step_flops: data.feature_stream=true is not measured here; build the cache first")
-    L.seed_everything(int(cfg.seed), workers=True, verbose=False)
+    L.seed_everything(run.seed, workers=True, verbose=False)
     torch.set_float32_matmul_precision("high")
-    dataset = rows_before_target(cfg, factory.build_dataset)
-    target = factory.build_target(cfg, dataset)
-    draft = factory.build_draft(cfg, target)
-    datamodule = factory.build_datamodule(cfg, target.tokenizer, dataset=dataset, target=target)
+    dataset = rows_before_target(run, factory.build_dataset)
+    target = factory.build_target(run.target, run.draft, target_loading(run, dataset))
+    draft = factory.build_draft(run.draft, target)
+    datamodule = factory.build_datamodule(run, target.tokenizer, dataset=dataset, target=target)
     install_draft_vocab(draft, datamodule.train_rows, target.tokenizer)
-    module = factory.build_module(cfg, draft, target)
+    module = factory.build_module(run, draft, target)
     device = _device(cfg)
     module.to(device).train()
     module.on_fit_start()  # no Trainer: attaches the target (device, shared embedding / LM head)

@@ -23,6 +23,7 @@ def main(argv: list[str]) -> int:
     from dspark.data.feature_cache_build import build_feature_cache_offline
     from dspark.factory import build_dataset
     from dspark.preflight import check_training_config
+    from dspark.schema import run_config
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     configs = Path(__file__).resolve().parents[1] / "configs"
@@ -30,7 +31,7 @@ def main(argv: list[str]) -> int:
         cfg = compose(config_name="config", overrides=argv)
     try:
         check_training_config(cfg)
-        path = build_feature_cache_offline(cfg, build_dataset)
+        path = build_feature_cache_offline(run_config(cfg), build_dataset)
     except (UserError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,7 +19,8 @@ def main(argv: list[str]) -> int:
     from hydra import compose, initialize_config_dir
 
     from dspark import factory
-    from dspark.data.feature_cache_build import rows_before_target
+    from dspark.data.feature_cache_build import rows_before_target, target_loading
+    from dspark.schema import run_config
     from dspark.training.draft_vocab import install_draft_vocab
 
     scales = [1.0, 0.5, 0.25, 0.1]
@@ -29,13 +30,14 @@ def main(argv: list[str]) -> int:
         argv = argv[:i]
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=argv)
-    torch.manual_seed(int(cfg.seed))
-    dataset = rows_before_target(cfg, factory.build_dataset)
-    target = factory.build_target(cfg, dataset)
-    draft = factory.build_draft(cfg, target)
-    dm = factory.build_datamodule(cfg, target.tokenizer, dataset=dataset, target=target)
+    run = run_config(cfg)
+    torch.manual_seed(run.seed)
+    dataset = rows_before_target(run, factory.build_dataset)
+    target = factory.build_target(run.target, run.draft, target_loading(run, dataset))
+    draft = factory.build_draft(run.draft, target)
+    dm = factory.build_datamodule(run, target.tokenizer, dataset=dataset, target=target)
     install_draft_vocab(draft, dm.train_rows, target.tokenizer)
-    module = factory.build_module(cfg, draft, target).eval()
+    module = factory.build_module(run, draft, target).eval()
     module._attach_target()
     batches = list(dm.val_dataloader())
     print("| final-norm scale | held-out CE | tau_prob | agree pos 0 | draft logit std | teacher logit std |")

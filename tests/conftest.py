@@ -191,7 +191,7 @@ def tiny_dense_dspark_run(root):
                  "layout": "anchor", "init_from_target": False, "arch": {}}
     cfg = OmegaConf.create({"target": {"kind": "hf", "path": str(root / "target"), "dtype": "float32"},
                             "draft": draft_cfg})
-    target = factory.build_target(cfg)
-    draft = factory.build_draft(cfg, target)
-    export_draft(draft, cfg, root / "run" / "draft", target.fingerprint())  # records target.json as train.py
+    target = factory.build_target(cfg.target, cfg.draft)
+    draft = factory.build_draft(cfg.draft, target)
+    export_draft(draft, cfg.draft, cfg.target, root / "run" / "draft", target.fingerprint())  # records target.json as train.py
     return cfg, target, draft, root / "run"

@@ -181,9 +181,9 @@ def test_verify_and_import_refuse_an_altered_export(finished_run, tmp_path):
     report = verify_folder(out)
     assert not report.ok and any("integrity" in p and "changed since export" in p for p in report.problems)
     cfg = compose(TINY_RUN)
-    target = factory.build_target(cfg)
+    target = factory.build_target(cfg.target, cfg.draft)
     with pytest.raises(IntegrityError, match="changed since export"):
-        import_v4_sidecar(out, factory.build_draft(cfg, target))
+        import_v4_sidecar(out, factory.build_draft(cfg.draft, target))
 
 
 @pytest.mark.parametrize("edit", ["shorter", "same_size"])

@@ -40,8 +40,8 @@ def v4_run(tmp_path_factory):
 
     run = tmp_path_factory.mktemp("v4_run")
     cfg = compose(TINY_RUN + [f"run_dir={run}"])
-    target = factory.build_target(cfg)
-    export_draft(factory.build_draft(cfg, target), cfg, run / "draft", target.fingerprint())
+    target = factory.build_target(cfg.target, cfg.draft)
+    export_draft(factory.build_draft(cfg.draft, target), cfg.draft, cfg.target, run / "draft", target.fingerprint())
     return run
 
 

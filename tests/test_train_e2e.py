@@ -50,7 +50,7 @@ def test_tiny_run_writes_checkpoint_metrics_and_draft(tmp_path):
     weights = load_file(tmp_path / "draft" / "model.safetensors")
     assert "main_proj.weight" in weights and not any("embed" in k or "lm_head" in k for k in weights)
     pinned = json.loads((tmp_path / "draft" / "target.json").read_text())  # eval refuses other target weights
-    assert pinned["kind"] == "tiny_v4" and pinned["fingerprint"] == factory.build_target(cfg).fingerprint()
+    assert pinned["kind"] == "tiny_v4" and pinned["fingerprint"] == factory.build_target(cfg.target, cfg.draft).fingerprint()
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["global_step"] == 6 == summary["global_step"]
     for part in ("step0", "final"):
@@ -81,8 +81,8 @@ def test_tiny_run_writes_checkpoint_metrics_and_draft(tmp_path):
     from dspark.export.dspark_v4 import import_v4_sidecar
 
     assert verify_folder(tmp_path / "export").ok
-    target = factory.build_target(cfg)
-    fresh = import_v4_sidecar(tmp_path / "export", factory.build_draft(cfg, target))
+    target = factory.build_target(cfg.target, cfg.draft)
+    fresh = import_v4_sidecar(tmp_path / "export", factory.build_draft(cfg.draft, target))
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, weights[k]), k
 

@@ -177,10 +177,9 @@ def build(cfg: EvalKeys, source: tuple[DictConfig, Path, Path] | None = None
     when the caller has it already."""
     draft_group, weights, run_dir = source if source is not None else draft_source(cfg)
     draft_group = OmegaConf.merge(draft_group, {"init_from_target": False})  # trained weights overwrite it
-    build_cfg = OmegaConf.create({"target": dataclasses.asdict(cfg.target),
-                                  "draft": OmegaConf.to_container(draft_group, resolve=True)})
-    target = factory.build_target(build_cfg)
-    draft = factory.build_draft(build_cfg, target)
+    group = OmegaConf.to_container(draft_group, resolve=True)
+    target = factory.build_target(cfg.target, group)
+    draft = factory.build_draft(group, target)
     load_draft_weights(draft, weights)
     device = torch.device(str(cfg.device))
     target.to(device)

@@ -34,8 +34,8 @@ def _load_run_draft(run_dir: Path, target_kind: str, target_path: str | None):
         "target": {"kind": target_kind, "path": target_path, "dtype": "float32"},
         "draft": json.loads((draft_dir / "draft_config.json").read_text()),
     })
-    target = factory.build_target(cfg)
-    draft = factory.build_draft(cfg, target)
+    target = factory.build_target(cfg.target, cfg.draft)
+    draft = factory.build_draft(cfg.draft, target)
     missing, unexpected = draft.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise SystemExit(f"trained weights do not fit the draft: missing {missing}, unexpected {unexpected}")

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 
 from dspark.errors import ConfigError
 from dspark.models.block_draft import block_attention_mask, packed_block_attention_mask
@@ -76,11 +75,10 @@ class BlockDraftModule(DraftLightningModule):
             raise ConfigError(f"train.loss_weights: weights must be >= 0 and not all 0, got {weights}")
 
     @classmethod
-    def from_config(cls, train: DictConfig, draft, target: FrozenTarget, optim: OptimConfig) -> "BlockDraftModule":
-        """The BlockKeys of train.* (checked by dspark.schema before any model loads)."""
-        return cls(draft, target, decay_gamma=float(train.decay_gamma),
-                   loss_weights=LossWeights(**OmegaConf.to_container(train.loss_weights)), optim=optim,
-                   fused_loss=bool(train.fused_loss))
+    def from_config(cls, keys: BlockKeys, draft, target: FrozenTarget, optim: OptimConfig) -> "BlockDraftModule":
+        """The module from its train.* keys (checked by dspark.schema before any model loads)."""
+        return cls(draft, target, decay_gamma=float(keys.decay_gamma), loss_weights=LossWeights(**keys.loss_weights),
+                   optim=optim, fused_loss=bool(keys.fused_loss))
 
     def lm_head_vocab(self) -> tuple[int, int]:
         """(vocabulary rows the draft's LM-head GEMMs score in a training step, vocabulary rows the teacher's LM-head

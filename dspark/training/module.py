@@ -25,6 +25,13 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
     max_steps: int = 100
 
+    @classmethod
+    def from_keys(cls, train, max_steps: int) -> "OptimConfig":
+        """From the train section (dspark.schema.TrainKeys) and trainer.max_steps."""
+        return cls(lr=float(train.lr), weight_decay=float(train.weight_decay), betas=tuple(train.betas),
+                   warmup_ratio=float(train.warmup_ratio), min_lr_ratio=float(train.min_lr_ratio),
+                   max_steps=int(max_steps))
+
 
 def warmup_cosine(step: int, max_steps: int, warmup_ratio: float, min_lr_ratio: float) -> float:
     """LR multiplier: linear warmup over ceil(warmup_ratio*max_steps) steps, then cosine to min_lr_ratio."""

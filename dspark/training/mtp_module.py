@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 
 from dspark.errors import ConfigError
 from dspark.ops.lm_head import lm_head_logits
@@ -49,10 +48,10 @@ class MTPDraftModule(DraftLightningModule):
             raise ConfigError(f"train.mtp_loss_weights: weights must be >= 0 and not both 0, got {raw}")
 
     @classmethod
-    def from_config(cls, train: DictConfig, draft, target: FrozenTarget, optim: OptimConfig) -> "MTPDraftModule":
-        """The MTPKeys of train.* (checked by dspark.schema before any model loads)."""
-        lw = MTPLossWeights(**{k: float(v) for k, v in OmegaConf.to_container(train.mtp_loss_weights).items()})
-        return cls(draft, target, beta=float(train.mtp_beta), loss_weights=lw, optim=optim)
+    def from_config(cls, keys: MTPKeys, draft, target: FrozenTarget, optim: OptimConfig) -> "MTPDraftModule":
+        """The module from its train.* keys (checked by dspark.schema before any model loads)."""
+        weights = MTPLossWeights(**{k: float(v) for k, v in keys.mtp_loss_weights.items()})
+        return cls(draft, target, beta=float(keys.mtp_beta), loss_weights=weights, optim=optim)
 
     def losses(self, batch, metrics: bool = True) -> dict[str, torch.Tensor]:
         ids, lm = batch["input_ids"], batch["loss_mask"] * batch["attention_mask"]  # [B, S]

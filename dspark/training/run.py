@@ -12,14 +12,14 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from omegaconf import DictConfig, OmegaConf
 
 from dspark import factory
-from dspark.data.feature_cache_build import rows_before_target
+from dspark.data.feature_cache_build import rows_before_target, target_loading
 from dspark.data.feature_stream import producer_scope
 from dspark.errors import ConfigError, require
 from dspark.integrity import MANIFEST_NAME, check_file, check_manifest, remove_checked, write_checked
 from dspark.io import atomic_write_json
+from dspark.schema import RunConfig, TargetKeys, run_config
 from dspark.training import draft_dir
 from dspark.training.callbacks import Throughput
 from dspark.training.draft_vocab import install_draft_vocab
@@ -99,18 +99,17 @@ class LogsFollowCheckpoints(Callback):
                 logger.save()
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list[Callback]) -> L.Trainer:
-    """cfg.trainer / callbacks / logger -> Trainer (dspark.training.trainer), with the atomic checkpoint IO."""
-    t = OmegaConf.to_container(cfg.trainer, resolve=True)
-    strategy = str(t.get("strategy", ""))
+def build_trainer(run: RunConfig, callbacks: list[Callback]) -> L.Trainer:
+    """run.trainer / callbacks / logger -> Trainer (dspark.training.trainer), with the atomic checkpoint IO."""
+    strategy = str(run.trainer.get("strategy", ""))
     plugins = [] if strategy.startswith(("deepspeed", "fsdp2")) else [AtomicCheckpointIO()]  # (they write folders)
-    return make_trainer(cfg, callbacks, plugins)
+    return make_trainer(run, callbacks, plugins)
 
 
-def resolve_resume(cfg: DictConfig, run_dir: Path) -> str | None:
-    """The checkpoint to resume from (checked against its checksum now, before any model loads), or None for a
-    fresh run; a fresh run refuses a run_dir that already holds another run's checkpoints or draft."""
-    if cfg.resume in (None, "", False):
+def resolve_resume(resume: str | None, run_dir: Path) -> str | None:
+    """The checkpoint `resume` (null | last | a path) names, checked against its checksum now, before any model loads;
+    None for a fresh run, which refuses a run_dir that already holds another run's checkpoints or draft."""
+    if resume in (None, "", False):
         if is_launcher_process():
             used = [p.name for p in (run_dir / "checkpoints", run_dir / draft_dir.DRAFT_DIR)
                     if p.is_dir() and any(not f.name.startswith(".") for f in p.iterdir())]
@@ -118,12 +117,12 @@ def resolve_resume(cfg: DictConfig, run_dir: Path) -> str | None:
                             f"{run_dir} already holds a run ({', '.join(used)}/): resume it with resume=last, "
                             "or choose another run_dir=")
         return None
-    if cfg.resume == "last":
+    if resume == "last":
         path = newest_checkpoint(run_dir / "checkpoints")
         require(path is not None, "resume", f"{run_dir / 'checkpoints'} holds no complete checkpoint to resume "
                                             "(resume=last)")
     else:
-        path = Path(str(cfg.resume))
+        path = Path(str(resume))
     if path.is_dir():  # a sharded checkpoint (trainer=fsdp2): one file per rank + the run state in meta.pt
         require(not (path / "latest").is_file(), "resume",
                 f"{str(path)!r} is a DeepSpeed checkpoint folder (trainer=deepspeed_zero2|3), which dspark does not "
@@ -180,16 +179,18 @@ def newest_checkpoint(folder: Path) -> Path | None:
     return chosen
 
 
-def target_record(cfg: DictConfig, fingerprint: str | None) -> dict:
+def target_record(target: TargetKeys, fingerprint: str | None) -> dict:
     """draft/target.json: the target a draft was trained against (eval.py refuses other weights)."""
-    return {"kind": str(cfg.target.kind), "path": None if cfg.target.path is None else str(cfg.target.path),
+    return {"kind": str(target.kind), "path": None if target.path is None else str(target.path),
             "fingerprint": fingerprint}
 
 
-def export_draft(draft: torch.nn.Module, cfg: DictConfig, out_dir: Path, fingerprint: str | None = None) -> None:
-    """A complete, sealed draft/ folder in one call (what a finished run leaves behind)."""
-    draft_dir.write_weights_and_config(draft, OmegaConf.to_container(cfg.draft, resolve=True), out_dir)
-    draft_dir.seal(out_dir, target_record(cfg, fingerprint))
+def export_draft(draft: torch.nn.Module, group, target: TargetKeys, out_dir: Path,
+                 fingerprint: str | None = None) -> None:
+    """A complete, sealed draft/ folder in one call (what a finished run leaves behind): the draft of the draft group
+    `group`, trained against the target of the target section `target`."""
+    draft_dir.write_weights_and_config(draft, factory.resolved_group(draft, group), out_dir)
+    draft_dir.seal(out_dir, target_record(target, fingerprint))
 
 
 def _saved_step(path: Path) -> int | None:
@@ -291,7 +292,7 @@ def print_and_log(text: str) -> None:
             handler.handle(record)
 
 
-def resume_command(cfg: DictConfig, run_dir: Path) -> str:
+def resume_command(experiment_name: str, run_dir: Path) -> str:
     """The train.py command that resumes this run when pasted: the run's own command-line overrides (its experiment
     first; `experiment=<experiment_name>` when no command line is known and that experiment exists), its run_dir,
     resume=last."""
@@ -301,9 +302,8 @@ def resume_command(cfg: DictConfig, run_dir: Path) -> str:
 
     keep = [o for o in command_line_overrides() if o.split("=", 1)[0].lstrip("+~") not in ("run_dir", "resume")]
     if not any(o.startswith("experiment=") for o in keep):
-        name = str(cfg.get("experiment_name") or "")
-        if (Path(__file__).resolve().parents[2] / "configs" / "experiment" / f"{name}.yaml").is_file():
-            keep.insert(0, f"experiment={name}")
+        if (Path(__file__).resolve().parents[2] / "configs" / "experiment" / f"{experiment_name}.yaml").is_file():
+            keep.insert(0, f"experiment={experiment_name}")
     return "python train.py " + " ".join(shlex.quote(o) for o in [*keep, f"run_dir={run_dir}", "resume=last"])
 
 
@@ -335,28 +335,30 @@ def final_report(summary: dict, run_dir: Path, seconds: float, pictures: list[Pa
     return "\n".join(lines)
 
 
-def run_training(cfg: DictConfig, callbacks: tuple[Callback, ...] = ()) -> dict:
+def run_training(cfg, callbacks: tuple[Callback, ...] = ()) -> dict:
     """Runs (or resumes) one training job; `callbacks` are extra Lightning callbacks (tests, tools).
 
     Order of safety: every config check before any model loads; one run per run_dir (lock); the trained
     draft is written right after fit, before anything that could still fail (target fingerprint, metrics), and
-    `resume=last` on a finished run only redoes those end-of-run steps."""
+    `resume=last` on a finished run only redoes those end-of-run steps. `cfg`: Hydra's DictConfig, checked
+    (dspark.preflight) and typed (dspark.schema.RunConfig) here, once; everything below reads the typed sections."""
     from dspark.preflight import check_training_config
 
     values = check_training_config(cfg)
-    run_dir = Path(str(cfg.run_dir))
+    run = run_config(cfg)
+    run_dir = Path(run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with claim_run_dir(run_dir):
-        ckpt_path = resolve_resume(cfg, run_dir)
+        ckpt_path = resolve_resume(run.resume, run_dir)
         if ckpt_path is not None:
             plan, then = check_resumed_config(values, Path(ckpt_path), run_dir)
             if is_launcher_process():  # once per job, not once per rank
                 print_and_log(plan)
-            if cfg.data.val_examples == "auto":  # a resumed run keeps its own held-out split
-                cfg.data.val_examples = (then.get("data") or {}).get("val_examples", "auto")
+            if run.data.val_examples == "auto":  # a resumed run keeps its own held-out split
+                run.data.val_examples = (then.get("data") or {}).get("val_examples", "auto")
         if is_launcher_process():
-            atomic_write_json(run_dir / RESUME_RECORD, {"resume": resume_command(cfg, run_dir)})
-        return _train(cfg, run_dir, ckpt_path, callbacks)
+            atomic_write_json(run_dir / RESUME_RECORD, {"resume": resume_command(run.experiment_name, run_dir)})
+        return _train(run, run_dir, ckpt_path, callbacks)
 
 
 def check_resumed_config(values: dict, ckpt: Path, run_dir: Path) -> tuple[str, dict]:
@@ -391,50 +393,50 @@ def check_resumed_config(values: dict, ckpt: Path, run_dir: Path) -> tuple[str, 
     return planned_steps(then, step, int(values["trainer"]["max_steps"]), asked), then
 
 
-def _train(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> dict:
+def _train(run: RunConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> dict:
     # Mid-run resume IS exact here: ChatDataModule checkpoints the batches consumed and its sampler
     # skips them (tests/test_train_e2e.py). Lightning cannot see that and warns otherwise.
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
     t0 = time.perf_counter()
-    L.seed_everything(int(cfg.seed), workers=True)
+    L.seed_everything(run.seed, workers=True)
     torch.set_float32_matmul_precision("high")
     # the rows come first (tokenizer only): the held-out split is checked against them before any model loads, and
     # with data.feature_cache a complete cache (a hit) loads only the target's head
-    dataset = rows_before_target(cfg, factory.build_dataset)
-    choose_held_out(cfg, len(dataset))
-    target = factory.build_target(cfg, dataset)
-    draft = factory.build_draft(cfg, target)
-    datamodule = factory.build_datamodule(cfg, target.tokenizer, dataset=dataset, target=target)
+    dataset = rows_before_target(run, factory.build_dataset)
+    run.data.val_examples = choose_held_out(run.data.val_examples, len(dataset))
+    target = factory.build_target(run.target, run.draft, target_loading(run, dataset))
+    draft = factory.build_draft(run.draft, target)
+    run.draft = factory.resolved_group(draft, run.draft)  # draft_config.json, hyper_parameters, a stream's producer
+    datamodule = factory.build_datamodule(run, target.tokenizer, dataset=dataset, target=target)
     install_draft_vocab(draft, datamodule.train_rows, target.tokenizer)  # draft.arch.draft_vocab_size
     with producer_scope(datamodule.features):  # data.feature_stream: its producer finishes (or stops on an error)
-        return _fit(cfg, run_dir, ckpt_path, callbacks, target, draft, datamodule, t0)
+        return _fit(run, run_dir, ckpt_path, callbacks, target, draft, datamodule, t0)
 
 
-def choose_held_out(cfg: DictConfig, n: int) -> int:
-    """cfg.data.val_examples as the number of held-out conversations of the `n` usable ones (auto: a tenth, at most
+def choose_held_out(val_examples: int | str, n: int) -> int:
+    """data.val_examples as the number of held-out conversations of the `n` usable ones (auto: a tenth, at most
     64; a resumed run has its checkpoint's count by now, run_training), said in one line when auto holds out fewer
     than 64."""
     from dspark.training.data_module import AUTO_HELD_OUT_MAX, held_out_count
 
-    count = held_out_count(cfg.data.val_examples, n)
-    if cfg.data.val_examples == "auto" and count < AUTO_HELD_OUT_MAX and is_launcher_process():
+    count = held_out_count(val_examples, n)
+    if val_examples == "auto" and count < AUTO_HELD_OUT_MAX and is_launcher_process():
         print_and_log(f"data.val_examples=auto: {count} of {n} usable conversations held out for validation (a "
                       f"tenth; {AUTO_HELD_OUT_MAX} on larger data)")
-    cfg.data.val_examples = count
     return count
 
 
-def _fit(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks, target, draft, datamodule,
+def _fit(run: RunConfig, run_dir: Path, ckpt_path: str | None, callbacks, target, draft, datamodule,
          t0: float) -> dict:
-    module = factory.build_module(cfg, draft, target)
+    module = factory.build_module(run, draft, target)
     throughput = Throughput()
-    trainer = build_trainer(cfg, run_dir, [throughput, LogsFollowCheckpoints(), *callbacks])
+    trainer = build_trainer(run, [throughput, LogsFollowCheckpoints(), *callbacks])
     n_params = sum(p.numel() for p in draft.parameters())
     log.info("draft parameters: %d; run dir: %s", n_params, run_dir)
 
     summary_path = run_dir / "metrics.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    if ckpt_path is None and cfg.validate_at_start:
+    if ckpt_path is None and run.validate_at_start:
         trainer.validate(module, datamodule=datamodule, verbose=False)
         summary["step0"] = dict(getattr(module, "last_val_metrics", {}))
         if trainer.is_global_zero:
@@ -442,7 +444,7 @@ def _fit(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks, targe
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except Exception as err:  # noqa: BLE001 (a rank that died: one line, dspark.training.rank_loss)
-        lost = rank_lost_error(err, trainer, resume_command(cfg, run_dir))
+        lost = rank_lost_error(err, trainer, resume_command(run.experiment_name, run_dir))
         if lost is None:
             raise
         raise lost from None
@@ -450,21 +452,21 @@ def _fit(cfg: DictConfig, run_dir: Path, ckpt_path: str | None, callbacks, targe
     out = run_dir / draft_dir.DRAFT_DIR
     full = gathered_draft_state(draft, trainer.is_global_zero)  # FSDP2 / ZeRO-3 shards (a collective: every rank)
     if trainer.is_global_zero:  # the trained weights first: nothing below can lose them
-        draft_dir.write_weights_and_config(draft, OmegaConf.to_container(cfg.draft, resolve=True), out, state=full)
+        draft_dir.write_weights_and_config(draft, run.draft, out, state=full)
     validated_last = trainer.global_step * trainer.accumulate_grad_batches % trainer.val_check_batch == 0
     if not validated_last or not getattr(module, "last_val_metrics", None):
         trainer.validate(module, datamodule=datamodule, verbose=False)
     summary.update(
         final=dict(getattr(module, "last_val_metrics", {})), global_step=trainer.global_step,
-        draft_parameters=n_params, throughput=throughput.summary(), experiment=cfg.experiment_name,
+        draft_parameters=n_params, throughput=throughput.summary(), experiment=run.experiment_name,
         target_health=getattr(module, "target_health", None),
     )
     if trainer.is_global_zero:
-        draft_dir.seal(out, target_record(cfg, target.fingerprint()))
+        draft_dir.seal(out, target_record(run.target, target.fingerprint()))
         atomic_write_json(summary_path, summary)
         for logger in trainer.loggers:
             logger.save()
-        curves = write_curves(run_dir, title=f"{cfg.experiment_name}: {run_dir.name}")
+        curves = write_curves(run_dir, title=f"{run.experiment_name}: {run_dir.name}")
         print_and_log(final_report(summary, run_dir, time.perf_counter() - t0, [curves] if curves else [],
-                                   resume=resume_command(cfg, run_dir), tokenizer=target.tokenizer))
+                                   resume=resume_command(run.experiment_name, run_dir), tokenizer=target.tokenizer))
     return summary

@@ -6,18 +6,18 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary
-from omegaconf import DictConfig, OmegaConf
 
 import dspark.training.sharding  # noqa: F401  (registers the "fsdp2" strategies with Lightning)
 from dspark.errors import ConfigError
+from dspark.schema import RunConfig, run_config
 from dspark.training.callbacks import LogLastStep, OneLineModelSummary, step_progress_bar
 
 
-def instantiate_group(cfg: DictConfig, group: str) -> list:
+def instantiate_group(nodes: dict | None, group: str) -> list:
     """One object per non-null `<group>.<name>` node (a `_target_` and its keyword arguments), in order (the nodes'
     shape is checked by dspark.schema before any model loads)."""
     out = []
-    for name, spec in (cfg.get(group) or {}).items():
+    for name, spec in (nodes or {}).items():
         if spec is None:
             continue
         try:
@@ -27,18 +27,19 @@ def instantiate_group(cfg: DictConfig, group: str) -> list:
     return out
 
 
-def build_loggers(cfg: DictConfig) -> list:
-    return instantiate_group(cfg, "logger")
+def build_loggers(run: RunConfig) -> list:
+    return instantiate_group(run_config(run).logger, "logger")
 
 
-def make_trainer(cfg: DictConfig, callbacks: list[Callback], plugins: list) -> Trainer:
-    """Trainer(**cfg.trainer) with the callbacks group + `callbacks` (the run's own), the logger group and
+def make_trainer(run: RunConfig, callbacks: list[Callback], plugins: list) -> Trainer:
+    """Trainer(**run.trainer) with the callbacks group + `callbacks` (the run's own), the logger group and
     `plugins`. The progress bar counts steps (callbacks.step_progress_bar) when trainer.enable_progress_bar; the
     model summary is one log line (callbacks.OneLineModelSummary) unless trainer.enable_model_summary is set; the
     last step's train metrics and lr are logged even when log_every_n_steps does not divide max_steps."""
-    kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    run = run_config(run)
+    kwargs = dict(run.trainer)
     trainer_cls = get_class(kwargs.pop("_target_", "lightning.pytorch.Trainer"))
-    cbs = [*callbacks, *instantiate_group(cfg, "callbacks")]  # the run's own first: they fix the logging step
+    cbs = [*callbacks, *instantiate_group(run.callbacks, "callbacks")]  # the run's own first: they fix the logging step
     if kwargs.get("enable_checkpointing") is False:  # Lightning refuses a ModelCheckpoint then
         cbs = [c for c in cbs if not isinstance(c, ModelCheckpoint)]
     if kwargs.get("enable_progress_bar", True) is not False:
@@ -48,4 +49,4 @@ def make_trainer(cfg: DictConfig, callbacks: list[Callback], plugins: list) -> T
             cbs.append(OneLineModelSummary())
         kwargs["enable_model_summary"] = False  # (True would log that a summary callback is there already)
     cbs.append(LogLastStep())  # the last step's train loss and lr, whatever log_every_n_steps says
-    return trainer_cls(**kwargs, callbacks=cbs, logger=build_loggers(cfg), plugins=plugins)
+    return trainer_cls(**kwargs, callbacks=cbs, logger=build_loggers(run), plugins=plugins)

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from conftest import REPO, vllm_or_skip
+from dspark.schema import run_config
 
 EPS32 = torch.finfo(torch.float32).eps
 TOL_ULPS = 128
@@ -271,7 +272,7 @@ def test_streamed_training_with_the_real_vllm_producer(tiny, tmp_path, monkeypat
     run_training(cfg, callbacks=(kind,))
     assert kind.kinds == [HeadOnlyTarget] and sorted(train_losses(tmp_path / "run")) == [0, 1, 2]
     streamed = FeatureCache(tmp_path / "fc")
-    rows = rows_before_target(cfg, build_dataset)
+    rows = rows_before_target(run_config(cfg), build_dataset)
     taps = [int(i) for i in cfg.draft.target_layer_ids]
     offline = FeatureCache(build_feature_cache(load_hf_target(str(tiny), taps, "float32"), rows, tmp_path / "hf",
                                                dtype=torch.float32))
@@ -384,10 +385,11 @@ def test_cache_built_as_its_own_job_is_the_one_training_reuses(tiny, tmp_path, m
     monkeypatch.setattr(engine, "VLLMWorker", FakeExtractWorker)
     FakeExtractWorker.started = 0
     cfg = _train_cfg(tiny, tmp_path / "run", "auto", "vllm", "/nonexistent/python")
-    path = build_feature_cache_offline(cfg, build_dataset)
+    path = build_feature_cache_offline(run_config(cfg), build_dataset)
     assert FakeExtractWorker.started == 1 and FeatureCache(path).meta["producer"] == "vllm"
     run_training(_train_cfg(tiny, tmp_path / "run", "auto", "vllm", "/nonexistent/python"),
                  callbacks=(NoTargetForward(),))
     assert FakeExtractWorker.started == 1  # reused: the same key, found where training looks
     with pytest.raises(ValueError, match="feature_producer"):
-        build_feature_cache_offline(_train_cfg(tiny, tmp_path / "run2", "auto", "hf", "/nonexistent/python"), build_dataset)
+        build_feature_cache_offline(run_config(_train_cfg(tiny, tmp_path / "run2", "auto", "hf", "/nonexistent/python")),
+                                    build_dataset)

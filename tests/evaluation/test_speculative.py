@@ -529,8 +529,8 @@ def eval_setup(tmp_path_factory):
                        init_from_target=False, arch={})
     cfg = OmegaConf.create({"target": {"kind": "hf", "path": str(root / "target"), "dtype": "float32"},
                             "draft": draft_group})
-    target = factory.build_target(cfg)
-    draft = factory.build_draft(cfg, target)
+    target = factory.build_target(cfg.target, cfg.draft)
+    draft = factory.build_draft(cfg.draft, target)
     state = {k: v.detach().clone() for k, v in draft.state_dict().items()}
     save_safetensors_atomic(state, root / "run" / "draft" / "model.safetensors")
     atomic_write_json(root / "run" / "draft" / "draft_config.json", draft_group)

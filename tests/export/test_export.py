@@ -268,11 +268,11 @@ def tiny_v4_run(tmp_path, num_layers: int):
     from dspark.training.run import export_draft
 
     cfg = compose(["experiment=dspark_v4", f"draft.num_layers={num_layers}"])
-    target = factory.build_target(cfg)
-    draft = factory.build_draft(cfg, target)
+    target = factory.build_target(cfg.target, cfg.draft)
+    draft = factory.build_draft(cfg.draft, target)
     _randomise(draft, seed=5)
     run = tmp_path / "run"
-    export_draft(draft, cfg, run / "draft")  # what train.py writes at the end of a run
+    export_draft(draft, cfg.draft, cfg.target, run / "draft")  # what train.py writes at the end of a run
     return cfg, target, draft, run
 
 
@@ -299,7 +299,7 @@ def test_cli_exports_verifies_and_reimports_a_tiny_v4_run(tmp_path):
     assert res.stdout.strip().splitlines()[-1] == (f"next: vllm serve {merged} --speculative-config "
                                                    "'{\"method\": \"dspark\", \"num_speculative_tokens\": 4}'")
     assert json.loads((out / "dspark_config.json").read_text())["n_mtp_layers"] == 2
-    back = factory.build_draft(cfg, target)
+    back = factory.build_draft(cfg.draft, target)
     assert not torch.equal(_logits(draft), _logits(back))
     import_v4_sidecar(out, back)
     assert torch.equal(_logits(draft), _logits(back))

@@ -34,13 +34,13 @@ def v4_run(tmp_path_factory):
     from dspark.training.run import export_draft
 
     cfg = compose(["experiment=dspark_v4", "draft.num_layers=2"])
-    draft = factory.build_draft(cfg, factory.build_target(cfg))
+    draft = factory.build_draft(cfg.draft, factory.build_target(cfg.target, cfg.draft))
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.01)
     run = tmp_path_factory.mktemp("export_folder") / "run"
-    export_draft(draft, cfg, run / "draft")
+    export_draft(draft, cfg.draft, cfg.target, run / "draft")
     return run, draft
 
 

@@ -250,11 +250,11 @@ def test_cli_exports_verifies_and_reimports_a_tiny_mtp_run(tmp_path, experiment,
     from dspark.training.run import export_draft
 
     cfg = compose([f"experiment={experiment}", "draft.num_layers=2"])
-    target = factory.build_target(cfg)
-    draft = factory.build_draft(cfg, target)
+    target = factory.build_target(cfg.target, cfg.draft)
+    draft = factory.build_draft(cfg.draft, target)
     _randomise(draft, seed=14)
     run = tmp_path / "run"
-    export_draft(draft, cfg, run / "draft")
+    export_draft(draft, cfg.draft, cfg.target, run / "draft")
     out = tmp_path / "out"
     extra = ["--split-experts"] if experiment == "hyv4_mtp" else []
     res = _cli("mtp", "--run-dir", str(run), "--out", str(out), "--dtype", "float32", *extra)  # target by kind
@@ -296,8 +296,8 @@ def test_merge_into_a_target_checkpoint(tmp_path, experiment):
 
     target_dir = TINY_HY_V4_DIR if experiment == "hyv4_mtp" else TINY_V4_DIR
     cfg = compose([f"experiment={experiment}", "draft.num_layers=2"])
-    target = factory.build_target(cfg)
-    draft = factory.build_draft(cfg, target)
+    target = factory.build_target(cfg.target, cfg.draft)
+    draft = factory.build_draft(cfg.draft, target)
     _randomise(draft, seed=15)
     kw = {}
     if experiment == "hyv4_mtp":  # 2 layers named model.layers.{N+i}: vLLM would load only the first (mtp.py:57-72)

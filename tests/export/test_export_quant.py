@@ -293,6 +293,6 @@ def test_cli_quantised_export_of_a_tiny_v4_run(tmp_path):
     assert lines[-2].startswith("OK ") and lines[-1].startswith("next: ") and any(l.startswith("fp4: ") and "top-1 agreement" in l for l in lines)
     rep = json.loads((out / QUANT_REPORT).read_text())
     assert rep["logits"]["top1_agreement"] > 0.5 and rep["max_rel_err"] < 0.2
-    back = import_v4_sidecar(out, factory.build_draft(cfg, target))
+    back = import_v4_sidecar(out, factory.build_draft(cfg.draft, target))
     a, b = probe_logits(draft), probe_logits(back)
     assert (a - b).abs().max().item() == pytest.approx(rep["logits"]["max_abs_diff"], rel=1e-5)

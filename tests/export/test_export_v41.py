@@ -225,13 +225,13 @@ def test_init_from_a_shipped_v41_checkpoint_starts_from_its_drafter(tmp_path):
     from dspark.errors import ConfigError
 
     cfg = compose(["experiment=dspark_v41"])
-    target = factory.build_target(cfg)
-    src = factory.build_draft(cfg, target)
+    target = factory.build_target(cfg.target, cfg.draft)
+    src = factory.build_draft(cfg.draft, target)
     _randomise(src, 5)
     shipped = merge_v41_into_target(src, target_dir=factory.target_folder(cfg.target), out_dir=tmp_path / "ckpt",
                                     dtype=torch.float32)
     cfg2 = compose(["experiment=dspark_v41", f"draft.init_from={shipped}"])
-    started = factory.build_draft(cfg2, target)
+    started = factory.build_draft(cfg2.draft, target)
     for (name, a), (_, b) in zip(src.named_parameters(), started.named_parameters()):
         assert torch.equal(a, b), name
     ids = torch.tensor([[5, 17, 33, 9, 120, 64, 7, 300]])
@@ -239,10 +239,10 @@ def test_init_from_a_shipped_v41_checkpoint_starts_from_its_drafter(tmp_path):
     p, r = (d.propose_blocks([aux], [300], num_drafts=4)[0] for d in (src, started))
     assert torch.equal(p.tokens, r.tokens) and torch.equal(p.logits, r.logits)
     with pytest.raises(ConfigError, match="draft.init_from"):
-        factory.build_draft(compose(["experiment=dspark_v41", f"draft.init_from={tmp_path}"]), target)
+        factory.build_draft(compose(["experiment=dspark_v41", f"draft.init_from={tmp_path}"]).draft, target)
     small = compose(["experiment=dspark_v41", f"draft.init_from={shipped}", "draft.num_layers=2"])
     with pytest.raises(ConfigError, match="draft.init_from"):
-        factory.build_draft(small, target)
+        factory.build_draft(small.draft, target)
 
 
 @pytest.mark.slow

@@ -21,8 +21,8 @@ def hy_run():
     from dspark import factory
 
     cfg = compose(["experiment=hyv4_mtp"])
-    target = factory.build_target(cfg)
-    return target, factory.build_draft(cfg, target)
+    target = factory.build_target(cfg.target, cfg.draft)
+    return target, factory.build_draft(cfg.draft, target)
 
 
 # ---- index_share_for_mtp_iteration ---------------------------------------------------------------------

@@ -336,8 +336,8 @@ def test_dsv4_mtp_gate_bias_follows_topk_method_too(tmp_path):
     from dspark.export.mtp import merge_mtp_into_target
 
     cfg = compose(["experiment=dsv4_mtp"])
-    target = factory.build_target(cfg)
-    draft = factory.build_draft(cfg, target)
+    target = factory.build_target(cfg.target, cfg.draft)
+    draft = factory.build_draft(cfg.draft, target)
     assert draft.config.topk_method == "noaux_tc"  # from the shipped tiny target's config
     target_dir = _tiny_target_copy(tmp_path)
     _edit_config(target_dir, "config.json", topk_method=None)

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from conftest import compose
 from dspark import factory
@@ -19,9 +18,9 @@ from dspark.training.run import export_draft
 @pytest.mark.parametrize("experiment", ["dspark_v4", "dsv4_mtp", "hyv4_mtp"])
 def test_run_draft_folder_reloads_without_the_target(tmp_path, experiment):
     cfg = compose([f"experiment={experiment}", "draft.num_layers=1"])
-    target = factory.build_target(cfg)
-    draft = factory.build_draft(cfg, target)
-    export_draft(draft, cfg, tmp_path)  # exactly what train.py writes at the end of a run
+    target = factory.build_target(cfg.target, cfg.draft)
+    draft = factory.build_draft(cfg.draft, target)
+    export_draft(draft, cfg.draft, cfg.target, tmp_path)  # exactly what train.py writes at the end of a run
     saved = json.loads((tmp_path / "draft_config.json").read_text())
     if "mask_token_id" in saved:
         assert saved["mask_token_id"] == 4  # the tokenizer's <|mask|>, resolved (the group says null)
@@ -34,8 +33,7 @@ def test_run_draft_folder_reloads_without_the_target(tmp_path, experiment):
     for k, v in back.state_dict().items():
         assert torch.equal(v, want[k]), k
     # the recorded group rebuilds the same draft against the target, too (eval.py / export do that)
-    again = factory.build_draft(OmegaConf.create({"target": OmegaConf.to_container(cfg.target), "draft": saved}),
-                                target)
+    again = factory.build_draft(saved, target)
     assert again.config == draft.config
 
 

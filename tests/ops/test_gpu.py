@@ -157,7 +157,7 @@ def test_deepspeed_trains_and_exports_the_full_draft(tmp_path, preset):
     summary = run_training(cfg)
     assert summary["global_step"] == 3 and summary["final"]["val/tau_prob"] >= 1.0
     got = load_file(tmp_path / "draft" / "model.safetensors")
-    fresh = factory.build_draft(cfg, factory.build_target(cfg)).state_dict()
+    fresh = factory.build_draft(cfg.draft, factory.build_target(cfg.target, cfg.draft)).state_dict()
     assert {k: tuple(v.shape) for k, v in got.items()} == {k: tuple(v.shape) for k, v in fresh.items()}
     assert any(not torch.equal(got[k].float(), fresh[k].float()) for k in got)  # trained, not the fresh init
 

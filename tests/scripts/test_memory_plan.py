@@ -34,8 +34,8 @@ def test_the_plan_matches_a_real_allocation_at_tiny_size(tmp_path):
     from dspark import factory
 
     cfg = compose(TINY_RUN + [f"run_dir={tmp_path}"])
-    target = factory.build_target(cfg)
-    draft = factory.build_draft(cfg, target)
+    target = factory.build_target(cfg.target, cfg.draft)
+    draft = factory.build_draft(cfg.draft, target)
     dm = factory.build_datamodule(cfg, target.tokenizer, target=target)
     module = factory.build_module(cfg, draft, target)
     module._attach_target()

@@ -18,6 +18,7 @@ from dspark import factory
 from dspark.data.feature_cache import target_identity
 from dspark.targets.checkpoint import CheckpointReader
 from dspark.errors import ConfigError
+from dspark.schema import run_config
 from dspark.targets.head_only import HeadOnlyError, HeadOnlyTarget, HeadOnlyUnsupported, load_head_only_target
 from dspark.targets.hf_target import FrozenTarget, load_hf_target
 from dspark.targets.tiny_hy_v4 import TINY_HY_V4_DIR
@@ -222,7 +223,7 @@ def test_build_target_loads_whole_when_head_only_does_not_do(case, tied_llama, t
     monkeypatch.setattr(fcb, "plan_feature_cache", lambda cfg, rows: fcb.CachePlan(tmp_path, None, True))
     cfg = compose(["target=hf", f"target.path={folder}", "target.dtype=float32", "data.feature_cache=auto",
                    "draft.target_layer_ids=[1]", f"draft.init_from_target={case == 'init_from_target'}"])
-    target = factory.build_target(cfg, dataset=[{"input_ids": [1, 2]}])
+    target = factory.build_target(cfg.target, cfg.draft, fcb.target_loading(run_config(cfg), [{"input_ids": [1, 2]}]))
     assert target == "whole" if case == "unmappable" else type(target) is FrozenTarget
 
 
@@ -246,7 +247,8 @@ def test_init_from_target_on_a_hit_reads_only_what_it_copies(experiment, dtype, 
                  f"draft.num_layers={num_layers}"]
     cfg = compose(overrides + ["data.feature_cache=auto"])
     with caplog.at_level(logging.INFO, logger="dspark.factory"):
-        partial = factory.build_target(cfg, dataset=[{"input_ids": [1, 2]}])
+        partial = factory.build_target(cfg.target, cfg.draft,
+                                       fcb.target_loading(run_config(cfg), [{"input_ids": [1, 2]}]))
     assert isinstance(partial, HeadOnlyTarget) and list(partial.init_modules) == copied
     assert f"final norm, {', '.join(copied)}: " in caplog.text
     sizes = stored_sizes(Path(partial.checkpoint.folder))
@@ -255,15 +257,15 @@ def test_init_from_target_on_a_hit_reads_only_what_it_copies(experiment, dtype, 
     assert partial.checkpoint.bytes_read == wanted < partial.checkpoint.nbytes == sum(sizes.values())
     print(f"{experiment}, {copied} copied: read {wanted} of {sum(sizes.values())} bytes")
     torch.manual_seed(0)
-    draft = factory.build_draft(cfg, partial)
+    draft = factory.build_draft(cfg.draft, partial)
     assert partial.init_modules == {} and all(p.is_meta for p in partial.model.model.layers.parameters())
     assert not partial.embed_weight.is_meta and not partial.model.model.norm.weight.is_meta
 
     whole_cfg = compose(overrides)
-    whole = factory.build_target(whole_cfg)
+    whole = factory.build_target(whole_cfg.target, whole_cfg.draft)
     assert type(whole) is FrozenTarget
     torch.manual_seed(0)
-    ref = factory.build_draft(whole_cfg, whole).state_dict()
+    ref = factory.build_draft(whole_cfg.draft, whole).state_dict()
     got = draft.state_dict()
     assert got.keys() == ref.keys()
     for k in ref:

@@ -18,7 +18,8 @@ import sys
 from conftest import compose
 from dspark import factory
 try:
-    t = factory.build_target(compose(["target=hf", f"target.path={sys.argv[1]}", "target.dtype=float32"]))
+    cfg = compose(["target=hf", f"target.path={sys.argv[1]}", "target.dtype=float32"])
+    t = factory.build_target(cfg.target, cfg.draft)
 except FileNotFoundError as e:
     print("ERROR", e)
 else:

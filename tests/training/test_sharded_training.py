@@ -48,30 +48,30 @@ def test_resume_last_takes_the_newest_complete_sharded_checkpoint_and_skips_an_u
     last.mkdir(parents=True)
     (last / "__0_0.distcp").write_bytes(b"")  # what an in-place write interrupted by a crash left (issue 40)
     with pytest.raises(ConfigError, match=r"holds no complete checkpoint to resume"):
-        resolve_resume(compose([f"run_dir={tmp_path}", "resume=last"]), tmp_path)
+        resolve_resume("last", tmp_path)
     step4 = _sharded_folder(ckpts / "step0000004.ckpt", 4)
     _sharded_folder(ckpts / "step0000008.ckpt", 8, complete=False)  # killed while writing: no completion record
     with caplog.at_level("INFO", logger="dspark.train"):
-        assert resolve_resume(compose([f"run_dir={tmp_path}", "resume=last"]), tmp_path) == str(step4)
+        assert resolve_resume("last", tmp_path) == str(step4)
     assert "last.ckpt has no completion record" in caplog.text and "step0000008.ckpt has no completion" in caplog.text
     assert "resume=last: step0000004.ckpt (step 4, the newest complete checkpoint)" in caplog.text
     assert "holds an older step" not in caplog.text  # the unsealed last.ckpt/ holds no step to compare
     # an explicit incomplete folder is refused naming the complete alternative
     with pytest.raises(ConfigError, match=rf"step0000008.ckpt' is incomplete .* resume={step4}$"):
-        resolve_resume(compose([f"run_dir={tmp_path}", f"resume={ckpts / 'step0000008.ckpt'}"]), tmp_path)
+        resolve_resume(str(ckpts / 'step0000008.ckpt'), tmp_path)
     # a complete folder whose files changed since: refused naming the file
     (step4 / "__1_0.distcp").write_bytes(b"altered")
     from dspark.errors import IntegrityError
 
     with pytest.raises(IntegrityError, match=r"__1_0\.distcp"):
-        resolve_resume(compose([f"run_dir={tmp_path}", f"resume={step4}"]), tmp_path)
+        resolve_resume(str(step4), tmp_path)
     # last.ckpt complete at the same step as a step folder: last.ckpt
     import shutil
 
     shutil.rmtree(last)
     _sharded_folder(last, 4)
     (step4 / "__1_0.distcp").write_bytes(b"__1_0.distcp")
-    assert resolve_resume(compose([f"run_dir={tmp_path}", "resume=last"]), tmp_path) == str(last)
+    assert resolve_resume("last", tmp_path) == str(last)
 
 
 def _train_py(args, timeout=600):
@@ -241,4 +241,4 @@ def test_a_deepspeed_folder_is_refused_with_what_to_use_instead(tmp_path):
     (folder / "checkpoint").mkdir(parents=True)
     (folder / "latest").write_text("checkpoint")
     with pytest.raises(ConfigError, match=r"is a DeepSpeed checkpoint folder .* train with trainer=fsdp2"):
-        resolve_resume(compose([f"run_dir={tmp_path}", f"resume={folder}"]), tmp_path)
+        resolve_resume(str(folder), tmp_path)
