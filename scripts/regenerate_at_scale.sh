@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SmolLM2 regeneration at scale through vLLM (docs/benchmarks.md, "Data at scale (issue 23)"): 4000 ShareGPT first
+# SmolLM2 regeneration at scale through vLLM (benchmarks/README.md, "Data at scale (issue 23)"): 4000 ShareGPT first
 # user turns and 1500 reasoning-gym problems, the two sources in alternating stages of growing --limit so both
 # files fill from the start. Each stage is scripts/regenerate.py (resumable), so rerunning this script continues
 # where it stopped; a stage whose records are all settled (output + failure sidecar) is skipped without starting

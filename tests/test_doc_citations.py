@@ -16,7 +16,7 @@ HEADING = re.compile(r"^#{2,3} (\d+(?:\.\d+)?)[. ]", re.M)
 
 
 def _python_files() -> list[Path]:
-    files = [p for d in ("dspark", "tests", "scripts") for p in (REPO / d).rglob("*.py")]
+    files = [p for d in ("dspark", "tests", "scripts", "benchmarks") for p in (REPO / d).rglob("*.py")]
     return sorted(files + list(REPO.glob("*.py")))
 
 

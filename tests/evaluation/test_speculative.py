@@ -661,7 +661,7 @@ def test_eval_refuses_a_target_with_other_weights(eval_setup, tmp_path):
 
 
 def test_acceptance_length_from_conditional_rates_equals_the_counted_one():
-    """scripts/acceptance_decomposition.py rebuilds AL from the reported conditional rates: exact for any counts."""
+    """benchmarks/acceptance_decomposition.py rebuilds AL from the reported conditional rates: exact for any counts."""
     from dspark.evaluation.metrics import acceptance_length_from_conditional
 
     gen = torch.Generator().manual_seed(0)

@@ -158,7 +158,7 @@ def tiny_overrides(target, run_dir) -> list[str]:
 
 
 def test_bench_script_prints_parts_that_sum_to_the_total(tiny_llama, tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_step_flops", REPO / "scripts" / "bench_step_flops.py")
+    spec = importlib.util.spec_from_file_location("bench_step_flops", REPO / "benchmarks" / "bench_step_flops.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     results = bench.main(["--experiments", "dflash2_tiny", "--steps", "1", "--warmup", "1", "--profile-top", "5",
@@ -197,7 +197,7 @@ def test_bench_script_counts_a_chain_draft_with_torch_and_its_loss_tokens_are_th
 
     from dspark.training.mtp_objectives import recursive_forward
 
-    spec = importlib.util.spec_from_file_location("bench_step_flops", REPO / "scripts" / "bench_step_flops.py")
+    spec = importlib.util.spec_from_file_location("bench_step_flops", REPO / "benchmarks" / "bench_step_flops.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     overrides = ["data.limit=24", "data.val_examples=4", "data.max_length=64", f"run_dir={tmp_path / 'run'}"]

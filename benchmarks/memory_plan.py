@@ -3,7 +3,7 @@ for DeepSeek-V4-Flash and a dense 8B target (Llama-3.1-8B sizes), plus feature-c
 Every parameter count comes from the real modules built on the meta device (no memory, no weights): the target
 from transformers' class, the draft from dspark's.
 
-    python scripts/memory_plan.py [--json out.json] [--markdown]     (docs/benchmarks.md "Memory plan")
+    python benchmarks/memory_plan.py [--json out.json] [--markdown]     (benchmarks/README.md "Memory plan")
 
 Memory per GPU (bytes), P = draft parameters, N = GPUs; Lightning's bf16-mixed keeps fp32 weights and autocasts:
   draft state        fp32 weights 4P + fp32 grads 4P + AdamW moments 8P = 16P, plus per strategy:
@@ -151,7 +151,7 @@ def _spec(name, target, draft, dcfg, routed, routed_share, loss_params, largest)
 
 
 def cache_bytes_per_token(spec: dict, assistant_fraction: float = 0.68) -> dict[str, float]:
-    """Feature-cache bytes per token for each layout (dspark.data.feature_cache), as scripts/v4_flash_sizes.py."""
+    """Feature-cache bytes per token for each layout (dspark.data.feature_cache), as benchmarks/v4_flash_sizes.py."""
     H, n, f = spec["hidden"], spec["aux_layers"], assistant_fraction
     return {"plain bfloat16": (n * H + H) * 2, "plain float32": (n * H + H) * 4,
             "fp8_e4m3 (scale per row and layer)": (n * H + 4 * n) + (H + 4),

@@ -18,9 +18,9 @@ dtype and thread count, best of its repeats, dspark.training.flops.gemm_peak), M
 torch.profiler's top non-GEMM ops of one more step by self CPU time (GEMM ops: aten::mm / addmm / addmm_ / bmm /
 baddbmm / matmul / linear, whose share is printed as one number).
 
-  python scripts/bench_step_flops.py                                  # both SmolLM2 experiments (needs their cache)
-  python scripts/bench_step_flops.py --experiments dspark_smollm2 --steps 8 trainer.precision=bf16-mixed
-  python scripts/bench_step_flops.py --experiments dflash2_tiny target.path=runs/tiny_llama draft=dspark_smollm2 \
+  python benchmarks/bench_step_flops.py                                  # both SmolLM2 experiments (needs their cache)
+  python benchmarks/bench_step_flops.py --experiments dspark_smollm2 --steps 8 trainer.precision=bf16-mixed
+  python benchmarks/bench_step_flops.py --experiments dflash2_tiny target.path=runs/tiny_llama draft=dspark_smollm2 \
       draft.target_layer_ids=[0,2] draft.mask_token_id=4 draft.num_layers=1 draft.block_size=3   # tiny, seconds
 """
 from __future__ import annotations

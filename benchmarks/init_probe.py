@@ -1,6 +1,6 @@
-"""Held-out loss of an UNTRAINED draft under a few initialisations of its final norm (docs/benchmarks.md, "Step-0 CE").
+"""Held-out loss of an UNTRAINED draft under a few initialisations of its final norm (benchmarks/README.md, "Step-0 CE").
 
-    python scripts/init_probe.py experiment=dspark_smollm2 data.path=... [--scales 1 0.5 0.25 0.1]
+    python benchmarks/init_probe.py experiment=dspark_smollm2 data.path=... [--scales 1 0.5 0.25 0.1]
 
 Builds the run exactly as train.py does (same rows, the feature cache, seed), then for each scale s sets the draft's
 final RMSNorm weight to s (the draft's logits are lm_head(s * h / rms(h)), so s sets their spread) and prints the

@@ -1,7 +1,7 @@
 """Feature-cache producer speed, HF (transformers in this process) vs vLLM (extract_hidden_states in its venv), in
 ONE run on the same rows, and the largest difference between the two caches.
 
-    python scripts/bench_feature_producer.py --target ~/.cache/dspark/smollm2-135m-instruct \
+    python benchmarks/bench_feature_producer.py --target ~/.cache/dspark/smollm2-135m-instruct \
         --layers 1 8 15 22 29 --rows 64 --threads 2 [--dataset DIR_OF_A_TOKENIZED_DATASET]
 
 Rows: the first --rows of a tokenized dataset saved by `datasets` (`input_ids` column), else random token ids of the

@@ -1,4 +1,4 @@
-"""scripts/budget_curves.py on hand-made run folders: the quarter rows, the ratio to DFlash, and the training compute
+"""benchmarks/budget_curves.py on hand-made run folders: the quarter rows, the ratio to DFlash, and the training compute
 behind each quarter (the run's own FLOPs per step, else the given JSON's; none: no number)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from conftest import REPO
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("budget_curves", REPO / "scripts" / "budget_curves.py")
+    spec = importlib.util.spec_from_file_location("budget_curves", REPO / "benchmarks" / "budget_curves.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

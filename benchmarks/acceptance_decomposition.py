@@ -9,7 +9,7 @@ baseline's c_1.. ("position 0 only"), so the gap splits into what the first draf
 later positions (where the Markov head conditions on the previous draft token) add on top. The later positions'
 contribution is multiplied by c_0: with c_0 near 0.25 a later-position gain moves AL four times less than at c_0 = 1.
 
-    python scripts/acceptance_decomposition.py runs/scaling/n1500/dflash/eval_T0_greedy runs/scaling/n1500/dspark/eval_T0_greedy
+    python benchmarks/acceptance_decomposition.py runs/scaling/n1500/dflash/eval_T0_greedy runs/scaling/n1500/dspark/eval_T0_greedy
 """
 from __future__ import annotations
 

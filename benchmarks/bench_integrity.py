@@ -1,7 +1,7 @@
 """Cost of the checksums (dspark.integrity): sha256 of in-memory bytes and of a file read back, in ms per GB,
 and a checkpoint write with its sidecar vs the plain atomic write, in one run (ratios are what to compare).
 
-    python scripts/bench_integrity.py --gb 1
+    python benchmarks/bench_integrity.py --gb 1
 """
 from __future__ import annotations
 

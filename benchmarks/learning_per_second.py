@@ -1,6 +1,6 @@
-"""Learning per CPU-second, before / after, on one machine in one run (docs/benchmarks.md, "Learning per CPU-second").
+"""Learning per CPU-second, before / after, on one machine in one run (benchmarks/README.md, "Learning per CPU-second").
 
-    python scripts/learning_per_second.py --draft dspark --data data/regenerated/smollm2_mix_4696.jsonl \
+    python benchmarks/learning_per_second.py --draft dspark --data data/regenerated/smollm2_mix_4696.jsonl \
         [--baseline-rev 5f2fd28] [--variants base vocab16k vocab8k anchors32 recipe] [--out runs/lps]
 
 1. The baseline: the experiment's shipped config at `--baseline-rev` (a git worktree of that commit, today's main

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Regeneration speed, HF backend vs vLLM, on the same prompts in one run: records/min and generated tokens/s.
 
-    python scripts/bench_regenerate.py --target smollm2 --limit 48 --max-new-tokens 192 --out /tmp/regen_bench
+    python benchmarks/bench_regenerate.py --target smollm2 --limit 48 --max-new-tokens 192 --out /tmp/regen_bench
 
 Both engines answer the same first `--limit` ShareGPT first user turns (English, <= --max-prompt-chars) with the
 same sampling (T, top-p, seed) through `regenerate()` (the same bookkeeping), each into its own fresh file; the

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One point of the SmolLM2 data-scaling comparison (docs/benchmarks.md, "SmolLM2 at growing data budgets"):
+# One point of the SmolLM2 data-scaling comparison (benchmarks/README.md, "SmolLM2 at growing data budgets"):
 # DSpark, DFlash and DFlash2 trained on the same N regenerated conversations with the same budget, then measured
 # by eval.py (real speculative decoding, vLLM's counting) on MT-Bench / GSM8K / HumanEval.
 #
-#   bash scripts/smollm2_scaling.sh N [STEPS]          # e.g. 500 400; resumable: rerun to continue
+#   bash benchmarks/smollm2_scaling.sh N [STEPS]          # e.g. 500 400; resumable: rerun to continue
 #
 # Data: scripts/mix_regenerated.py freezes data/regenerated/smollm2_mix_N.jsonl once (3N/4 regenerated ShareGPT +
 # N/4 reasoning-gym records, from scripts/regenerate_at_scale.sh; `python scripts/pack_regenerated.py unpack ...`
@@ -13,7 +13,7 @@
 # EVALS (temperature:draft_sample_method pairs, default "0:greedy"; e.g. "0:greedy 1:greedy 1:probabilistic"), EXTRA (more train.py overrides), EVAL_EXTRA (more eval.py overrides), OUT (default runs/scaling).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-N=${1:?usage: bash scripts/smollm2_scaling.sh N [STEPS]}
+N=${1:?usage: bash benchmarks/smollm2_scaling.sh N [STEPS]}
 STEPS=${2:-400}
 PY=${PYTHON:-python}
 OUT=${OUT:-runs/scaling}/n$N
@@ -41,4 +41,4 @@ for d in ${DRAFTS:-dspark dflash dflash2}; do
       temperature="$t" draft_sample_method="$method" plots=false out="$dir" ${EVAL_EXTRA:-}
   done
 done
-"$PY" scripts/scaling_table.py "$OUT"
+"$PY" benchmarks/scaling_table.py "$OUT"

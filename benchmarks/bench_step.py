@@ -25,11 +25,11 @@ The unfused path is skipped, with
 the reason printed, when its predicted extra memory (8 x A*g*V*4 bytes, at most: only the loss rows are
 scored) exceeds --max-unfused-gb.
 
-  python scripts/bench_step.py                      # the table of docs/benchmarks.md (V x anchors x dtype)
-  python scripts/bench_step.py --seq 4096 16384 --vocab 4096 --anchors 512 --dtypes float32 \
+  python benchmarks/bench_step.py                      # the table of benchmarks/README.md (V x anchors x dtype)
+  python benchmarks/bench_step.py --seq 4096 16384 --vocab 4096 --anchors 512 --dtypes float32 \
       --variants fused/online dense-mask/online     # long context: packed vs dense attention mask
-  python scripts/bench_step.py --quick              # tiny sizes, in-process, a few seconds (tests/scripts/test_bench_step.py)
-  python scripts/bench_step.py --profile --vocab 151936 --anchors 512 --dtypes bfloat16 --variants fused/online
+  python benchmarks/bench_step.py --quick              # tiny sizes, in-process, a few seconds (tests/benchmarks/test_bench_step.py)
+  python benchmarks/bench_step.py --profile --vocab 151936 --anchors 512 --dtypes bfloat16 --variants fused/online
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""What a user feels: output tokens/s of vLLM serving the target alone and with an exported draft (docs/benchmarks.md,
+"""What a user feels: output tokens/s of vLLM serving the target alone and with an exported draft (benchmarks/README.md,
 "Served speedup").
 
-    python scripts/served_speedup.py --target ~/.cache/dspark/smollm2-135m-instruct --export EXPORT \
+    python benchmarks/served_speedup.py --target ~/.cache/dspark/smollm2-135m-instruct --export EXPORT \
         [--num-prompts 16] [--max-tokens 128] [--batch-sizes 1 8] [--dtype bfloat16] [--out runs/served]
 
 The first user turn of the first `--num-prompts` conversations of each shipped benchmark (MT-Bench, GSM8K, HumanEval),

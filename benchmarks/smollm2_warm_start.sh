@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Warm vs cold start on SmolLM2-135M-Instruct (docs/benchmarks.md, "Warm start from DFlash"): a DSpark draft trained
+# Warm vs cold start on SmolLM2-135M-Instruct (benchmarks/README.md, "Warm start from DFlash"): a DSpark draft trained
 # STEPS steps from scratch and the same draft started from the 10x-budget DFlash draft (draft.init_from: backbone
 # copied, Markov and confidence heads fresh), same data, recipe and seed; held-out tau_prob at every quarter, then
 # eval.py on both (T = 0, gamma 6).
 #
-#   bash scripts/smollm2_warm_start.sh [STEPS]        # default 500; needs runs/budget/dflash (scripts/smollm2_budget.sh)
+#   bash benchmarks/smollm2_warm_start.sh [STEPS]        # default 500; needs runs/budget/dflash (benchmarks/smollm2_budget.sh)
 #
 # Resumable: rerun the same command. Environment: OUT (default runs/warm), SOURCE (default runs/budget/dflash/draft),
 # NUM_PROMPTS (16), MAX_NEW_TOKENS (128), PYTHON.
@@ -15,7 +15,7 @@ PY=${PYTHON:-python}
 OUT=${OUT:-runs/warm}
 SOURCE=${SOURCE:-runs/budget/dflash/draft}
 DATA=data/regenerated/smollm2_mix_4696.jsonl
-[ -f "$SOURCE/model.safetensors" ] || { echo "no trained DFlash draft at $SOURCE: run scripts/smollm2_budget.sh dflash first"; exit 2; }
+[ -f "$SOURCE/model.safetensors" ] || { echo "no trained DFlash draft at $SOURCE: run benchmarks/smollm2_budget.sh dflash first"; exit 2; }
 if lscpu 2>/dev/null | grep -qE "avx512_bf16|amx_bf16"; then PRECISION=bf16-mixed; else PRECISION=32-true; fi
 for start in cold warm; do
   RUN=$OUT/dspark_$start

@@ -1,7 +1,7 @@
 """Compact feature-cache layouts on SmolLM2 features: bytes per token of each layout, and held-out tau_prob after the
 same training budget on the plain bf16 cache vs a compact one.
 
-    python scripts/bench_compact_cache.py --dataset DIR --rows 400 --steps 300 --out /tmp/compact \
+    python benchmarks/bench_compact_cache.py --dataset DIR --rows 400 --steps 300 --out /tmp/compact \
         [--producer vllm|hf] [--train plain_bf16 fp8_rows] [--seed 0] [--tag _x]
 
 DIR: a tokenized dataset saved by `datasets` (input_ids + loss_mask rows, e.g. the SmolLM2 regenerated set under

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# DSpark ablations at one data size of the SmolLM2 scaling comparison (issue 23 item 4; docs/benchmarks.md,
+# DSpark ablations at one data size of the SmolLM2 scaling comparison (issue 23 item 4; benchmarks/README.md,
 # "SmolLM2 at growing data budgets"): each variant is experiment=dspark_smollm2 with ONE change, trained on the
-# same frozen data mix and budget as `bash scripts/smollm2_scaling.sh N STEPS` (run that first: it freezes
+# same frozen data mix and budget as `bash benchmarks/smollm2_scaling.sh N STEPS` (run that first: it freezes
 # data/regenerated/smollm2_mix_N.jsonl and builds the feature cache every variant then hits), then measured by
 # eval.py exactly as the scaling rows (T = 0, gamma 6, NUM_PROMPTS conversations per benchmark). Resumable: rerun
 # to continue; a finished variant is skipped.
 #
-#   bash scripts/smollm2_ablations.sh N [STEPS]                      # every variant below
-#   VARIANTS="ce_only no_markov" bash scripts/smollm2_ablations.sh 1500 400
-#   python scripts/scaling_table.py runs/ablations/n1500             # the table (base row: runs/scaling/nN/dspark)
+#   bash benchmarks/smollm2_ablations.sh N [STEPS]                      # every variant below
+#   VARIANTS="ce_only no_markov" bash benchmarks/smollm2_ablations.sh 1500 400
+#   python benchmarks/scaling_table.py runs/ablations/n1500             # the table (base row: runs/scaling/nN/dspark)
 #   EVAL_EXTRA=compare_target=false ...   # more eval.py overrides (this one skips the plain-target decode: the
 #                                         # variants share DSpark's inference path, whose T = 0 exactness the base row checks)
 #
@@ -23,12 +23,12 @@
 #   anchors8 / anchors32    train.num_anchors=8 / 32
 set -euo pipefail
 cd "$(dirname "$0")/.."
-N=${1:?usage: bash scripts/smollm2_ablations.sh N [STEPS]}
+N=${1:?usage: bash benchmarks/smollm2_ablations.sh N [STEPS]}
 STEPS=${2:-400}
 PY=${PYTHON:-python}
 OUT=${OUT:-runs/ablations}/n$N
 MIX=data/regenerated/smollm2_mix_$N.jsonl
-[ -f "$MIX" ] || { echo "$MIX missing: run bash scripts/smollm2_scaling.sh $N $STEPS first (it freezes the mix)"; exit 2; }
+[ -f "$MIX" ] || { echo "$MIX missing: run bash benchmarks/smollm2_scaling.sh $N $STEPS first (it freezes the mix)"; exit 2; }
 
 overrides() {
   case "$1" in
@@ -63,4 +63,4 @@ for v in ${VARIANTS:-no_markov ce_only no_conf rank16 gamma8 anchors32 l1_only r
   "$PY" eval.py run_dir="$run" num_prompts="${NUM_PROMPTS:-32}" max_new_tokens="${MAX_NEW_TOKENS:-128}" \
     temperature=0 draft_sample_method=greedy plots=false out="$dir" ${EVAL_EXTRA:-}
 done
-"$PY" scripts/scaling_table.py "$OUT"
+"$PY" benchmarks/scaling_table.py "$OUT"

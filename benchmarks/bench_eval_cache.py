@@ -10,14 +10,14 @@ Both modes run in the same process, interleaved round by round, so their ratio i
 depend on the machine and its load. Weights are random (cost per round does not depend on them); the sizes are the
 shipped configs' (configs/draft/*.yaml against their target configs).
 
-  python scripts/bench_eval_cache.py                                    # all drafts, contexts 128 512 2048
-  python scripts/bench_eval_cache.py --drafts dspark_v4 --contexts 128 2048 --batch 4 --out /tmp/bench.json
+  python benchmarks/bench_eval_cache.py                                    # all drafts, contexts 128 512 2048
+  python benchmarks/bench_eval_cache.py --drafts dspark_v4 --contexts 128 2048 --batch 4 --out /tmp/bench.json
 
 An untrained draft as a run folder eval.py reads (cost per round does not depend on training; AL does):
-  python scripts/bench_eval_cache.py --save-untrained dflash_smollm2 /tmp/untrained_dflash
+  python benchmarks/bench_eval_cache.py --save-untrained dflash_smollm2 /tmp/untrained_dflash
   python eval.py target=smollm2 run_dir=/tmp/untrained_dflash out=/tmp/e_cache                  # cache (default)
   python eval.py target=smollm2 run_dir=/tmp/untrained_dflash out=/tmp/e_nocache +draft_cache=false
-  python scripts/bench_eval_cache.py --eval-summary /tmp/e_cache /tmp/e_nocache   # table of the eval.py reports
+  python benchmarks/bench_eval_cache.py --eval-summary /tmp/e_cache /tmp/e_nocache   # table of the eval.py reports
 """
 from __future__ import annotations
 

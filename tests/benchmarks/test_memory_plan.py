@@ -1,4 +1,4 @@
-"""scripts/memory_plan.py against a real allocation at tiny size: the draft's training state (weights, grads, AdamW
+"""benchmarks/memory_plan.py against a real allocation at tiny size: the draft's training state (weights, grads, AdamW
 moments) of one real AdamW step on the tiny DSpark V4 draft, byte for byte; the activation model against the
 bytes autograd actually saved for backward (within the factor the docs quote); the per-strategy arithmetic."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from conftest import REPO, TINY_RUN, compose
 
-spec = importlib.util.spec_from_file_location("memory_plan", REPO / "scripts" / "memory_plan.py")
+spec = importlib.util.spec_from_file_location("memory_plan", REPO / "benchmarks" / "memory_plan.py")
 memory_plan = importlib.util.module_from_spec(spec)
 sys.modules["memory_plan"] = memory_plan  # (its dataclass looks its module up)
 spec.loader.exec_module(memory_plan)
@@ -75,4 +75,4 @@ def test_the_plan_matches_a_real_allocation_at_tiny_size(tmp_path):
     planned = 2 * memory_plan.activation_bytes(w, int(c.hidden_size), int(c.num_layers), block_len, int(c.vocab_size))
     ratio = act / planned
     print(f"tiny draft: saved activations {act} B, planned {planned:.0f} B (fp32), ratio {ratio:.2f}")
-    assert 0.25 <= ratio <= 4.0, ratio  # the order of magnitude the plan quotes (docs/benchmarks.md)
+    assert 0.25 <= ratio <= 4.0, ratio  # the order of magnitude the plan quotes (benchmarks/README.md)

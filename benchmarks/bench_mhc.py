@@ -4,8 +4,8 @@ For each piece the minimal traffic (every input read once, every output written 
 measured time; the copy bandwidth is that of a torch clone of a same-sized tensor (read + write).
 Target (issue 7): the tilelang kernels at >= 60% of the copy bandwidth.
 
-  python scripts/bench_mhc.py --device cuda --tokens 16384 --out results.jsonl   # kernels vs torch
-  python scripts/bench_mhc.py --device cpu --tokens 256                          # torch pieces only
+  python benchmarks/bench_mhc.py --device cuda --tokens 16384 --out results.jsonl   # kernels vs torch
+  python benchmarks/bench_mhc.py --device cpu --tokens 256                          # torch pieces only
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""scripts/bench_step.py --quick: the training-step benchmark runs end to end at tiny sizes (so it cannot rot), and
+"""benchmarks/bench_step.py --quick: the training-step benchmark runs end to end at tiny sizes (so it cannot rot), and
 its variants measure the same step: the fused and materialised loss paths, the target online or its features
 given, the packed or dense attention mask all start from the same loss."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from conftest import REPO
 
 
 def test_bench_step_quick():
-    spec = importlib.util.spec_from_file_location("bench_step", REPO / "scripts" / "bench_step.py")
+    spec = importlib.util.spec_from_file_location("bench_step", REPO / "benchmarks" / "bench_step.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     results = bench.main(["--quick"])

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The 10x training budget on SmolLM2-135M-Instruct (docs/benchmarks.md, "The 10x budget"): one draft trained with the
+# The 10x training budget on SmolLM2-135M-Instruct (benchmarks/README.md, "The 10x budget"): one draft trained with the
 # learning-per-second recipe on the N = 4,696 regenerated conversations, a checkpoint at every quarter of the budget,
 # each quarter measured by eval.py (MT-Bench / GSM8K / HumanEval, T = 0, gamma = block size), then the curve table.
 #
-#   bash scripts/smollm2_budget.sh dspark [STEPS]      # dspark | dflash | dflash2 | eagle3 | xpress; STEPS default 2000
+#   bash benchmarks/smollm2_budget.sh dspark [STEPS]      # dspark | dflash | dflash2 | eagle3 | xpress; STEPS default 2000
 #
 # Budget: today's 400 steps x 8 sequences x 16 anchors = 51,200 blocks; STEPS = 2000 with 32 anchors = 512,000
 # blocks (10x). Resumable at every stage: rerun the same command (a killed training resumes from its last.ckpt, the
@@ -13,7 +13,7 @@
 # eval: the training alone, or the evals of a finished training; default all).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DRAFT=${1:?usage: bash scripts/smollm2_budget.sh dspark|dflash|dflash2|eagle3|xpress [STEPS]}
+DRAFT=${1:?usage: bash benchmarks/smollm2_budget.sh dspark|dflash|dflash2|eagle3|xpress [STEPS]}
 STEPS=${2:-2000}
 PY=${PYTHON:-python}
 RUN=${OUT:-runs/budget}/$DRAFT
@@ -23,7 +23,7 @@ DATA=${DATA:-data/regenerated/smollm2_mix_4696.jsonl}
 Q=$(( STEPS / 4 ))
 if lscpu 2>/dev/null | grep -qE "avx512_bf16|amx_bf16"; then PRECISION=bf16-mixed; else PRECISION=32-true; fi
 case "$DRAFT" in
-  dspark) RECIPE=(draft.markov_rank=256 train.num_anchors=32) ;;   # the ablation grid's best head (docs/benchmarks.md)
+  dspark) RECIPE=(draft.markov_rank=256 train.num_anchors=32) ;;   # the ablation grid's best head (benchmarks/README.md)
   # EAGLE-3: drafts k = 6 as the block drafts do, so training-time test 6 deep; 2 sequences a step score about the
   # block drafts' loss rows per step (6 x ~190 assistant tokens vs their 32 anchors x 6 positions minus the masked)
   eagle3) RECIPE=(draft.num_steps=6 train.batch_size=2) ;;
@@ -52,5 +52,5 @@ for k in 1 2 3 4; do
   "$PY" eval.py target=smollm2 "${src[@]}" num_prompts="${NUM_PROMPTS:-16}" max_new_tokens="${MAX_NEW_TOKENS:-128}" \
     compare_target=$compare plots=false out="$dir" ${EVAL_EXTRA:-}
 done
-# the compute behind each quarter: the runs' own FLOP counts, EAGLE-3's from scripts/bench_step_flops.py
-"$PY" scripts/budget_curves.py "${OUT:-runs/budget}" docs/results/budget_step_flops.json
+# the compute behind each quarter: the runs' own FLOP counts, EAGLE-3's from benchmarks/bench_step_flops.py
+"$PY" benchmarks/budget_curves.py "${OUT:-runs/budget}" benchmarks/results/budget_step_flops.json

@@ -1,13 +1,13 @@
 #!/usr/bin/env python
-"""Learning curves of the 10x-budget runs (scripts/smollm2_budget.sh): per draft, the held-out tau_prob and top-1
+"""Learning curves of the 10x-budget runs (benchmarks/smollm2_budget.sh): per draft, the held-out tau_prob and top-1
 agreement at every validation, eval.py's AL per benchmark at every quarter of the budget, the ratio to DFlash, and
 the training compute spent by each quarter (FLOPs per step x steps); written into the given folder as a markdown
 table, its JSON and a plot (curves.*: tau by step, macro AL by quarter, macro AL by training TFLOP).
 
-    python scripts/budget_curves.py runs/budget [docs/results/budget_step_flops.json]
+    python benchmarks/budget_curves.py runs/budget [benchmarks/results/budget_step_flops.json]
 
 FLOPs per step: the run's own count (metrics.json throughput, dspark.training.flops: dense block drafts), else the
-optional JSON's {draft: {"flops_per_step": N}} (scripts/bench_step_flops.py's count, e.g. for EAGLE-3); a draft with
+optional JSON's {draft: {"flops_per_step": N}} (benchmarks/bench_step_flops.py's count, e.g. for EAGLE-3); a draft with
 neither gets no compute column.
 """
 from __future__ import annotations

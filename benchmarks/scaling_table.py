@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""The table of one scaling point (scripts/smollm2_scaling.sh): per draft and temperature, eval.py's mean acceptance
+"""The table of one scaling point (benchmarks/smollm2_scaling.sh): per draft and temperature, eval.py's mean acceptance
 length (AL, incl. the bonus token) per benchmark, the macro mean, the ratio to DFlash, and the run's held-out
 tau_prob, steps and wall time (metrics.json), as markdown.
 
-    python scripts/scaling_table.py runs/scaling/n500 [more point folders ...]
+    python benchmarks/scaling_table.py runs/scaling/n500 [more point folders ...]
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 engine at T = 0 (first turn, greedy drafting): tells whether a step where eval.py and vLLM accept differently
 (serve_check's per_request `first_step_diff`) is an argmax near-tie of the draft.
 
-    python scripts/draft_margins.py RUN_DIR BENCHMARK CONV STEP[,STEP...] [--gamma 6] [--max-new-tokens 128]
+    python benchmarks/draft_margins.py RUN_DIR BENCHMARK CONV STEP[,STEP...] [--gamma 6] [--max-new-tokens 128]
 
 Prints the margins at the given rounds (0-based) next to the request's median and 5th-percentile margin.
 """

@@ -7,8 +7,8 @@ Each variant runs in its own subprocess so that peak memory is its own:
 Variants: naive (full [N, V] logits + autograd), compiled (torch.compile of naive, CUDA), chunked (the torch
 reference of dspark.ops.fused_loss), tilelang (the kernels, CUDA).
 
-  python scripts/bench_loss.py --n 640 --variants naive chunked                       # CPU
-  python scripts/bench_loss.py --device cuda --dtype bfloat16 --variants naive compiled chunked tilelang
+  python benchmarks/bench_loss.py --n 640 --variants naive chunked                       # CPU
+  python benchmarks/bench_loss.py --device cuda --dtype bfloat16 --variants naive compiled chunked tilelang
 """
 from __future__ import annotations
 

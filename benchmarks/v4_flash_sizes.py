@@ -3,10 +3,10 @@ DeepSeek-V4-Flash"): feature-cache bytes per token and per 1M tokens for every c
 all from the real config (configs/draft/dspark_v4_flash.yaml: the V4-Flash target sizes + the released DSpark keys),
 the draft built on the meta device (no memory, no weights).
 
-    python scripts/v4_flash_sizes.py [--draft dspark_v4_flash] [--assistant-fraction 0.68] [--tokens-per-example 1024]
+    python benchmarks/v4_flash_sizes.py [--draft dspark_v4_flash] [--assistant-fraction 0.68] [--tokens-per-example 1024]
 
 --assistant-fraction: share of positions whose next token is an assistant token (teacher rows kept by
-teacher_rows=assistant); 0.68 is the SmolLM2 regenerated set's (docs/benchmarks.md).
+teacher_rows=assistant); 0.68 is the SmolLM2 regenerated set's (benchmarks/README.md).
 """
 from __future__ import annotations
 
