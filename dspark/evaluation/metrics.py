@@ -74,7 +74,7 @@ class AcceptanceCounter:
 def acceptance_length_from_conditional(conditional: list[float | None]) -> float:
     """AL = 1 + sum_i prod_{j<=i} c_j from the per-position conditional rates c (None: never reached, 0). Equals the
     counted AL whenever accepted_per_pos covers every accepted token (sum_i accepted_per_pos[i] = accepted), which
-    vLLM's counting guarantees; scripts/acceptance_decomposition.py mixes two drafts' c through it."""
+    vLLM's counting guarantees; benchmarks/acceptance_decomposition.py mixes two drafts' c through it."""
     al, alive = 1.0, 1.0
     for c in conditional:
         alive *= float(c or 0.0)

@@ -84,7 +84,7 @@ class DSparkDenseConfig(DenseLayerSizes):
     sliding_window: int | None = None  # DeepSpec dense drafts see the whole context
     initializer_range: float = 0.02
     # the final norm's starting weight: the draft's logits are lm_head(w * h / rms(h)), so w sets their spread at step
-    # 0 (1.0: logit std 7.7 on SmolLM2, twice the target's 3.6, held-out CE 56; docs/benchmarks.md "Step-0 CE")
+    # 0 (1.0: logit std 7.7 on SmolLM2, twice the target's 3.6, held-out CE 56; benchmarks/README.md "Step-0 CE")
     final_norm_init: float = 1.0
     # block layout: anchor (DSpark) | mask (DFlash 1+N); unset: anchor with a Markov head, else mask (the only
     # layout vLLM serves DFlash drafts with)

@@ -15,7 +15,7 @@ Reasons a request can differ (each is reported, none is hidden):
   tokens than ours (a wrong export, or a different implementation of the draft's forward). `at_last_step`
   says whether it is only the request's last step. Both engines draft a full block even when fewer tokens
   remain before max_tokens, and both count every accepted draft of that step (also past max_tokens or eos),
-  so a request that ends there is no excuse: measured equal step by step (docs/benchmarks.md).
+  so a request that ends there is no excuse: measured equal step by step (benchmarks/README.md).
 At T=0 parity means: every output equal (and equal to plain greedy), every step equal, AL within tolerance.
 At T>0 the engines draw different random numbers: parity means the two ALs are within `z_max` (3) standard errors
 of the per-step accepted counts.

@@ -61,7 +61,7 @@ class BlockDraftModule(DraftLightningModule):
         self.decay_gamma, self.loss_weights = decay_gamma, loss_weights
         self.fused_loss = fused_loss  # False: the loss from materialised [N, V] logits (the reference), same values
         # the block mask as its rule (PackedBlockMask: each block scores only the keys it sees); False: the dense
-        # [B, A*Lb, S + A*Lb] bool mask (the reference; scripts/bench_step.py compares the two)
+        # [B, A*Lb, S + A*Lb] bool mask (the reference; benchmarks/bench_step.py compares the two)
         self.packed_attention_mask = True
 
     @staticmethod
@@ -97,7 +97,7 @@ class BlockDraftModule(DraftLightningModule):
         draft's vocabulary (None for a full-vocabulary draft), the whole head [V, H]). Under autocast (bf16-mixed) the
         heads are in the autocast dtype, so that the fused loss's GEMMs run at the step's precision like every other
         linear of it (a float32 target's head would otherwise make them the step's only float32 GEMMs: 73 % of the
-        FLOPs at a sixth of the bf16 rate on an AMX CPU, docs/benchmarks.md); cached while the head, the dtype and the
+        FLOPs at a sixth of the bf16 rate on an AMX CPU, benchmarks/README.md); cached while the head, the dtype and the
         mapping stay the same."""
         lm_head = self.target.lm_head_weight
         dev = lm_head.device.type

@@ -125,7 +125,7 @@ class DraftLightningModule(L.LightningModule):
         from lightning.pytorch.strategies import DDPStrategy
 
         trainer = self._trainer
-        if trainer is None:  # driven without a Trainer (scripts/bench_step.py): one process, nothing to guard
+        if trainer is None:  # driven without a Trainer (benchmarks/bench_step.py): one process, nothing to guard
             return
         strategy = trainer.strategy
         if (isinstance(strategy, DDPStrategy) and trainer.world_size > 1
