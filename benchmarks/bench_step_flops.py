@@ -57,6 +57,7 @@ def build(cfg, overrides: list[str]):
     from dspark.errors import ConfigError
     from dspark.preflight import check_training_config
     from dspark.schema import run_config
+    from dspark.training.build import build_datamodule, build_module
     from dspark.training.draft_vocab import install_draft_vocab
 
     check_training_config(cfg, overrides)
@@ -68,9 +69,9 @@ def build(cfg, overrides: list[str]):
     dataset = rows_before_target(run, factory.build_dataset)
     target = factory.build_target(run.target, run.draft, target_loading(run, dataset))
     draft = factory.build_draft(run.draft, target)
-    datamodule = factory.build_datamodule(run, target.tokenizer, dataset=dataset, target=target)
+    datamodule = build_datamodule(run, target.tokenizer, dataset=dataset, target=target)
     install_draft_vocab(draft, datamodule.train_rows, target.tokenizer)
-    module = factory.build_module(run, draft, target)
+    module = build_module(run, draft, target)
     device = _device(cfg)
     module.to(device).train()
     module.on_fit_start()  # no Trainer: attaches the target (device, shared embedding / LM head)

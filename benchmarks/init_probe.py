@@ -21,6 +21,7 @@ def main(argv: list[str]) -> int:
     from dspark import factory
     from dspark.data.feature_cache_build import rows_before_target, target_loading
     from dspark.schema import run_config
+    from dspark.training.build import build_datamodule, build_module
     from dspark.training.draft_vocab import install_draft_vocab
 
     scales = [1.0, 0.5, 0.25, 0.1]
@@ -35,9 +36,9 @@ def main(argv: list[str]) -> int:
     dataset = rows_before_target(run, factory.build_dataset)
     target = factory.build_target(run.target, run.draft, target_loading(run, dataset))
     draft = factory.build_draft(run.draft, target)
-    dm = factory.build_datamodule(run, target.tokenizer, dataset=dataset, target=target)
+    dm = build_datamodule(run, target.tokenizer, dataset=dataset, target=target)
     install_draft_vocab(draft, dm.train_rows, target.tokenizer)
-    module = factory.build_module(run, draft, target).eval()
+    module = build_module(run, draft, target).eval()
     module._attach_target()
     batches = list(dm.val_dataloader())
     print("| final-norm scale | held-out CE | tau_prob | agree pos 0 | draft logit std | teacher logit std |")

@@ -1,8 +1,7 @@
-"""Builds the run's pieces from train.py's typed config (dspark.schema.RunConfig, checked by dspark.preflight before
-any model loads): target, draft, dataset, DataModule, LightningModule. Each builder takes the sections it reads: the
-target builder the target section, the draft group and how the target loads; the draft builder the draft group; the
-dataset builder the data section. The DataModule and the LightningModule read several sections and take the run
-config (a Hydra DictConfig is checked and typed first: dspark.schema.run_config)."""
+"""Builds the pieces training, eval and export share, each from the config sections it reads (checked by
+dspark.schema / dspark.preflight before any model loads): the target (the target section, the draft group and how the
+target loads), the draft (the draft group), the training rows (the data section). The training pieces (DataModule,
+LightningModule) are dspark.training.build's."""
 from __future__ import annotations
 
 import logging
@@ -16,7 +15,7 @@ import torch
 from dspark.errors import ConfigError  # noqa: F401  (re-exported for callers that catch it from here)
 from dspark.data.feature_cache_build import WHOLE_TARGET, TargetLoading, tap_layers
 from dspark.models import registry
-from dspark.schema import DataKeys, RunConfig, TargetKeys, run_config
+from dspark.schema import DataKeys, TargetKeys
 from dspark.targets.head_only import HeadOnlyTarget, HeadOnlyUnsupported, load_head_only_target
 from dspark.targets.hf_target import FrozenTarget, load_hf_target
 from dspark.targets.source import target_folder
@@ -98,49 +97,3 @@ def build_dataset(data: DataKeys, tokenizer):
         source += f":{st.st_size}:{st.st_mtime_ns}"
     return cached_chat_dataset(source, load_records(data), tokenizer, int(data.max_length),
                                min_loss_tokens=int(data.min_loss_tokens))
-
-
-def build_datamodule(run: RunConfig, tokenizer, dataset=None, target: FrozenTarget | None = None):
-    """Train/val DataModule; with data.feature_cache set, builds (or reuses) the offline feature cache for `target`
-    first (dspark.data.feature_cache_build), and the batches then carry the cached features; with data.feature_stream
-    the cache is read while a child process writes it (dspark.data.feature_stream) and the first pass over the data
-    follows the order the shards are written in."""
-    from dspark.data import feature_stream
-    from dspark.data.feature_cache_build import cache_wanted, prepare_feature_cache, stream_wanted
-    from dspark.training.data_module import ChatDataModule, held_out_count
-
-    run = run_config(run)
-    data, train, trainer = run.data, run.train, run.trainer
-    if cache_wanted(data) and target is None:
-        raise ValueError("build_datamodule: data.feature_cache needs the target (pass target=)")
-    dataset = dataset if dataset is not None else build_dataset(data, tokenizer)
-    features = prepare_feature_cache(run, target, dataset)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    val = held_out_count(data.val_examples, len(dataset))  # auto -> its count (run.choose_held_out says it)
-    # streamed: the first pass follows the producer's shards (whether or not the cache is complete by now)
-    groups = feature_stream.first_pass_groups(len(dataset), val, feature_stream.SHARD_SIZE) \
-        if stream_wanted(data) else None
-    return ChatDataModule(
-        dataset, pad_id=int(pad), batch_size=train.batch_size, num_anchors=train.num_anchors,
-        total_batches=int(trainer["max_steps"]) * int(trainer["accumulate_grad_batches"]),
-        val_examples=val, val_batch_size=train.val_batch_size,
-        seed=run.seed, num_workers=data.num_workers, features=features, first_pass_groups=groups,
-        group_by_length=data.group_by_length,
-    )
-
-
-def build_module(run: RunConfig, draft, target: FrozenTarget):
-    """The LightningModule of the draft family's objective (dspark.training.modules.MODULES), from that objective's
-    train.* keys (its KEYS, typed here) and the shared optimisation keys."""
-    from dspark.ops.backend import set_ops_backend
-    from dspark.schema import typed
-    from dspark.training.module import OptimConfig
-    from dspark.training.modules import MODULES
-
-    run = run_config(run)
-    set_ops_backend(run.ops_backend)
-    module_cls = MODULES[registry.family(str(run.draft["kind"])).objective]
-    module = module_cls.from_config(typed(module_cls.KEYS, run.objective), draft, target, OptimConfig.from_keys(run.train, run.trainer["max_steps"]))
-    # the resolved run config: in every checkpoint (hyper_parameters) and every logger (hparams.yaml, W&B config)
-    module.save_hyperparameters({**run.values(), "draft": resolved_group(draft, run.draft)})
-    return module

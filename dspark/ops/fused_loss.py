@@ -69,21 +69,10 @@ def _gemm_into(out: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, low: torch
         out.copy_(low)
 
 
-def lm_loss_reference(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    w: torch.Tensor,
-    latent: torch.Tensor | None,
-    w2: torch.Tensor | None,
-    labels: torch.Tensor,
-    coef_ce: torch.Tensor,
-    coef_l1: torch.Tensor,
-    *,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
-    need_grads: bool = True,
-    teacher_w: torch.Tensor | None = None,
-    teacher_cols: torch.Tensor | None = None,
-) -> LMLossParts:
+def lm_loss_reference(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, latent: torch.Tensor | None,
+                      w2: torch.Tensor | None, labels: torch.Tensor, coef_ce: torch.Tensor, coef_l1: torch.Tensor, *,
+                      chunk_rows: int = DEFAULT_CHUNK_ROWS, need_grads: bool = True,
+                      teacher_w: torch.Tensor | None = None, teacher_cols: torch.Tensor | None = None) -> LMLossParts:
     """Chunked torch reference: rows in chunks of `chunk_rows`, peak extra memory ~3 x chunk_rows x V in the
     accumulation dtype (+ 1 in the LM head's dtype when that is lower), allocated once and reused by every chunk
     (a fresh [chunk, V] tensor per step costs page faults on CPU: about a third of the GEMM's time at V = 152 K).

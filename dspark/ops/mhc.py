@@ -120,14 +120,8 @@ def hc_post_reference(
     return (spread + mixed).to(residual.dtype)
 
 
-def hc_head_reference(
-    x: torch.Tensor,
-    hc_head_fn: torch.Tensor,
-    hc_head_base: torch.Tensor,
-    hc_head_scale: torch.Tensor,
-    eps: float,
-    norm_eps: float,
-) -> torch.Tensor:
+def hc_head_reference(x: torch.Tensor, hc_head_fn: torch.Tensor, hc_head_base: torch.Tensor,
+                      hc_head_scale: torch.Tensor, eps: float, norm_eps: float) -> torch.Tensor:
     """Final collapse of the streams: x [..., hc, H] -> [..., H] (x.dtype).
 
     hc_head_fn [hc, hc*H], hc_head_base [hc], hc_head_scale [1].

@@ -21,6 +21,7 @@ from dspark.integrity import MANIFEST_NAME, check_file, check_manifest, remove_c
 from dspark.io import atomic_write_json
 from dspark.schema import RunConfig, TargetKeys, run_config
 from dspark.training import draft_dir
+from dspark.training.build import build_datamodule, build_module
 from dspark.training.callbacks import Throughput
 from dspark.training.draft_vocab import install_draft_vocab
 from dspark.training.rank_loss import rank_lost_error
@@ -407,7 +408,7 @@ def _train(run: RunConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> d
     target = factory.build_target(run.target, run.draft, target_loading(run, dataset))
     draft = factory.build_draft(run.draft, target)
     run.draft = factory.resolved_group(draft, run.draft)  # draft_config.json, hyper_parameters, a stream's producer
-    datamodule = factory.build_datamodule(run, target.tokenizer, dataset=dataset, target=target)
+    datamodule = build_datamodule(run, target.tokenizer, dataset=dataset, target=target)
     install_draft_vocab(draft, datamodule.train_rows, target.tokenizer)  # draft.arch.draft_vocab_size
     with producer_scope(datamodule.features):  # data.feature_stream: its producer finishes (or stops on an error)
         return _fit(run, run_dir, ckpt_path, callbacks, target, draft, datamodule, t0)
@@ -428,7 +429,7 @@ def choose_held_out(val_examples: int | str, n: int) -> int:
 
 def _fit(run: RunConfig, run_dir: Path, ckpt_path: str | None, callbacks, target, draft, datamodule,
          t0: float) -> dict:
-    module = factory.build_module(run, draft, target)
+    module = build_module(run, draft, target)
     throughput = Throughput()
     trainer = build_trainer(run, [throughput, LogsFollowCheckpoints(), *callbacks])
     n_params = sum(p.numel() for p in draft.parameters())

@@ -32,12 +32,13 @@ def test_strategies_divide_the_state_as_each_engine_does():
 
 def test_the_plan_matches_a_real_allocation_at_tiny_size(tmp_path):
     from dspark import factory
+    from dspark.training.build import build_datamodule, build_module
 
     cfg = compose(TINY_RUN + [f"run_dir={tmp_path}"])
     target = factory.build_target(cfg.target, cfg.draft)
     draft = factory.build_draft(cfg.draft, target)
-    dm = factory.build_datamodule(cfg, target.tokenizer, target=target)
-    module = factory.build_module(cfg, draft, target)
+    dm = build_datamodule(cfg, target.tokenizer, target=target)
+    module = build_module(cfg, draft, target)
     module._attach_target()
     batch = next(iter(dm.train_dataloader()))
 
