@@ -237,7 +237,8 @@ def _short_run(run_dir, *more):
 
 def test_a_short_run_logs_its_last_step_keeps_one_checkpoint_file_and_draws_its_curves(tmp_path, capsys):
     from dspark.integrity import check_file
-    from dspark.training.run import metric_series, run_training
+    from dspark.training.curves import metric_series
+    from dspark.training.run import run_training
 
     cfg = _short_run(tmp_path)
     assert cfg.trainer.log_every_n_steps == 10
@@ -257,7 +258,7 @@ def test_a_short_run_logs_its_last_step_keeps_one_checkpoint_file_and_draws_its_
 
 
 def test_metric_series_reads_every_log_version_later_wins(tmp_path):
-    from dspark.training.run import metric_series
+    from dspark.training.curves import metric_series
 
     for v, rows in ((0, "epoch,lr-AdamW,step,train/loss,val/tau_prob\n0,0.1,0,2.0,\n0,,1,,1.5\n"),
                     (1, "epoch,lr-AdamW,step,train/loss,train/ce\n0,0.2,1,1.8,9\n0,0.3,2,1.7,9\n")):
@@ -270,8 +271,9 @@ def test_metric_series_reads_every_log_version_later_wins(tmp_path):
 def test_curves_are_skipped_with_a_line_without_matplotlib_or_a_csv_log(tmp_path, monkeypatch, caplog):
     import logging
 
-    from dspark.evaluation import plots
-    from dspark.training.run import final_report, write_curves
+    from dspark import plotting
+    from dspark.training.curves import write_curves
+    from dspark.training.run import final_report
 
     caplog.set_level(logging.INFO, logger="dspark.train")
     assert write_curves(tmp_path) is None and "no curves.png: the run has no metrics.csv" in caplog.text
@@ -281,7 +283,7 @@ def test_curves_are_skipped_with_a_line_without_matplotlib_or_a_csv_log(tmp_path
     def no_matplotlib():
         raise ImportError("no matplotlib")
 
-    monkeypatch.setattr(plots, "_pyplot", no_matplotlib)
+    monkeypatch.setattr(plotting, "pyplot", no_matplotlib)
     assert write_curves(tmp_path) is None and "matplotlib is not installed" in caplog.text
     assert "picture" not in final_report({"global_step": 1}, tmp_path, 1.0)
 

@@ -1,22 +1,10 @@
-"""PNG plots: of eval reports (per-position conditional acceptance per benchmark, reliability diagram) and of a
-training run (train loss, lr and held-out tau_prob by step, from its metrics.csv).
-
-matplotlib is imported lazily (extra `plots`), with the Agg backend (no display needed).
-"""
+"""PNG plots of eval reports: per-position conditional acceptance per benchmark, the reliability diagram
+(matplotlib through dspark.plotting). A training run's curves are dspark.training.curves'."""
 from __future__ import annotations
 
 from pathlib import Path
 
-
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("PNG plots need matplotlib: pip install 'dspark[plots]' (or set plots=false)") from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from dspark.plotting import pyplot
 
 
 def _save(plt, fig, ax, path: Path) -> Path:
@@ -31,7 +19,7 @@ def _save(plt, fig, ax, path: Path) -> Path:
 
 def plot_conditional_acceptance(reports: dict[str, dict], path: Path) -> Path:
     """One line per benchmark: conditional acceptance rate r_i / r_{i-1} at draft position i (1-based)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for name, r in reports.items():
         cond = r["per_position_conditional_rate"]
@@ -45,32 +33,9 @@ def plot_conditional_acceptance(reports: dict[str, dict], path: Path) -> Path:
     return _save(plt, fig, ax, path)
 
 
-def plot_training_curves(series: dict[str, list[tuple[int, float]]], path: Path, title: str = "") -> Path:
-    """One panel per series (name -> [(step, value)], e.g. train/loss, lr-AdamW, val/tau_prob), step on x."""
-    plt = _pyplot()
-    names = [k for k, v in series.items() if v]
-    if not names:
-        raise ValueError("no series to plot")
-    fig, axes = plt.subplots(len(names), 1, figsize=(6, 2.2 * len(names)), sharex=True, squeeze=False)
-    for ax, name in zip(axes[:, 0], names):
-        steps, values = zip(*sorted(series[name]))
-        ax.plot(steps, values, marker="o" if len(steps) < 30 else None, ms=3, label=name)
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
-    axes[-1, 0].set_xlabel("optimizer step")
-    axes[-1, 0].xaxis.get_major_locator().set_params(integer=True)
-    if title:
-        axes[0, 0].set_title(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 def plot_reliability(calibration: dict, path: Path) -> Path:
     """Pooled reliability diagram of the survival estimates, before and after STS (held-out blocks)."""
-    plt = _pyplot()
+    plt = pyplot()
     pooled = calibration["pooled"]
     fig, ax = plt.subplots(figsize=(4.5, 4.2))
     ax.plot([0, 1], [0, 1], color="grey", lw=1, ls="--")

@@ -23,6 +23,7 @@ from dspark.schema import RunConfig, TargetKeys, run_config
 from dspark.training import draft_dir
 from dspark.training.build import build_datamodule, build_module
 from dspark.training.callbacks import Throughput
+from dspark.training.curves import write_curves
 from dspark.training.draft_vocab import install_draft_vocab
 from dspark.training.rank_loss import rank_lost_error
 from dspark.training.resume import SHARDED_META
@@ -241,46 +242,6 @@ def link_same_step_checkpoints(trainer: L.Trainer) -> list[Path]:
         log.info("checkpoints of the last step: %s are hard links to last.ckpt (one file on disk)",
                  ", ".join(p.name for p in linked))
     return linked
-
-
-CURVES_FILE = "curves.png"
-
-
-def metric_series(run_dir: Path, names=("train/loss", "lr-", "val/tau_prob")) -> dict[str, list[tuple[int, float]]]:
-    """name -> [(step, value)] from the run's logs/version_*/metrics.csv (every version: a resumed run writes a new
-    one; a step logged twice keeps the later value). A name ending in "-" takes every column it begins (lr-AdamW)."""
-    import csv
-
-    out: dict[str, dict[int, float]] = {}
-    versions = sorted((Path(run_dir) / "logs").glob("version_*/metrics.csv"),
-                      key=lambda f: int(f.parent.name.split("_")[-1]) if f.parent.name.split("_")[-1].isdigit() else -1)
-    for file in versions:
-        with open(file, newline="") as fh:
-            for row in csv.DictReader(fh):
-                for col, value in row.items():
-                    if value in (None, "") or col is None or not any(
-                            col == n or (n.endswith("-") and col.startswith(n)) for n in names):
-                        continue
-                    out.setdefault(col, {})[int(row["step"])] = float(value)
-    return {col: sorted(points.items()) for col, points in out.items()}
-
-
-def write_curves(run_dir: Path, title: str = "") -> Path | None:
-    """RUN/curves.png: train loss, lr and held-out val/tau_prob by step (metric_series); None, with a log line
-    saying why, without a CSV log or matplotlib."""
-    series = metric_series(run_dir)
-    if not series:
-        log.info("no %s: the run has no metrics.csv with train/val metrics (the csv logger is off)", CURVES_FILE)
-        return None
-    try:
-        from dspark.evaluation import plots
-
-        order = ["train/loss", *sorted(k for k in series if k.startswith("lr-")), "val/tau_prob"]
-        return plots.plot_training_curves({k: series[k] for k in order if k in series}, Path(run_dir) / CURVES_FILE,
-                                          title)
-    except ImportError:
-        log.info("no %s: matplotlib is not installed (pip install 'dspark[plots]')", CURVES_FILE)
-        return None
 
 
 def print_and_log(text: str) -> None:
