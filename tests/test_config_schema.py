@@ -196,3 +196,38 @@ def test_the_package_metadata_builds_without_a_license_deprecation(tmp_path):
     out = r.stdout + r.stderr
     assert "project.license" not in out and "License classifiers are deprecated" not in out, out[-2000:]
     assert list(tmp_path.glob("dspark-*.whl"))
+
+
+@pytest.mark.parametrize("experiment", ["dspark_v4", "hyv4_mtp"])
+def test_the_typed_run_config_holds_every_key_as_the_dictconfig_did(experiment):
+    """schema.run_config: the typed sections read like the yaml (target / data / train typed, the objective's keys
+    apart and typed by the draft's objective), and `values()` gives back exactly the plain config the DictConfig
+    resolves to: what checkpoints' hyper_parameters held before, so that an older run resumes against it."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from dspark.models import registry
+    from dspark.training.modules import MODULES
+
+    cfg = compose([f"experiment={experiment}", "run_dir=/tmp/unused", "train.lr=0.002",
+                   "data.feature_cache_layout.encoding=fp8_e4m3"])
+    run = schema.run_config(cfg)
+    assert isinstance(run.target, schema.TargetKeys) and isinstance(run.data, schema.DataKeys)
+    assert isinstance(run.train, schema.TrainKeys) and isinstance(run.data.feature_cache_layout, schema.CacheLayoutKeys)
+    assert run.train.lr == 0.002 and run.data.feature_cache_layout.encoding == "fp8_e4m3"
+    assert run.target.kind == cfg.target.kind and run.draft["kind"] == cfg.draft.kind
+    assert set(run.objective) == set(cfg.train) - set(schema.keys_of(schema.TrainKeys))
+    keys_cls = MODULES[registry.family(run.draft["kind"]).objective].KEYS
+    keys = schema.typed(keys_cls, run.objective)
+    assert dataclasses.asdict(keys) == {k: OmegaConf.to_container(cfg.train, resolve=True)[k]
+                                        for k in schema.keys_of(keys_cls)}
+    assert run.values() == OmegaConf.to_container(cfg, resolve=True)
+    assert schema.run_config(run) is run  # built once, then passed on as it is
+
+
+def test_the_typed_run_config_refuses_what_the_schema_refuses():
+    cfg = compose(["experiment=dspark_v4"])
+    cfg.train.lr = "fast"
+    with pytest.raises(ConfigError, match="train.lr"):
+        schema.run_config(cfg)
