@@ -60,9 +60,7 @@ class MTPDraftModule(DraftLightningModule):
             return self._reduced_vocab_losses(ids, lm, feats, metrics)
         steps = recursive_forward(self.draft, self.draft.context_hidden(feats), ids, lm, feats.final, self.num_steps)
         teacher = [self.target.logits_from_final(st.teacher_final) for st in steps]  # [N_k, V] each
-        return mtp_losses(steps, teacher, num_steps=self.num_steps, beta=self.beta, weights=self.mtp_weights,
-                          batch_rows=(ids.shape[0], max(ids.shape[1] - 2, 0)), metrics=metrics,
-                          row_normalizers=self._global_rows(steps) if self.training else None)
+        return _chain_losses(self, ids, steps, teacher, metrics)
 
     def _reduced_vocab_losses(self, ids, lm, feats, metrics: bool) -> dict[str, torch.Tensor]:
         """A draft scoring Vd of the V target ids (EAGLE-3's d2t / t2d): its logits over its Vd columns, the teacher
@@ -78,9 +76,7 @@ class MTPDraftModule(DraftLightningModule):
         for st in steps:
             st.labels = to_draft[st.labels]
         teacher = [lm_head_logits(st.teacher_final, w, self.target.head_fp32) for st in steps]  # [N_k, Vd] each
-        return mtp_losses(steps, teacher, num_steps=self.num_steps, beta=self.beta, weights=self.mtp_weights,
-                          batch_rows=(ids.shape[0], max(ids.shape[1] - 2, 0)), metrics=metrics,
-                          row_normalizers=self._global_rows(steps) if self.training else None)
+        return _chain_losses(self, ids, steps, teacher, metrics)
 
     def training_losses(self, batch) -> dict[str, torch.Tensor]:
         """The vocabulary-sized metrics only on the steps the logger writes."""
@@ -112,3 +108,12 @@ class MTPDraftModule(DraftLightningModule):
         metrics["val/l1"] = sums["l1_sum"] / sums["agree_total"].sum().clamp_min(1)
         metrics.update(self.agreement(sums))
         return metrics
+
+
+def _chain_losses(module: MTPDraftModule, ids: torch.Tensor, steps, teacher: list[torch.Tensor],
+                  metrics: bool) -> dict[str, torch.Tensor]:
+    """The MTP objective over a teacher-forced chain's steps and the teacher's logits at each ([N_k, V or Vd]),
+    with the module's step weights and loss weights; DDP's global row counts in training."""
+    return mtp_losses(steps, teacher, num_steps=module.num_steps, beta=module.beta, weights=module.mtp_weights,
+                      batch_rows=(ids.shape[0], max(ids.shape[1] - 2, 0)), metrics=metrics,
+                      row_normalizers=module._global_rows(steps) if module.training else None)
