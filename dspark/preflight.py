@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig
+from typing import NamedTuple
 
 from dspark import schema
 from dspark.errors import ConfigError, require
@@ -26,16 +26,16 @@ def command_line_overrides() -> list[str]:
         return []
 
 
-def check_train(values: dict) -> None:
-    tr, data = values["train"], values["data"]
-    require(tr["num_anchors"] < data["max_length"], "train.num_anchors",
-            f"{tr['num_anchors']} anchors cannot fit in a sequence of data.max_length={data['max_length']} (an anchor "
-            f"a needs a loss-masked token a+1): use fewer than {data['max_length']}")
+def check_train(run: schema.RunConfig) -> None:
+    anchors, length = run.train.num_anchors, run.data.max_length
+    require(anchors < length, "train.num_anchors",
+            f"{anchors} anchors cannot fit in a sequence of data.max_length={length} (an anchor a needs a loss-masked "
+            f"token a+1): use fewer than {length}")
 
 
-def check_trainer(values: dict) -> None:
+def check_trainer(run: schema.RunConfig) -> None:
     """The Trainer keys the run depends on (the rest Lightning checks when the Trainer is built)."""
-    t = values["trainer"]
+    t = run.trainer
     steps = t.get("max_steps")
     require(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1, "trainer.max_steps",
             f"must be an int >= 1 (runs are bounded by steps: the data and the LR schedule follow it), got {steps!r}")
@@ -48,7 +48,7 @@ def check_trainer(values: dict) -> None:
 
         require(importlib.util.find_spec("deepspeed") is not None, "trainer.strategy",
                 "DeepSpeed needs `pip install dspark[deepspeed]`")
-    for name, spec in (values.get("logger") or {}).items():
+    for name, spec in (run.logger or {}).items():
         if spec is not None and str(spec["_target_"]).endswith("WandbLogger"):
             import importlib.util
 
@@ -56,46 +56,45 @@ def check_trainer(values: dict) -> None:
                     "W&B needs `pip install dspark[wandb]`")
 
 
-def check_data(values: dict) -> None:
-    data, draft = values["data"], values["draft"]
+def check_data(run: schema.RunConfig) -> None:
+    data, draft = run.data, run.draft
     fam = registry.family(str(draft["kind"]))
     depth_key = fam.config.DRAFTS_KEY
     depth = draft.get(depth_key)
     require(isinstance(depth, int) and depth >= 1, f"draft.{depth_key}", f"must be an int >= 1, got {depth!r}")
-    require(data["max_length"] > depth + 1, "data.max_length",
-            f"{data['max_length']} is too short for draft.{depth_key} {depth}")
-    if data["source"] != "sharegpt":
+    require(data.max_length > depth + 1, "data.max_length",
+            f"{data.max_length} is too short for draft.{depth_key} {depth}")
+    if data.source != "sharegpt":
         hint = ""
-        if data["source"] == "regenerated":  # the SmolLM2 answers the repository ships packed, or how to make them
+        if data.source == "regenerated":  # the SmolLM2 answers the repository ships packed, or how to make them
             hint = ("; the repository ships 5,023 regenerated SmolLM2 conversations: `python scripts/pack_regenerated.py "
                     "unpack smollm2_sharegpt_5k` (+ smollm2_reasoning_gym_1500) writes data/regenerated/, then "
                     "data.path=data/regenerated/smollm2_sharegpt_5k.jsonl; or regenerate your own with "
                     "scripts/regenerate.py (README, 'A real target')")
-        require(data["path"] is not None and Path(str(data["path"])).is_file(), "data.path",
-                f"{data['path']!r} is not a file{hint}")
+        require(data.path is not None and Path(data.path).is_file(), "data.path", f"{data.path!r} is not a file{hint}")
         from dspark.data.jsonl import iter_jsonl_records, require_usable_records
 
-        require_usable_records(str(data["path"]), strict=bool(data["strict"]))  # 0 usable lines: refused now
-        if data["strict"]:  # refuse a malformed line now, naming it, not after the target has loaded
+        require_usable_records(data.path, strict=data.strict)  # 0 usable lines: refused now
+        if data.strict:  # refuse a malformed line now, naming it, not after the target has loaded
             from itertools import islice
 
-            for _ in islice(iter_jsonl_records(str(data["path"]), strict=True), data["limit"]):
+            for _ in islice(iter_jsonl_records(data.path, strict=True), data.limit):
                 pass
-    if data["feature_cache"] in (None, "", False):
-        require(not data["feature_stream"], "data.feature_stream",
+    if data.feature_cache in (None, "", False):
+        require(not data.feature_stream, "data.feature_stream",
                 "streams the features into the feature cache: set data.feature_cache (auto or a folder)")
         return
     require(not getattr(fam.draft, "needs_pre_head", False), "data.feature_cache",
             f"the cache stores no pre-hc_head stream, which draft.kind={fam.kind} reads; set it to null")
-    layout = data["feature_cache_layout"]
-    drops = layout["teacher_rows"] != "all" or layout["context_rows"] != "all"
+    layout = data.feature_cache_layout
+    drops = layout.teacher_rows != "all" or layout.context_rows != "all"
     require(not drops or fam.objective == "block", "data.feature_cache_layout",
-            f"teacher_rows={layout['teacher_rows']} / context_rows={layout['context_rows']} drop rows only a block "
+            f"teacher_rows={layout.teacher_rows} / context_rows={layout.context_rows} drop rows only a block "
             f"objective never reads; draft.kind={fam.kind} trains the {fam.objective!r} objective, which reads the "
             "final hidden of every context position: use teacher_rows=all, context_rows=all")
 
 
-def _target_hf_config(target: DictConfig):
+def _target_hf_config(target: schema.TargetKeys):
     """The target's HF config from its local folder (no weights), or None when the target is not a local
     folder (a Hub id: the loader decides)."""
     folder = target_folder(target)
@@ -117,7 +116,7 @@ def _target_hf_config(target: DictConfig):
         raise ConfigError(f"target.path: {folder!r} holds no readable config.json ({e})") from e
 
 
-def _tokenizer(target: DictConfig):
+def _tokenizer(target: schema.TargetKeys):
     """The target folder's tokenizer (no weights): a null draft.mask_token_id is its <|mask|> token."""
     from transformers import AutoTokenizer
 
@@ -127,28 +126,32 @@ def _tokenizer(target: DictConfig):
         return None
 
 
-def check_draft(cfg: DictConfig) -> dict | None:
+def check_draft(target: schema.TargetKeys, group: dict) -> dict | None:
     """The draft group built into its family's config against the target's config.json (dspark.models.registry):
     taps inside the target, hidden size, mask token, the family's own rules. -> the resolved draft group (as
     draft/draft_config.json and the checkpoints hold it), None for a target this check cannot read (a Hub id)."""
-    registry.check_init_from_target(cfg.draft)
-    hf_config = _target_hf_config(cfg.target)
+    registry.check_init_from_target(group)
+    hf_config = _target_hf_config(target)
     if hf_config is None:
         return None
-    tokenizer = _tokenizer(cfg.target) if cfg.draft.get("mask_token_id", 0) is None else None
-    config = registry.build_config(cfg.draft, hf_config, tokenizer)
-    return registry.resolved_group(config, str(cfg.draft.kind), cfg.draft)
+    tokenizer = _tokenizer(target) if group.get("mask_token_id", 0) is None else None
+    config = registry.build_config(group, hf_config, tokenizer)
+    return registry.resolved_group(config, str(group["kind"]), group)
 
 
-def check_training_config(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
-    """Raises ConfigError naming the first bad key; loads no model weights. Returns the resolved plain config, its
-    draft group resolved against the target when the target's config.json is readable here (`draft_resolved`)."""
-    values = schema.check_run_keys(cfg, command_line_overrides() if overrides is None else overrides)
-    check_train(values)
-    check_trainer(values)
-    check_data(values)
-    resolved = check_draft(cfg)
-    if resolved is not None:
-        values["draft"] = resolved
-    values["draft_resolved"] = resolved is not None
-    return values
+class CheckedRun(NamedTuple):
+    """A checked training config: the typed run config, and its draft group resolved against the target (None when
+    the target's config.json cannot be read here: a Hub id)."""
+
+    run: schema.RunConfig
+    resolved_draft: dict | None
+
+
+def check_training_config(cfg, overrides: list[str] | None = None) -> CheckedRun:
+    """Raises ConfigError naming the first bad key; loads no model weights. `cfg`: Hydra's DictConfig (or its plain
+    values); the schema types it once (dspark.schema.run_config) and the rules between keys read the typed sections."""
+    run = schema.run_config(cfg, command_line_overrides() if overrides is None else overrides)
+    check_train(run)
+    check_trainer(run)
+    check_data(run)
+    return CheckedRun(run, check_draft(run.target, run.draft))

@@ -416,12 +416,12 @@ class RunConfig(RunKeys):
         return out
 
 
-def run_config(cfg) -> RunConfig:
-    """The typed config of train.py (RunConfig) from Hydra's DictConfig (or its plain values), every key checked;
-    a RunConfig is returned as it is."""
+def run_config(cfg, overrides: Iterable[str] = ()) -> RunConfig:
+    """The typed config of train.py (RunConfig) from Hydra's DictConfig (or its plain values), every key checked
+    (`overrides`: the command line's, as check_run_keys takes them); a RunConfig is returned as it is."""
     if isinstance(cfg, RunConfig):
         return cfg
-    values = check_run_keys(cfg)
+    values = check_run_keys(cfg, overrides)
     train = values["train"]
     return RunConfig(
         **{k: values[k] for k in keys_of(RunKeys)},

@@ -19,7 +19,7 @@ from dspark.data.feature_stream import producer_scope
 from dspark.errors import ConfigError, require
 from dspark.integrity import MANIFEST_NAME, check_file, check_manifest, remove_checked, write_checked
 from dspark.io import atomic_write_json
-from dspark.schema import RunConfig, TargetKeys, run_config
+from dspark.schema import RunConfig, TargetKeys
 from dspark.training import draft_dir
 from dspark.training.build import build_datamodule, build_module
 from dspark.training.callbacks import Throughput
@@ -306,14 +306,13 @@ def run_training(cfg, callbacks: tuple[Callback, ...] = ()) -> dict:
     (dspark.preflight) and typed (dspark.schema.RunConfig) here, once; everything below reads the typed sections."""
     from dspark.preflight import check_training_config
 
-    values = check_training_config(cfg)
-    run = run_config(cfg)
+    run, resolved_draft = check_training_config(cfg)
     run_dir = Path(run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with claim_run_dir(run_dir):
         ckpt_path = resolve_resume(run.resume, run_dir)
         if ckpt_path is not None:
-            plan, then = check_resumed_config(values, Path(ckpt_path), run_dir)
+            plan, then = check_resumed_config(run, resolved_draft, Path(ckpt_path), run_dir)
             if is_launcher_process():  # once per job, not once per rank
                 print_and_log(plan)
             if run.data.val_examples == "auto":  # a resumed run keeps its own held-out split
@@ -323,19 +322,21 @@ def run_training(cfg, callbacks: tuple[Callback, ...] = ()) -> dict:
         return _train(run, run_dir, ckpt_path, callbacks)
 
 
-def check_resumed_config(values: dict, ckpt: Path, run_dir: Path) -> tuple[str, dict]:
-    """The resolved config against the checkpoint's, before any model loads (dspark.training.resume) -> (the one
-    line that says how far the resumed run goes, the checkpoint's run config). A refused config names the command this run was last started
-    with (run_dir/resume.json), when it has one: a resume that forgot the experiment or an override is one line."""
+def check_resumed_config(run: RunConfig, resolved_draft: dict | None, ckpt: Path, run_dir: Path) -> tuple[str, dict]:
+    """The run config, its draft group resolved against the target (None: a target whose config.json preflight could
+    not read), against the checkpoint's, before any model loads (dspark.training.resume) -> (the one line that says
+    how far the resumed run goes, the checkpoint's run config). A refused config names the command this run was last
+    started with (run_dir/resume.json), when it has one: a resume that forgot the experiment or an override is one
+    line."""
     from dspark.preflight import command_line_overrides
     from dspark.training.resume import (OVERRIDABLE, ResumeRefused, checkpoint_config, compare_on_resume,
                                         planned_steps, under)
 
     then, step = checkpoint_config(ckpt)
-    now = {k: v for k, v in values.items() if k != "draft_resolved"}
+    now = {**run.values(), "draft": resolved_draft or run.draft}
     if now["data"].get("val_examples") == "auto":  # auto keeps the run's own split (choose_held_out)
         now["data"] = {**now["data"], "val_examples": (then.get("data") or {}).get("val_examples", "auto")}
-    if not values["draft_resolved"] and isinstance(then.get("draft"), dict):  # a Hub target: sizes unknown here
+    if resolved_draft is None and isinstance(then.get("draft"), dict):  # a Hub target: sizes unknown here
         now["draft"] = {**then["draft"], **{k: v for k, v in now["draft"].items() if k != "arch" and v is not None}}
     try:
         compare_on_resume(now, then)
@@ -351,8 +352,8 @@ def check_resumed_config(values: dict, ckpt: Path, run_dir: Path) -> tuple[str, 
         raise ConfigError(f"resume: this run {other}: resume it with its own command: {own} (or choose another "
                           "run_dir= for a new run)") from None
     named = [o.split("=", 1)[0].lstrip("+~") for o in command_line_overrides()]
-    asked = "trainer.max_steps" in named or "trainer.max_steps" in list(values.get("resume_override") or [])
-    return planned_steps(then, step, int(values["trainer"]["max_steps"]), asked), then
+    asked = "trainer.max_steps" in named or "trainer.max_steps" in run.resume_override
+    return planned_steps(then, step, int(run.trainer["max_steps"]), asked), then
 
 
 def _train(run: RunConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> dict:

@@ -150,12 +150,13 @@ def test_training_on_row_dropped_cache_is_bitwise_the_full_cache_and_fp8_is_clos
 
 def test_mtp_objective_refuses_row_dropping_layouts():
     from dspark.preflight import check_data
+    from dspark.schema import run_config
 
     cfg = compose(["experiment=hyv4_mtp", "data.feature_cache=auto", "data.feature_cache_layout.teacher_rows=assistant"])
     with pytest.raises(ConfigError, match=r"data\.feature_cache_layout: .*'mtp' objective"):
-        check_data(cfg)
-    check_data(compose(["experiment=hyv4_mtp", "data.feature_cache=auto",
-                        "data.feature_cache_layout.encoding=fp8_e4m3"]))  # an encoding drops no row: allowed
+        check_data(run_config(cfg))
+    check_data(run_config(compose(["experiment=hyv4_mtp", "data.feature_cache=auto",
+                                   "data.feature_cache_layout.encoding=fp8_e4m3"])))  # an encoding drops no row
 
 
 def test_converting_a_float32_cache_equals_building_the_layout(tmp_path):
