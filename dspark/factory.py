@@ -56,16 +56,13 @@ def _head_only_line(target: HeadOnlyTarget) -> str:
 
 
 def build_draft(group: Mapping[str, Any], target: FrozenTarget) -> torch.nn.Module:
-    """The draft of a draft group, built by its family against the target (dspark.models.registry.build_draft),
-    then started from another draft's weights when the group names one (`init_from`, dspark.warm_start). The group
-    as the draft resolved it (what draft_config.json and a checkpoint hold) is `resolved_group(draft, group)`."""
+    """The draft of a draft group, built by its family against the target (dspark.models.registry.build_draft), in
+    its fresh initialisation (a new run's warm start, `draft.init_from`, is training.run's: a trained draft rebuilt by
+    eval or export never reads where its run started). The group as the draft resolved it (what draft_config.json
+    and a checkpoint hold) is `resolved_group(draft, group)`."""
     draft = registry.build_draft(group, target)
     if isinstance(target, HeadOnlyTarget):
         target.release_init_modules()  # copied into the draft: training reads only the head
-    if group.get("init_from"):
-        from dspark.warm_start import init_from
-
-        init_from(draft, str(group["init_from"]))
     return draft
 
 

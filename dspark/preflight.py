@@ -94,6 +94,15 @@ def check_data(run: schema.RunConfig) -> None:
             "final hidden of every context position: use teacher_rows=all, context_rows=all")
 
 
+def check_warm_start(run: schema.RunConfig) -> None:
+    """draft.init_from names a folder when a new run starts from it (a resumed run restores its checkpoint and never
+    reads it: dspark.training.run)."""
+    source = run.draft.get("init_from")
+    if source and run.resume in (None, "", False):
+        require(Path(str(source)).expanduser().is_dir(), "draft.init_from",
+                f"{source!r} is not a folder (a trained RUN/draft, or a serving export of a draft of the same target)")
+
+
 def _target_hf_config(target: schema.TargetKeys):
     """The target's HF config from its local folder (no weights), or None when the target is not a local
     folder (a Hub id: the loader decides)."""
@@ -154,4 +163,5 @@ def check_training_config(cfg, overrides: list[str] | None = None) -> CheckedRun
     check_train(run)
     check_trainer(run)
     check_data(run)
+    check_warm_start(run)
     return CheckedRun(run, check_draft(run.target, run.draft))

@@ -87,3 +87,81 @@ def test_a_folder_sharing_nothing_is_refused(tmp_path, trained_dflash):
         init_from(other, str(tmp_path / "empty"))
     with pytest.raises(ConfigError, match="draft.init_from: .* is not a folder"):
         init_from(other, str(tmp_path / "missing"))
+
+
+def test_a_trained_run_is_evaluated_and_exported_without_its_warm_start_source(tmp_path):
+    """draft.init_from is where a run STARTED: draft_config.json keeps it (the run's record), but eval and export
+    rebuild the trained draft from its own weights, so the source folder may be gone (another machine, cleaned up)
+    and is never read: eval's draft and the export's equal the trained one."""
+    import json
+
+    from conftest import compose_eval, reseal, tiny_dense_dspark_run
+    from dspark import schema
+    from dspark.evaluation.run_eval import build
+    from dspark.export.__main__ import main as export_main
+    from dspark.export.dense import import_dense
+
+    _, _, trained, run = tiny_dense_dspark_run(tmp_path)
+    config = run / "draft" / "draft_config.json"
+    group = json.loads(config.read_text())
+    group["init_from"] = str(tmp_path / "gone")  # the warm start's source, deleted since
+    config.write_text(json.dumps(group))
+    reseal(run / "draft")
+
+    cfg = schema.eval_config(compose_eval(f"run_dir={run}", "target=hf", f"target.path={tmp_path / 'target'}",
+                                          "target.dtype=float32"))
+    _, evaluated, *_ = build(cfg)
+    want = trained.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in evaluated.state_dict().items())
+
+    out = tmp_path / "export"
+    assert export_main(["dense", "--run-dir", str(run), "--out", str(out), "--dtype", "float32"]) == 0
+    back = import_dense(out, DSparkDenseDraft(trained.config))
+    assert all(torch.equal(v, want[k]) for k, v in back.state_dict().items() if k in want)
+
+
+@pytest.mark.slow
+def test_a_run_warm_starts_from_its_source_and_resumes_without_it(tmp_path):
+    """train.py with draft.init_from=<a trained RUN/draft>: the draft the first step trains is the source's, tensor
+    for tensor; resumed, the run restores its checkpoint and never reads the source again (here deleted)."""
+    import shutil
+
+    from lightning.pytorch.callbacks import Callback
+    from safetensors.torch import load_file
+
+    from conftest import TINY_RUN, compose
+    from dspark.training.run import run_training
+
+    run_training(compose(TINY_RUN + [f"run_dir={tmp_path / 'source'}", "trainer.max_steps=2"]))
+    source = tmp_path / "copy"
+    shutil.copytree(tmp_path / "source" / "draft", source)
+    want = load_file(str(source / "model.safetensors"))
+
+    class FirstWeights(Callback):
+        def __init__(self):
+            self.seen = None
+
+        def on_train_start(self, trainer, pl_module):
+            self.seen = {k: v.detach().clone() for k, v in pl_module.draft.state_dict().items()}
+
+    first = FirstWeights()
+    warm = TINY_RUN + [f"run_dir={tmp_path / 'warm'}", f"draft.init_from={source}", "trainer.max_steps=2"]
+    run_training(compose(warm), callbacks=(first,))
+    assert set(first.seen) == set(want) and all(torch.equal(first.seen[k], want[k].to(first.seen[k].dtype))
+                                                for k in want)
+    shutil.rmtree(source)
+    summary = run_training(compose(warm[:-1] + ["trainer.max_steps=3", "resume=last",
+                                                "resume_override=[trainer.max_steps]"]))
+    assert summary["global_step"] == 3
+
+
+def test_a_missing_warm_start_source_is_refused_before_any_model_loads(tmp_path):
+    from conftest import TINY_RUN, compose
+    from dspark.preflight import check_training_config
+
+    with pytest.raises(ConfigError, match="draft.init_from: .*gone.* is not a folder"):
+        check_training_config(compose(TINY_RUN + [f"run_dir={tmp_path}", f"draft.init_from={tmp_path / 'gone'}"]), [])
+    check_training_config(compose(TINY_RUN + [f"run_dir={tmp_path}", f"draft.init_from={tmp_path}"]), [])  # a folder
+    # a resumed run never reads it: not refused
+    check_training_config(compose(TINY_RUN + [f"run_dir={tmp_path}", f"draft.init_from={tmp_path / 'gone'}",
+                                              "resume=last"]), [])

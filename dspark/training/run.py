@@ -369,6 +369,10 @@ def _train(run: RunConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> d
     run.data.val_examples = choose_held_out(run.data.val_examples, len(dataset))
     target = factory.build_target(run.target, run.draft, target_loading(run, dataset))
     draft = factory.build_draft(run.draft, target)
+    if run.draft.get("init_from") and ckpt_path is None:  # a warm start (a resumed run restores its checkpoint)
+        from dspark.warm_start import init_from
+
+        init_from(draft, str(run.draft["init_from"]))
     run.draft = factory.resolved_group(draft, run.draft)  # draft_config.json, hyper_parameters, a stream's producer
     datamodule = build_datamodule(run, target.tokenizer, dataset=dataset, target=target)
     install_draft_vocab(draft, datamodule.train_rows, target.tokenizer)  # draft.arch.draft_vocab_size

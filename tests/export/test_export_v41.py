@@ -217,12 +217,13 @@ def test_merge_refuses_a_v4_target_and_other_sizes(tmp_path):
 
 
 def test_init_from_a_shipped_v41_checkpoint_starts_from_its_drafter(tmp_path):
-    """draft.init_from=<V4.1 checkpoint>: the draft built for training is the checkpoint's drafter (export -> import
+    """draft.init_from=<V4.1 checkpoint>: the draft a run starts from is the checkpoint's drafter (export -> import
     -> identical parameters and proposals on the tiny target); another family's folder or sizes are refused."""
     from conftest import compose
 
     from dspark import factory
     from dspark.errors import ConfigError
+    from dspark.warm_start import init_from
 
     cfg = compose(["experiment=dspark_v41"])
     target = factory.build_target(cfg.target, cfg.draft)
@@ -230,8 +231,8 @@ def test_init_from_a_shipped_v41_checkpoint_starts_from_its_drafter(tmp_path):
     _randomise(src, 5)
     shipped = merge_v41_into_target(src, target_dir=factory.target_folder(cfg.target), out_dir=tmp_path / "ckpt",
                                     dtype=torch.float32)
-    cfg2 = compose(["experiment=dspark_v41", f"draft.init_from={shipped}"])
-    started = factory.build_draft(cfg2.draft, target)
+    started = factory.build_draft(cfg.draft, target)
+    init_from(started, str(shipped))  # what training.run does with draft.init_from
     for (name, a), (_, b) in zip(src.named_parameters(), started.named_parameters()):
         assert torch.equal(a, b), name
     ids = torch.tensor([[5, 17, 33, 9, 120, 64, 7, 300]])
@@ -239,10 +240,10 @@ def test_init_from_a_shipped_v41_checkpoint_starts_from_its_drafter(tmp_path):
     p, r = (d.propose_blocks([aux], [300], num_drafts=4)[0] for d in (src, started))
     assert torch.equal(p.tokens, r.tokens) and torch.equal(p.logits, r.logits)
     with pytest.raises(ConfigError, match="draft.init_from"):
-        factory.build_draft(compose(["experiment=dspark_v41", f"draft.init_from={tmp_path}"]).draft, target)
-    small = compose(["experiment=dspark_v41", f"draft.init_from={shipped}", "draft.num_layers=2"])
+        init_from(factory.build_draft(cfg.draft, target), str(tmp_path))
+    small = compose(["experiment=dspark_v41", "draft.num_layers=2"])
     with pytest.raises(ConfigError, match="draft.init_from"):
-        factory.build_draft(small.draft, target)
+        init_from(factory.build_draft(small.draft, target), str(shipped))
 
 
 @pytest.mark.slow
