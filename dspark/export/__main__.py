@@ -32,8 +32,8 @@ def _load_run_draft(run_dir: Path, target_kind: str, target_path: str | None):
     state = run_draft.load_state(draft_dir)  # checked against its manifest before any model loads
     cfg = OmegaConf.create({
         "target": {"kind": target_kind, "path": target_path, "dtype": "float32"},
-        "draft": json.loads((draft_dir / "draft_config.json").read_text()),
-    })
+        "draft": {**json.loads((draft_dir / "draft_config.json").read_text()), "init_from_target": False},
+    })  # the trained weights overwrite any start from the target's layers: it is not made again
     target = factory.build_target(cfg.target, cfg.draft)
     draft = factory.build_draft(cfg.draft, target)
     missing, unexpected = draft.load_state_dict(state, strict=False)
