@@ -12,76 +12,42 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelSumm
 
 
 class Throughput(Callback):
-    """Tokens/s, blocks/s and peak memory over the training steps (first `skip` steps excluded), and the step's FLOPs,
-    loss tokens per second and MFU against an LM-head GEMM's peak measured in this process at the end of training
-    (same dtype as the trainer's precision, same thread count). The FLOPs of a dense block draft are counted from each
-    timed batch's shapes (dspark.training.flops); any other draft's (EAGLE-3, MTP heads, V4 / DFlash2 block drafts)
-    by torch's FlopCounterMode on every `count_every`-th step, which then runs under the counter and is left out of
-    the timing; the achieved FLOP/s of such a run is the counted steps' FLOPs per token times the timed tokens/s."""
+    """Tokens/s, blocks/s and peak memory over the training steps (first `skip` steps excluded); for a dense block
+    draft (dspark.training.flops.is_dense_block_module) also the step's FLOPs (counted from each timed batch's
+    shapes, dspark.training.flops), the loss tokens per second and the MFU against an LM-head GEMM's peak measured
+    in this process at the end of training (same dtype as the trainer's precision, same thread count)."""
 
-    def __init__(self, skip: int = 3, peak_budget_s: float = 1.0, count_every: int = 10):
-        self.skip, self.t0, self.n, self.timed = skip, None, 0, 0
+    def __init__(self, skip: int = 3, peak_budget_s: float = 1.0):
+        self.skip, self.t0, self.n = skip, None, 0
         self.tokens = self.blocks = 0
         self.elapsed = 0.0
         self.peak_budget_s = peak_budget_s
-        self.count_every = count_every
-        self.flops: dict[str, int] = {}  # part -> sum over the counted steps
-        self.flop_steps = self.loss_tokens = self.flop_tokens = 0  # counted steps, their loss tokens and tokens
-        self.counter = None  # the FlopCounterMode a counted step runs under
+        self.flops: dict[str, int] = {}  # part -> sum over the timed steps
+        self.flop_steps = self.loss_tokens = 0
         self.peak: dict | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        from dspark.training import flops
-
         self.t0 = time.perf_counter()
-        if self.n >= self.skip and (self.n - self.skip) % self.count_every == 0 \
-                and not flops.is_dense_block_module(pl_module):
-            from torch.utils.flop_counter import FlopCounterMode
-
-            self.counter = FlopCounterMode(display=False)
-            self.counter.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.n += 1
-        if self.counter is not None:  # a counted step: its FLOPs, not its time
-            counted = self._close_counter()
-            self._add_flops(trainer, pl_module, batch, counted)
-            return
         if self.n <= self.skip or self.t0 is None:
             return
         self.elapsed += time.perf_counter() - self.t0
-        self.timed += 1
         self.tokens += int(batch["attention_mask"].sum())
         self.blocks += int(batch["keep"].sum())
+        self._count_flops(trainer, pl_module, batch)  # after the clock stopped: not part of the step's time
+
+    def _count_flops(self, trainer, pl_module, batch) -> None:
         from dspark.training import flops
 
-        if flops.is_dense_block_module(pl_module):
-            self._add_flops(trainer, pl_module, batch)  # after the clock stopped: not part of the step's time
-
-    def on_exception(self, trainer, pl_module, exception):
-        if self.counter is not None:
-            self._close_counter()
-
-    def _close_counter(self) -> int:
-        counter, self.counter = self.counter, None
-        counter.__exit__(None, None, None)
-        return int(counter.get_total_flops())
-
-    def _add_flops(self, trainer, pl_module, batch, counted: int | None = None) -> None:
-        """One step's FLOPs by part: from its shapes (a dense block draft) or `counted` by FlopCounterMode."""
-        from dspark.training import flops
-
-        per_step = 1.0 / max(1, trainer.accumulate_grad_batches)  # the optimizer runs once per accumulated batches
-        if counted is None:
-            parts, shapes = flops.module_step_flops(pl_module, batch, per_step)
-            loss_tokens = shapes.loss_rows
-        else:
-            parts, loss_tokens = flops.counted_step_flops(pl_module, counted, per_step), None
+        if not flops.is_dense_block_module(pl_module):
+            return
+        parts, shapes = flops.module_step_flops(pl_module, batch, 1.0 / max(1, trainer.accumulate_grad_batches))
         for k, v in parts.items():
             self.flops[k] = self.flops.get(k, 0) + v
         self.flop_steps += 1
-        self.loss_tokens += flops.step_loss_tokens(pl_module, batch) if loss_tokens is None else loss_tokens
-        self.flop_tokens += int(batch["attention_mask"].sum())
+        self.loss_tokens += shapes.loss_rows
 
     def on_train_end(self, trainer, pl_module):
         if not (self.flop_steps and trainer.is_global_zero):
@@ -97,22 +63,18 @@ class Throughput(Callback):
         from dspark.training import flops
 
         cfg = pl_module.draft.config
-        vocab = int(getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size)
-        return flops.gemm_peak(int(cfg.hidden_size), vocab, flops.precision_dtype(trainer.precision),
+        vocab = pl_module.lm_head_vocab()[0]
+        return flops.gemm_peak(int(cfg.hidden_size), int(vocab), flops.precision_dtype(trainer.precision),
                                device=pl_module.device, budget_s=self.peak_budget_s)
 
     def flop_summary(self) -> dict:
-        """flops_per_step (mean by part), flop_counted_steps, loss_tokens_per_step / _per_s, achieved_gflops, mfu, gemm_peak_*,
-        threads; {} when nothing was counted or timed. Achieved FLOP/s = the counted steps' FLOPs per token x the
-        timed steps' tokens per second (the same steps for a dense block draft, whose every timed step is counted)."""
-        if not self.flop_steps or self.elapsed <= 0 or not self.flop_tokens:
+        """flops_per_step (mean by part), loss_tokens_per_s, achieved_gflops, mfu, gemm_peak_*, threads; {} when
+        nothing was counted."""
+        if not self.flop_steps or self.elapsed <= 0:
             return {}
         per_step = {k: round(v / self.flop_steps) for k, v in self.flops.items()}
-        tokens_per_s = self.tokens / self.elapsed
-        achieved = self.flops["total"] / self.flop_tokens * tokens_per_s  # FLOP/s
-        out = {"flops_per_step": per_step, "flop_counted_steps": self.flop_steps,
-               "loss_tokens_per_step": round(self.loss_tokens / self.flop_steps, 1),
-               "loss_tokens_per_s": round(self.loss_tokens / self.flop_tokens * tokens_per_s, 1),
+        achieved = self.flops["total"] / self.elapsed  # FLOP/s
+        out = {"flops_per_step": per_step, "loss_tokens_per_s": round(self.loss_tokens / self.elapsed, 1),
                "achieved_gflops": round(achieved / 1e9, 3)}
         if self.peak is not None:
             out.update(mfu=round(achieved / (self.peak["gflops"] * 1e9), 6), gemm_peak_gflops=self.peak["gflops"],
@@ -122,11 +84,11 @@ class Throughput(Callback):
 
     def summary(self) -> dict:
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        out = {"timed_steps": self.timed, "peak_rss_mb": round(peak_rss_mb, 1)}
+        out = {"timed_steps": max(0, self.n - self.skip), "peak_rss_mb": round(peak_rss_mb, 1)}
         if self.elapsed > 0:
             out.update(tokens_per_s=round(self.tokens / self.elapsed, 1),
                        blocks_per_s=round(self.blocks / self.elapsed, 1),
-                       s_per_step=round(self.elapsed / max(1, self.timed), 4))
+                       s_per_step=round(self.elapsed / max(1, self.n - self.skip), 4))
         out.update(self.flop_summary())
         if torch.cuda.is_available():
             out["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
