@@ -207,13 +207,7 @@ def step_flops(module, step, batch: dict, i: int) -> tuple[dict, int]:
         return parts, shapes.loss_rows
     with FlopCounterMode(display=False) as counter:
         step(batch, i)
-    params = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    optimizer = flops.OPTIMIZER_FLOPS_PER_PARAM * params
-    lm = batch["loss_mask"] * batch["attention_mask"]  # [B, S]: chain step k scores the rows whose label t+k+2 counts
-    k_steps = int(getattr(module, "num_steps", 1))
-    tokens = sum(int(lm[:, k + 2:].sum()) for k in range(k_steps))
-    return {"counted": counter.get_total_flops(), "optimizer": optimizer,
-            "total": counter.get_total_flops() + optimizer}, tokens
+    return flops.counted_step_flops(module, counter.get_total_flops()), flops.step_loss_tokens(module, batch)
 
 
 def print_report(r: dict) -> None:

@@ -12,69 +12,118 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelSumm
 
 
 class Throughput(Callback):
-    """Tokens/s, blocks/s and peak memory over the training steps (first `skip` steps excluded); for a dense block
-    draft (dspark.training.flops.is_dense_block_module) also the step's FLOPs (counted from each timed batch's
-    shapes, dspark.training.flops), the loss tokens per second and the MFU against an LM-head GEMM's peak measured
-    in this process at the end of training (same dtype as the trainer's precision, same thread count)."""
+    """Tokens/s, blocks/s and peak memory over the training steps (first `skip` steps excluded), and the step's FLOPs,
+    loss tokens per second and MFU against an LM-head GEMM's peak measured in this process at the end of training
+    (same dtype as the trainer's precision, same thread count).
+
+    A dense block draft's FLOPs are counted from each timed batch's shapes (dspark.training.flops). Any other draft's
+    (EAGLE-3, MTP heads, V4 / DFlash2 / XPress block drafts) by torch's FlopCounterMode on one more training step,
+    run after training on the last timed batch with a copy of the draft (one process only): a counter around a real
+    step changes its numerics (measured: the default run's tau_prob moved in the 3rd decimal), so no step of the run
+    is counted, and the run's draft, gradients and random state are left as they were. Its achieved FLOP/s are that
+    step's FLOPs per token times the timed tokens/s."""
 
     def __init__(self, skip: int = 3, peak_budget_s: float = 1.0):
         self.skip, self.t0, self.n = skip, None, 0
         self.tokens = self.blocks = 0
         self.elapsed = 0.0
         self.peak_budget_s = peak_budget_s
-        self.flops: dict[str, int] = {}  # part -> sum over the timed steps
-        self.flop_steps = self.loss_tokens = 0
+        self.flops: dict[str, int] = {}  # part -> sum over the counted steps
+        self.flop_steps = self.loss_tokens = self.flop_tokens = 0  # counted steps, their loss tokens and tokens
+        self.sample: dict | None = None  # the last timed batch of a draft counted by replay
         self.peak: dict | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from dspark.training import flops
+
         self.n += 1
         if self.n <= self.skip or self.t0 is None:
             return
         self.elapsed += time.perf_counter() - self.t0
         self.tokens += int(batch["attention_mask"].sum())
         self.blocks += int(batch["keep"].sum())
-        self._count_flops(trainer, pl_module, batch)  # after the clock stopped: not part of the step's time
-
-    def _count_flops(self, trainer, pl_module, batch) -> None:
-        from dspark.training import flops
-
         if not flops.is_dense_block_module(pl_module):
+            self.sample = batch  # counted once, after training (replay_flops)
             return
-        parts, shapes = flops.module_step_flops(pl_module, batch, 1.0 / max(1, trainer.accumulate_grad_batches))
+        parts, shapes = flops.module_step_flops(pl_module, batch, self._optimizer_share(trainer))
+        self._add(parts, shapes.loss_rows, batch)  # after the clock stopped: not part of the step's time
+
+    @staticmethod
+    def _optimizer_share(trainer) -> float:
+        return 1.0 / max(1, trainer.accumulate_grad_batches)  # the optimizer runs once per accumulated batches
+
+    def _add(self, parts: dict[str, int], loss_tokens: int, batch) -> None:
         for k, v in parts.items():
             self.flops[k] = self.flops.get(k, 0) + v
         self.flop_steps += 1
-        self.loss_tokens += shapes.loss_rows
+        self.loss_tokens += int(loss_tokens)
+        self.flop_tokens += int(batch["attention_mask"].sum())
+
+    def replay_flops(self, trainer, pl_module) -> None:
+        """FlopCounterMode over one more training step (forward and the parameters' gradients) on the last timed batch,
+        with a copy of the draft (the target's shared weights not copied) and the random state forked: the run's own
+        draft, its .grad and the random streams are untouched."""
+        import copy
+
+        from torch.utils.flop_counter import FlopCounterMode
+
+        from dspark.training import flops
+
+        batch, draft = self.sample, pl_module.draft
+        shared = [t for t in (getattr(pl_module.target, "embed_weight", None),
+                              getattr(pl_module.target, "lm_head_weight", None)) if t is not None]
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        try:
+            pl_module.draft = copy.deepcopy(draft, memo={id(t): t for t in shared})
+            params = [p for p in pl_module.draft.parameters() if p.requires_grad]
+            with torch.random.fork_rng(devices=devices), FlopCounterMode(display=False) as counter:
+                with trainer.precision_plugin.forward_context():
+                    loss = pl_module.training_losses(batch)["loss"]
+                torch.autograd.grad(loss, params, allow_unused=True)
+        finally:
+            pl_module.draft = draft
+        parts = flops.counted_step_flops(pl_module, counter.get_total_flops(), self._optimizer_share(trainer))
+        self._add(parts, flops.step_loss_tokens(pl_module, batch), batch)
 
     def on_train_end(self, trainer, pl_module):
+        log = logging.getLogger("dspark.train")
+        if self.sample is not None and trainer.world_size == 1:
+            try:  # a measurement: it never fails the run it measures (the draft is written after fit)
+                self.replay_flops(trainer, pl_module)
+            except Exception as e:  # noqa: BLE001
+                log.warning("throughput: no FLOP count (%s: %s)", type(e).__name__, e)
+        self.sample = None
         if not (self.flop_steps and trainer.is_global_zero):
             return
-        try:  # a measurement: it never fails the run it measures (the draft is written after fit)
+        try:
             self.peak = self.measure_peak(trainer, pl_module)
         except Exception as e:  # noqa: BLE001
-            logging.getLogger("dspark.train").warning("throughput: no GEMM peak, so no mfu (%s: %s)",
-                                                      type(e).__name__, e)
+            log.warning("throughput: no GEMM peak, so no mfu (%s: %s)", type(e).__name__, e)
 
     def measure_peak(self, trainer, pl_module) -> dict:
         """The GEMM peak (dspark.training.flops.gemm_peak) at the draft's LM-head shape and the trainer's precision."""
         from dspark.training import flops
 
         cfg = pl_module.draft.config
-        vocab = pl_module.lm_head_vocab()[0]
-        return flops.gemm_peak(int(cfg.hidden_size), int(vocab), flops.precision_dtype(trainer.precision),
+        vocab = int(getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size)
+        return flops.gemm_peak(int(cfg.hidden_size), vocab, flops.precision_dtype(trainer.precision),
                                device=pl_module.device, budget_s=self.peak_budget_s)
 
     def flop_summary(self) -> dict:
-        """flops_per_step (mean by part), loss_tokens_per_s, achieved_gflops, mfu, gemm_peak_*, threads; {} when
-        nothing was counted."""
-        if not self.flop_steps or self.elapsed <= 0:
+        """flops_per_step (mean by part), flop_counted_steps, loss_tokens_per_step / _per_s, achieved_gflops, mfu,
+        gemm_peak_*, threads; {} when nothing was counted or timed. Achieved FLOP/s = the counted steps' FLOPs per
+        token x the timed tokens/s (for a dense block draft the counted steps are the timed ones)."""
+        if not self.flop_steps or self.elapsed <= 0 or not self.flop_tokens:
             return {}
         per_step = {k: round(v / self.flop_steps) for k, v in self.flops.items()}
-        achieved = self.flops["total"] / self.elapsed  # FLOP/s
-        out = {"flops_per_step": per_step, "loss_tokens_per_s": round(self.loss_tokens / self.elapsed, 1),
+        tokens_per_s = self.tokens / self.elapsed
+        achieved = self.flops["total"] / self.flop_tokens * tokens_per_s  # FLOP/s
+        out = {"flops_per_step": per_step, "flop_counted_steps": self.flop_steps,
+               "loss_tokens_per_step": round(self.loss_tokens / self.flop_steps, 1),
+               "loss_tokens_per_s": round(self.loss_tokens / self.flop_tokens * tokens_per_s, 1),
                "achieved_gflops": round(achieved / 1e9, 3)}
         if self.peak is not None:
             out.update(mfu=round(achieved / (self.peak["gflops"] * 1e9), 6), gemm_peak_gflops=self.peak["gflops"],

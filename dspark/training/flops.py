@@ -247,6 +247,31 @@ def module_step_flops(module, batch: dict[str, torch.Tensor], optimizer_steps: f
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
 
 
+def counted_step_flops(module, counted: int, optimizer_steps: float = 1.0) -> dict[str, int]:
+    """A step of a draft this module does not model (EAGLE-3, an MTP head, V4 / DFlash2 block drafts), by part: what
+    torch's FlopCounterMode counted while it ran (matrix products and attention, forward and backward) and the
+    optimizer's OPTIMIZER_FLOPS_PER_PARAM per trainable parameter."""
+    params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    optimizer = round(OPTIMIZER_FLOPS_PER_PARAM * params * optimizer_steps)
+    return {"counted": int(counted), "optimizer": optimizer, "total": int(counted) + optimizer}
+
+
+def step_loss_tokens(module, batch: dict[str, torch.Tensor]) -> int:
+    """The rows one training step of `module` scores on `batch`: an MTP chain's step k scores the rows whose label
+    t+k+2 counts (dspark.training.mtp_objectives.recursive_forward); a block objective the blocks' eval rows
+    (dspark.training.blocks.build_blocks, as the step builds them)."""
+    from dspark.training.blocks import build_blocks
+
+    steps = getattr(module, "num_steps", None)
+    if steps is not None:
+        lm = batch["loss_mask"] * batch["attention_mask"]  # [B, S]
+        return sum(int(lm[:, k + 2:].sum()) for k in range(int(steps)))
+    cfg = module.draft.config
+    blocks = build_blocks(batch["input_ids"], batch["loss_mask"], batch["anchors"], batch["keep"], int(cfg.block_size),
+                          cfg.mask_token_id, cfg.layout)
+    return int(blocks.eval_mask.sum())
+
+
 def precision_dtype(precision) -> torch.dtype:
     """The dtype a Lightning precision computes its GEMMs in: bf16-mixed / bf16-true -> bfloat16, 16-mixed ->
     float16, 32-true -> float32, 64-true -> float64."""
@@ -287,6 +312,6 @@ def gemm_peak(hidden: int, vocab: int, dtype: torch.dtype = torch.float32, *, ro
             "shape": [rows, hidden, vocab], "repeats": len(times)}
 
 
-__all__ = ["OPTIMIZER_FLOPS_PER_PARAM", "PARTS", "DraftDims", "StepShapes", "attention_work", "gemm_peak",
-           "is_dense_block_module", "module_step_flops", "precision_dtype", "step_flops", "step_shapes",
-           "trainable_params"]
+__all__ = ["OPTIMIZER_FLOPS_PER_PARAM", "PARTS", "DraftDims", "StepShapes", "attention_work", "counted_step_flops",
+           "gemm_peak", "is_dense_block_module", "module_step_flops", "precision_dtype", "step_flops", "step_loss_tokens",
+           "step_shapes", "trainable_params"]

@@ -223,3 +223,42 @@ def test_bench_script_counts_a_chain_draft_with_torch_and_its_loss_tokens_are_th
                        "--peak-budget-s", "0.1", *overrides])  # the whole script, its MFU against the head's GEMM
     assert set(r["flops_per_step"]) == {"counted", "optimizer", "total"} and 0 < r["mfu"]
     assert r["gemm_peak"]["shape"][2] == vd
+
+
+def _eagle3_tiny_run(run_dir) -> dict:
+    from conftest import compose
+
+    from dspark.training.run import run_training
+
+    run_training(compose(["experiment=eagle3_tiny", "data.limit=24", "data.val_examples=4", "data.max_length=64",
+                          f"run_dir={run_dir}", "trainer.max_steps=5", "trainer.val_check_interval=5",
+                          "validate_at_start=false", "trainer.enable_progress_bar=false"]))
+    return json.loads((run_dir / "metrics.json").read_text())["throughput"]
+
+
+def test_run_metrics_of_a_draft_flops_does_not_model_carry_counted_flops(tmp_path, monkeypatch):
+    """EAGLE-3 (no shape model in dspark.training.flops): after training, one more step on the last timed batch runs
+    under torch's FlopCounterMode with a copy of the draft; metrics.json carries that count plus the optimizer's FLOPs
+    per step, the loss tokens the chain scores and the MFU from the FLOPs per token. The count leaves the run as it
+    was: its trained draft is bit for bit the one of a run that counts nothing."""
+    from dspark.pretrained import load_draft
+    from dspark.training.callbacks import Throughput
+
+    t = _eagle3_tiny_run(tmp_path / "run")
+    assert (t["flop_counted_steps"], t["timed_steps"]) == (1, 2)  # steps 1-3 warm up, 4-5 timed
+    fps = t["flops_per_step"]
+    assert set(fps) == {"counted", "optimizer", "total"} and fps["total"] == fps["counted"] + fps["optimizer"]
+    draft, _ = load_draft(tmp_path / "run" / "draft")
+    params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    assert fps["optimizer"] == flops.OPTIMIZER_FLOPS_PER_PARAM * params
+    d = draft.config
+    vd = int(d.draft_vocab_size or d.vocab_size)
+    # at least the LM head's forward and backward over the scored rows (3 x 2 x rows x H x Vd)
+    assert fps["counted"] >= 6 * t["loss_tokens_per_step"] * int(d.hidden_size) * vd > 0
+    assert t["mfu"] == pytest.approx(t["achieved_gflops"] / t["gemm_peak_gflops"], rel=1e-3)
+    assert t["gemm_peak_shape"][2] == vd
+
+    monkeypatch.setattr(Throughput, "replay_flops", lambda self, trainer, pl_module: None)
+    assert "flops_per_step" not in _eagle3_tiny_run(tmp_path / "uncounted")
+    counted, uncounted = ((tmp_path / r / "draft" / "model.safetensors").read_bytes() for r in ("run", "uncounted"))
+    assert counted == uncounted
