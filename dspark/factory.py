@@ -12,8 +12,8 @@ from typing import Any, Mapping
 
 import torch
 
-from dspark.errors import ConfigError  # noqa: F401  (re-exported for callers that catch it from here)
 from dspark.data.feature_cache_build import WHOLE_TARGET, TargetLoading, tap_layers
+from dspark.errors import ConfigError  # noqa: F401  (re-exported for callers that catch it from here)
 from dspark.models import registry
 from dspark.schema import DataKeys, TargetKeys
 from dspark.targets.head_only import HeadOnlyTarget, HeadOnlyUnsupported, load_head_only_target
