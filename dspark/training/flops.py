@@ -216,14 +216,10 @@ def is_dense_block_module(module) -> bool:
 def step_shapes(module, batch: dict[str, torch.Tensor]) -> StepShapes:
     """The shapes one training step of a BlockDraftModule computes on `batch` (input_ids, loss_mask, anchors, keep),
     with the blocks built as the step builds them (dspark.training.blocks.build_blocks: cheap tensor code)."""
-    from dspark.training.blocks import build_blocks
-
     cfg = module.draft.config
-    ids = batch["input_ids"]  # [B, S]
-    b, s = ids.shape
+    b, s = batch["input_ids"].shape  # [B, S]
     g = int(cfg.block_size)
-    blocks = build_blocks(ids, batch["loss_mask"], batch["anchors"], batch["keep"], g, cfg.mask_token_id,
-                          cfg.layout)
+    blocks = _step_blocks(module, batch)
     a, lb = blocks.input_ids.shape[1:]
     loss_rows = int(blocks.eval_mask.sum())
     vd, vt = module.lm_head_vocab()
@@ -260,16 +256,20 @@ def step_loss_tokens(module, batch: dict[str, torch.Tensor]) -> int:
     """The rows one training step of `module` scores on `batch`: an MTP chain's step k scores the rows whose label
     t+k+2 counts (dspark.training.mtp_objectives.recursive_forward); a block objective the blocks' eval rows
     (dspark.training.blocks.build_blocks, as the step builds them)."""
-    from dspark.training.blocks import build_blocks
-
     steps = getattr(module, "num_steps", None)
     if steps is not None:
         lm = batch["loss_mask"] * batch["attention_mask"]  # [B, S]
         return sum(int(lm[:, k + 2:].sum()) for k in range(int(steps)))
+    return int(_step_blocks(module, batch).eval_mask.sum())
+
+
+def _step_blocks(module, batch: dict[str, torch.Tensor]):
+    """The blocks a block objective's training step builds from `batch` (dspark.training.blocks.build_blocks)."""
+    from dspark.training.blocks import build_blocks
+
     cfg = module.draft.config
-    blocks = build_blocks(batch["input_ids"], batch["loss_mask"], batch["anchors"], batch["keep"], int(cfg.block_size),
-                          cfg.mask_token_id, cfg.layout)
-    return int(blocks.eval_mask.sum())
+    return build_blocks(batch["input_ids"], batch["loss_mask"], batch["anchors"], batch["keep"], int(cfg.block_size),
+                        cfg.mask_token_id, cfg.layout)
 
 
 def precision_dtype(precision) -> torch.dtype:
