@@ -335,10 +335,10 @@ class V41DSparkAdapter(ServingAdapter):
     def run_cli(cls, target, draft, cfg, args, dtype: torch.dtype, max_shard_bytes: int) -> None:
         if args.merge_into is not None:
             merge_v41_into_target(draft, args.merge_into, args.out, dtype=dtype, quant=args.quant,
-                                  for_vllm=not args.not_for_vllm)
+                                  for_vllm=not args.not_for_vllm, overwrite=args.overwrite)
         else:
             export_v41_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=max_shard_bytes, quant=args.quant,
-                               for_vllm=not args.not_for_vllm)
+                               for_vllm=not args.not_for_vllm, overwrite=args.overwrite)
 
     @classmethod
     def read(cls, folder: Path) -> dict | None:
