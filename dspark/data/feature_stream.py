@@ -256,7 +256,7 @@ class FeatureStream:
         return FeatureProducerError(
             f"feature stream {self.path}: the producer ended{how} before writing {shard_name(k)} ({done} of "
             f"{self.num_shards} shards written). Rerun to resume: the producer keeps the complete shards and "
-            f"training resumes from its checkpoint. The producer's log {self.log_path} ends with:\n"
+            f"training resumes from its checkpoint (or starts over, when it had none yet). The producer's log {self.log_path} ends with:\n"
             f"{_tail(self.log_path)}")
 
     def __getstate__(self) -> dict:

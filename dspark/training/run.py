@@ -24,6 +24,7 @@ from dspark.training import draft_dir
 from dspark.training.build import build_datamodule, build_module
 from dspark.training.callbacks import Throughput
 from dspark.training.curves import write_curves
+from dspark.training.data_plan import tiny_data_warning
 from dspark.training.draft_vocab import install_draft_vocab
 from dspark.training.rank_loss import rank_lost_error
 from dspark.training.resume import SHARDED_META
@@ -110,16 +111,23 @@ def build_trainer(run: RunConfig, callbacks: list[Callback]) -> L.Trainer:
 
 def resolve_resume(resume: str | None, run_dir: Path) -> str | None:
     """The checkpoint `resume` (null | last | a path) names, checked against its checksum now, before any model loads;
-    None for a fresh run, which refuses a run_dir that already holds another run's checkpoints or draft."""
+    None for a fresh run, which refuses a run_dir that already holds another run's checkpoints or draft, and for
+    resume=last on a run_dir that holds neither yet (a run stopped before its first checkpoint starts over, said in
+    one line: its printed resume command works)."""
+    used = [p.name for p in (run_dir / "checkpoints", run_dir / draft_dir.DRAFT_DIR)
+            if p.is_dir() and any(not f.name.startswith(".") for f in p.iterdir())]
     if resume in (None, "", False):
         if is_launcher_process():
-            used = [p.name for p in (run_dir / "checkpoints", run_dir / draft_dir.DRAFT_DIR)
-                    if p.is_dir() and any(not f.name.startswith(".") for f in p.iterdir())]
             require(not used, "run_dir",
                             f"{run_dir} already holds a run ({', '.join(used)}/): resume it with resume=last, "
                             "or choose another run_dir=")
         return None
     if resume == "last":
+        if not used:  # stopped before its first checkpoint (e.g. a stream's producer killed before its first shard)
+            if is_launcher_process():
+                print_and_log(f"resume=last: {run_dir} holds no checkpoint yet (the run stopped before its first "
+                              "one): starting it from the beginning")
+            return None
         path = newest_checkpoint(run_dir / "checkpoints")
         require(path is not None, "resume", f"{run_dir / 'checkpoints'} holds no complete checkpoint to resume "
                                             "(resume=last)")
@@ -367,6 +375,9 @@ def _train(run: RunConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> d
     # with data.feature_cache a complete cache (a hit) loads only the target's head
     dataset = rows_before_target(run, factory.build_dataset)
     run.data.val_examples = choose_held_out(run.data.val_examples, len(dataset))
+    tiny = tiny_data_warning(run, len(dataset) - run.data.val_examples, run.data.val_examples)
+    if tiny and is_launcher_process():
+        print_and_log(tiny)
     target = factory.build_target(run.target, run.draft, target_loading(run, dataset))
     draft = factory.build_draft(run.draft, target)
     if run.draft.get("init_from") and ckpt_path is None:  # a warm start (a resumed run restores its checkpoint)

@@ -1,0 +1,133 @@
+"""What the first hour tripped on, round 4 (issue 51, items 3-7): the resume hint of a run stopped before its first
+checkpoint, a resumed finished run's throughput, an extended run's learning rate, a short run's feature cache and a
+tiny data set's warning."""
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+
+from conftest import TINY_RUN, compose
+from dspark.training.run import run_training
+
+
+def _run(run_dir, *more):
+    return compose(TINY_RUN + [f"run_dir={run_dir}", *more])
+
+
+class StopAtStart(L.Callback):
+    """A run killed before its first step (and so before its first checkpoint)."""
+
+    def on_train_start(self, trainer, pl_module):
+        raise RuntimeError("stopped before the first step")
+
+
+class LrProbe(L.Callback):
+    """step -> the lr the optimizer steps with at that step."""
+
+    def __init__(self):
+        self.lr: dict[int, float] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lr[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
+
+
+# ---- 3. resume=last before the first checkpoint starts the run -------------------------------------------
+def test_resume_last_before_any_checkpoint_starts_the_run_from_the_beginning(tmp_path, capsys):
+    """The hint a run stopped before its first checkpoint prints (e.g. its feature producer killed before its first
+    shard) is resume.json's command, resume=last: it starts the run from step 0, saying so in one line."""
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="stopped before the first step"):
+        run_training(_run(run, "trainer.max_steps=2"), callbacks=(StopAtStart(),))
+    assert "resume=last" in json.loads((run / "resume.json").read_text())["resume"]
+    assert not any((run / "checkpoints").glob("*.ckpt")) if (run / "checkpoints").is_dir() else True
+    capsys.readouterr()
+    summary = run_training(_run(run, "trainer.max_steps=2", "resume=last"))
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if "holds no checkpoint yet" in ln]
+    assert len(lines) == 1 and "starting it from the beginning" in lines[0], out[-2000:]
+    assert summary["global_step"] == 2 and (run / "draft" / "model.safetensors").is_file()
+
+
+def test_resume_last_on_a_run_dir_with_only_unreadable_checkpoints_is_still_refused(tmp_path):
+    """Starting over is only for a run dir that holds no checkpoint at all: a checkpoints/ folder with something in
+    it that is not a complete checkpoint is refused, as before (nothing there is overwritten)."""
+    from dspark.errors import ConfigError
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step0000002.ckpt").mkdir(parents=True)  # a sharded folder without its completion record
+    with pytest.raises(ConfigError, match="holds no complete checkpoint to resume"):
+        run_training(_run(run, "trainer.max_steps=2", "resume=last"))
+
+
+# ---- 4. a resumed finished run keeps its throughput; an extension records its own -------------------------
+def test_resuming_a_finished_run_keeps_its_throughput_and_an_extension_records_its_own(tmp_path):
+    run = tmp_path / "run"
+    common = ["trainer.val_check_interval=4", "callbacks.last_checkpoint.every_n_train_steps=4"]
+    run_training(_run(run, "trainer.max_steps=4", *common))
+    first = json.loads((run / "metrics.json").read_text())["throughput"]
+    assert first["timed_steps"] == 1 and first["tokens_per_s"] > 0 and "flops_per_step" in first
+    run_training(_run(run, "trainer.max_steps=4", "resume=last", *common))  # redoes only the end-of-run steps
+    assert json.loads((run / "metrics.json").read_text())["throughput"] == first
+    run_training(_run(run, "trainer.max_steps=8", "resume=last", "resume_override=[trainer.max_steps]", *common))
+    now = json.loads((run / "metrics.json").read_text())["throughput"]
+    assert now["steps"] == [4, 8] and now["timed_steps"] == 1 and now["tokens_per_s"] > 0  # this segment's
+    assert now["earlier"] == [first | {"steps": [0, 4]}]  # the training's own figures, kept
+
+
+# ---- 5. an extended run continues its lr decay -----------------------------------------------------------
+def test_extending_a_finished_run_continues_the_lr_decay_without_a_jump(tmp_path, capsys):
+    """4 -> 8 steps: the lr at the resume step is no higher than at the step before (the finished schedule's floor)
+    and decays on to the floor at the new end; the resume line says so."""
+    from dspark.training.module import warmup_cosine
+
+    run, before, after = tmp_path / "run", LrProbe(), LrProbe()
+    run_training(_run(run, "trainer.max_steps=4"), callbacks=(before,))
+    lr, floor = 3e-3, 0.05  # configs/config.yaml train.lr, train.min_lr_ratio
+    assert before.lr[3] == pytest.approx(lr * warmup_cosine(3, 4, 0.04, floor))
+    capsys.readouterr()
+    run_training(_run(run, "trainer.max_steps=8", "resume=last", "resume_override=[trainer.max_steps]"),
+                 callbacks=(after,))
+    out = capsys.readouterr().out
+    assert sorted(after.lr) == [4, 5, 6, 7]
+    assert after.lr[4] <= before.lr[3]  # no jump up at the resume step
+    assert all(after.lr[s + 1] <= after.lr[s] + 1e-12 for s in (4, 5, 6))
+    assert min(after.lr.values()) >= lr * floor - 1e-12
+    line = next(ln for ln in out.splitlines() if ln.startswith("resume: continuing from step 4 to 8"))
+    assert "learning rate continues its decay" in line and "no re-warm" in line, line
+
+
+def test_an_extension_s_schedule_is_a_function_of_the_resume_point_and_the_new_end():
+    """The schedule after an extension: from the multiplier the old schedule had at the resume step, a cosine to
+    min_lr_ratio at the new max_steps; resumed again with the same max_steps it is the same schedule (exact resume);
+    an extension during warmup keeps the plain schedule of the new length."""
+    from dspark.training.schedule import LrSchedule, warmup_cosine
+
+    old = LrSchedule(max_steps=300, warmup_ratio=0.04, min_lr_ratio=0.05)
+    new = old.extended(300, 600)
+    assert new.multiplier(300) == pytest.approx(old.multiplier(300)) == pytest.approx(0.05)
+    assert new.multiplier(450) == pytest.approx(0.05) and new.multiplier(600) == pytest.approx(0.05)
+    mid = LrSchedule(max_steps=300, warmup_ratio=0.04, min_lr_ratio=0.05).extended(150, 600)
+    m150 = warmup_cosine(150, 300, 0.04, 0.05)
+    assert mid.multiplier(150) == pytest.approx(m150)
+    assert m150 > mid.multiplier(375) > mid.multiplier(599) > mid.multiplier(600) == pytest.approx(0.05)
+    assert LrSchedule.from_record(mid.record()) == mid and mid.extended(400, 600) == mid  # same end: unchanged
+    early = old.extended(5, 600)  # still warming up: the plain schedule of 600 steps
+    assert early.multiplier(5) == pytest.approx(warmup_cosine(5, 600, 0.04, 0.05)) and early.from_step is None
+
+
+# ---- 7. a tiny data set is named -------------------------------------------------------------------------
+def test_a_tiny_data_set_gets_one_warning_line_with_its_rows_and_passes(tmp_path, capsys):
+    tiny = [o for o in TINY_RUN if not o.startswith(("data.limit", "data.val_examples"))]
+    run_training(compose(tiny + [f"run_dir={tmp_path / 'run'}", "data.limit=16", "data.val_examples=2",
+                                 "trainer.max_steps=6", "trainer.val_check_interval=6"]))
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("warning: data:")]
+    assert len(lines) == 1, lines
+    # 16 read, 14 usable, 2 held out: 12 train; 6 steps x 4 rows = 24 = 2 passes
+    assert "only 12 training conversations (+2 held out" in lines[0] and "= 2.0 passes" in lines[0], lines[0]
+
+
+def test_a_data_set_of_ordinary_size_gets_no_tiny_warning(tmp_path, capsys):
+    run_training(_run(tmp_path / "run", "trainer.max_steps=1", "trainer.val_check_interval=1"))
+    assert "warning: data:" not in capsys.readouterr().out
