@@ -32,6 +32,10 @@ class Throughput(Callback):
         self.flop_steps = self.loss_tokens = self.flop_tokens = 0  # counted steps, their loss tokens and tokens
         self.sample: dict | None = None  # the last timed batch of a draft counted by replay
         self.peak: dict | None = None
+        self.start_step = 0
+
+    def on_train_start(self, trainer, pl_module):
+        self.start_step = int(trainer.global_step)  # a resumed run's segment starts at its checkpoint's step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.t0 = time.perf_counter()
@@ -130,6 +134,22 @@ class Throughput(Callback):
                        gemm_peak_dtype=self.peak["dtype"], gemm_peak_shape=self.peak["shape"],
                        threads=self.peak["threads"])
         return out
+
+    def merged(self, previous: dict | None, end_step: int) -> dict:
+        """metrics.json's `throughput` after this segment of the run (steps start_step..end_step), given the one it
+        held (`previous`). Each segment keeps its own figures, never averaged: segments may run on other machines,
+        thread counts or batch shapes, and MFU is against each one's own GEMM peak. A segment that timed no step (a
+        finished run resumed only for its end-of-run steps, or a resume of a few steps) leaves `previous` as it was;
+        one that did becomes `throughput` (with `steps`: [first, last]) and the earlier segments that timed steps go
+        to its `earlier` list, oldest first."""
+        now = {**self.summary(), "steps": [self.start_step, int(end_step)]}
+        previous = dict(previous or {})
+        if not now["timed_steps"]:
+            return previous or now
+        earlier = previous.pop("earlier", [])
+        if previous.get("timed_steps"):
+            earlier.append(previous)
+        return {**now, "earlier": earlier} if earlier else now
 
     def summary(self) -> dict:
         peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

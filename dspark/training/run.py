@@ -436,7 +436,8 @@ def _fit(run: RunConfig, run_dir: Path, ckpt_path: str | None, callbacks, target
         trainer.validate(module, datamodule=datamodule, verbose=False)
     summary.update(
         final=dict(getattr(module, "last_val_metrics", {})), global_step=trainer.global_step,
-        draft_parameters=n_params, throughput=throughput.summary(), experiment=run.experiment_name,
+        draft_parameters=n_params, throughput=throughput.merged(summary.get("throughput"), trainer.global_step),
+        experiment=run.experiment_name,
         target_health=getattr(module, "target_health", None),
     )
     if trainer.is_global_zero:
