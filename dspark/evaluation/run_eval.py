@@ -196,10 +196,12 @@ def _check_training_target(cfg: EvalKeys, run_dir: Path, target: FrozenTarget) -
     if recorded.is_file():
         trained = json.loads(recorded.read_text())
         now = target.fingerprint()
-        if trained.get("fingerprint") not in (None, now):
+        if trained.get("fingerprint") not in (None, now) and not _older_record_matches(target, trained["fingerprint"]):
             msg = (f"the draft was trained against target kind={trained.get('kind')} path={trained.get('path')} "
                    f"(fingerprint {str(trained.get('fingerprint'))[:12]}), this target (kind={cfg.target.kind} "
-                   f"path={cfg.target.path}) has fingerprint {now[:12]}: different weights")
+                   f"path={cfg.target.path}) has fingerprint {now[:12]}: different weights (a record written by an "
+                   "older dspark, whose fingerprint depended on the load dtype, matches only with the run's own "
+                   "target.dtype when the weights are stored in a finer one)")
             require(cfg.allow_target_mismatch, "target", msg + "; set allow_target_mismatch=true "
                     "to evaluate anyway")
             log.warning(msg)
@@ -211,6 +213,20 @@ def _check_training_target(cfg: EvalKeys, run_dir: Path, target: FrozenTarget) -
     if trained is not None and (trained.get("kind"), trained.get("path")) != (cfg.target.kind, cfg.target.path):
         log.warning("the draft was trained against target kind=%s path=%s, evaluating against kind=%s path=%s",
                     trained.get("kind"), trained.get("path"), cfg.target.kind, cfg.target.path)
+
+
+def _older_record_matches(target: FrozenTarget, recorded: str) -> bool:
+    """Whether `recorded` is this target's fingerprint in the older scheme (FrozenTarget.legacy_fingerprint, which
+    depended on the dtype the weights were loaded in) for some load dtype; says which, when another than now."""
+    loaded = target.embed_weight.dtype
+    for dtype in dict.fromkeys((loaded, torch.bfloat16, torch.float32, torch.float16)):
+        if target.legacy_fingerprint(dtype) == recorded:
+            if dtype != loaded:
+                log.info("draft/target.json holds the older fingerprint scheme (the weights as loaded in %s): this "
+                         "target, loaded in %s, has those weights", str(dtype).removeprefix("torch."),
+                         str(loaded).removeprefix("torch."))
+            return True
+    return False
 
 
 # ---- which target: the run's own unless the command line names one ------------------------------------

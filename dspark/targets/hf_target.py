@@ -60,6 +60,9 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+FP16_SMALLEST_NORMAL = 2.0 ** -14  # FrozenTarget.fingerprint: below it a float16 load loses bf16 bits
+
+
 class FrozenTarget:
     """Wraps an HF causal LM: no grads, eval mode, never part of an optimizer or checkpoint.
 
@@ -110,17 +113,43 @@ class FrozenTarget:
 
     @torch.no_grad()
     def fingerprint(self, samples: int = 4096) -> str:
-        """sha256 over every parameter's name, shape, dtype and a fixed strided sample of `samples` values
-        (first and last included): cheap at any size; retraining changes it (an edit of single values between
-        the samples would not). Stored with a trained
-        draft (draft/target.json) so eval refuses a different target under the same name."""
+        """sha256 over every parameter's name and shape and a fixed strided sample of `samples` values (first and last
+        included), each rounded to bfloat16: cheap at any size; retraining changes it (an edit of single values between
+        the samples would not). Stored with a trained draft (draft/target.json) so eval refuses a different target
+        under the same name. It names the weights, not the dtype they are loaded in: a float32 and a bfloat16 load of
+        one folder give the same string (float32 holds the stored values, a bfloat16 load rounds them as this does),
+        and so does a float16 load of a bf16-stored checkpoint (float16 holds every bf16 value from its smallest
+        normal, 2^-14, up: smaller ones count as zero). `legacy_fingerprint`: the older, dtype-dependent scheme, for
+        records written before."""
         import hashlib
 
         h = hashlib.sha256()
         for name, p in sorted(self.model.state_dict().items()):
-            h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
+            h.update(f"{name}|{tuple(p.shape)}|".encode())
             if p.numel():
-                h.update(self._sampled(name, p, strided_sample_index(p.numel(), samples)).numpy().tobytes())
+                values = self._sampled(name, p, strided_sample_index(p.numel(), samples))
+                if p.is_floating_point():
+                    values = values.to(torch.bfloat16).float()
+                    values[values.abs() < FP16_SMALLEST_NORMAL] = 0.0
+                h.update(values.numpy().tobytes())
+        return h.hexdigest()
+
+    @torch.no_grad()
+    def legacy_fingerprint(self, dtype: torch.dtype | None = None, samples: int = 4096) -> str:
+        """The fingerprint as draft/target.json files were written before it ignored the load dtype: the dtype in
+        every entry's header and the sampled values as loaded. `dtype`: as if the floating-point weights were loaded
+        in that dtype (default: as they are); exact for a dtype no finer than the loaded one's values (a float32 load
+        reproduces a bfloat16 or float16 load's record; a bfloat16 load a float32 one's only for bf16-stored
+        weights)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, p in sorted(self.model.state_dict().items()):
+            as_dtype = dtype if dtype is not None and p.is_floating_point() else p.dtype
+            h.update(f"{name}|{tuple(p.shape)}|{as_dtype}|".encode())
+            if p.numel():
+                values = self._sampled(name, p, strided_sample_index(p.numel(), samples))
+                h.update(values.to(as_dtype).float().numpy().tobytes())
         return h.hexdigest()
 
     def _sampled(self, name: str, p: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
