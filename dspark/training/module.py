@@ -4,7 +4,6 @@ is a subclass that computes its losses (dspark.training.block_module: DSpark / D
 dspark.training.mtp_module: the MTP chain); dspark.training.modules maps objective names to them."""
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 
@@ -14,6 +13,9 @@ import torch
 import torch.distributed as dist
 
 from dspark.targets.hf_target import FrozenTarget, TargetFeatures
+from dspark.training.schedule import CHECKPOINT_KEY as LR_SCHEDULE_KEY
+from dspark.training.schedule import LrSchedule, resumed_schedule
+from dspark.training.schedule import warmup_cosine  # noqa: F401 (re-exported: its callers import it from here)
 
 
 @dataclass
@@ -24,6 +26,10 @@ class OptimConfig:
     warmup_ratio: float = 0.04
     min_lr_ratio: float = 0.0
     max_steps: int = 100
+    schedule: LrSchedule | None = None  # set by a resume (dspark.training.schedule); None: the plain schedule
+
+    def lr_schedule(self) -> LrSchedule:
+        return self.schedule or LrSchedule(self.max_steps, self.warmup_ratio, self.min_lr_ratio)
 
     @classmethod
     def from_keys(cls, train, max_steps: int) -> "OptimConfig":
@@ -31,15 +37,6 @@ class OptimConfig:
         return cls(lr=float(train.lr), weight_decay=float(train.weight_decay), betas=tuple(train.betas),
                    warmup_ratio=float(train.warmup_ratio), min_lr_ratio=float(train.min_lr_ratio),
                    max_steps=int(max_steps))
-
-
-def warmup_cosine(step: int, max_steps: int, warmup_ratio: float, min_lr_ratio: float) -> float:
-    """LR multiplier: linear warmup over ceil(warmup_ratio*max_steps) steps, then cosine to min_lr_ratio."""
-    warm = max(1, math.ceil(warmup_ratio * max_steps))
-    if step < warm:
-        return (step + 1) / warm
-    progress = min(1.0, (step - warm) / max(1, max_steps - warm))
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _numpy_state_to_plain(state) -> dict:
@@ -261,13 +258,13 @@ class DraftLightningModule(L.LightningModule):
         params = [p for p in self.draft.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=self.optim.lr, weight_decay=self.optim.weight_decay,
                                 betas=tuple(self.optim.betas))
-        o = self.optim
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: warmup_cosine(s, o.max_steps, o.warmup_ratio, o.min_lr_ratio))
+        o = self.optim  # read at every step: a resume sets its schedule (on_load_checkpoint) before the first
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: o.lr_schedule().multiplier(s))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ---- checkpoint: RNG state travels with the weights ------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint[LR_SCHEDULE_KEY] = self.optim.lr_schedule().record()  # an extension's schedule resumes as it was
         checkpoint["rng"] = {
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -279,7 +276,10 @@ class DraftLightningModule(L.LightningModule):
         from dspark.training.resume import rewrite_optimizer_state
 
         o = self.optim  # this run's values (dspark.training.resume refused any change not in resume_override)
-        multiplier = lambda s: warmup_cosine(s, o.max_steps, o.warmup_ratio, o.min_lr_ratio)  # noqa: E731
+        # another trainer.max_steps continues the decay from the resume step (dspark.training.schedule)
+        o.schedule = resumed_schedule(checkpoint, int(checkpoint.get("global_step") or 0), o.max_steps,
+                                      o.warmup_ratio, o.min_lr_ratio)
+        multiplier = o.schedule.multiplier
         rewrite_optimizer_state(checkpoint, o.lr, o.weight_decay, o.betas, multiplier)
         if "optimizer_states" not in checkpoint and self._trainer is not None:
             # a sharded checkpoint (trainer=fsdp2): the strategy loaded the optimizers in place already, with the

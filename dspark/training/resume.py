@@ -66,6 +66,17 @@ def checkpoint_config(path: Path) -> tuple[dict, int]:
     return dict(ckpt.get("hyper_parameters") or {}), int(ckpt.get("global_step") or 0)
 
 
+def checkpoint_schedule(path: Path) -> dict:
+    """The parts of a checkpoint its lr schedule is read from (dspark.training.schedule.saved_schedule): its schedule
+    record and run config; memory-mapped: the tensors are not read."""
+    from dspark.training.schedule import CHECKPOINT_KEY
+
+    if Path(path).is_dir():
+        path = Path(path) / SHARDED_META
+    ckpt = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    return {k: ckpt[k] for k in (CHECKPOINT_KEY, "hyper_parameters") if k in ckpt}
+
+
 def planned_steps(then: dict, step: int, max_steps: int, asked: bool) -> str:
     """How far a resumed run goes, in one line for the console; ConfigError when a finished run would be trained on
     (and its draft/ replaced) without the user naming trainer.max_steps (`asked`: on the command line or in

@@ -337,8 +337,9 @@ def check_resumed_config(run: RunConfig, resolved_draft: dict | None, ckpt: Path
     started with (run_dir/resume.json), when it has one: a resume that forgot the experiment or an override is one
     line."""
     from dspark.preflight import command_line_overrides
-    from dspark.training.resume import (OVERRIDABLE, ResumeRefused, checkpoint_config, compare_on_resume,
-                                        planned_steps, under)
+    from dspark.training.resume import (OVERRIDABLE, ResumeRefused, checkpoint_config, checkpoint_schedule,
+                                        compare_on_resume, planned_steps, under)
+    from dspark.training.schedule import extension_line, resumed_schedule, saved_schedule
 
     then, step = checkpoint_config(ckpt)
     now = {**run.values(), "draft": resolved_draft or run.draft}
@@ -361,7 +362,14 @@ def check_resumed_config(run: RunConfig, resolved_draft: dict | None, ckpt: Path
                           "run_dir= for a new run)") from None
     named = [o.split("=", 1)[0].lstrip("+~") for o in command_line_overrides()]
     asked = "trainer.max_steps" in named or "trainer.max_steps" in run.resume_override
-    return planned_steps(then, step, int(run.trainer["max_steps"]), asked), then
+    max_steps = int(run.trainer["max_steps"])
+    plan = planned_steps(then, step, max_steps, asked)
+    if max_steps > step:  # another trainer.max_steps: what the lr does from here (dspark.training.schedule)
+        saved = checkpoint_schedule(ckpt)
+        before = saved_schedule(saved)
+        schedule = resumed_schedule(saved, step, max_steps, run.train.warmup_ratio, run.train.min_lr_ratio)
+        plan += extension_line(schedule, before.max_steps if before else None, step, float(run.train.lr))
+    return plan, then
 
 
 def _train(run: RunConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> dict:
