@@ -157,12 +157,8 @@ def test_a_finished_run_trains_on_with_a_larger_max_steps(tmp_path, monkeypatch,
                                      "[1, vocab_size=2048]"),
 ], ids=["target_layer_ids", "draft_vocab_size"])
 def test_bad_eagle3_keys_are_one_line_before_any_model_loads(tmp_path, override, message):
-    """The real command line: exit 2, one line naming the key, no traceback, no run dir, no weights loaded. (The
-    check reads the target's config.json: the tiny target is built into the dspark cache first, as any earlier run
-    leaves it; its first build prints transformers' "Writing model shards" bar.)"""
-    from dspark.targets.tiny_llama import tiny_llama_folder
-
-    tiny_llama_folder()  # $DSPARK_CACHE: this session's, which the child inherits
+    """The real command line: exit 2, one line naming the key, no traceback, no run dir, no weights loaded (the
+    check reads the shipped tiny target's config.json)."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, "train.py", "experiment=eagle3_tiny", override, f"run_dir={run_dir}"],

@@ -500,7 +500,7 @@ def test_the_final_report_warns_of_a_degenerate_target(tmp_path):
 
 
 # ---- 5. the chat template's generation prompt is what an assistant turn starts with ---------------------------
-@pytest.mark.parametrize("name", ["tiny_v4", "tiny_hy_v4"])
+@pytest.mark.parametrize("name", ["tiny_v4", "tiny_hy_v4", "tiny_llama"])
 def test_the_generation_prompt_starts_the_assistant_turn_the_target_was_trained_on(name):
     """eval renders [user] + the generation prompt; the target was trained on whole rendered conversations. The
     rendered prompt must be a prefix of the rendered [user, assistant] conversation, up to the assistant's text (a
@@ -517,7 +517,7 @@ def test_the_generation_prompt_starts_the_assistant_turn_the_target_was_trained_
     assert prompt.endswith("<|im_start|>assistant\n")  # ChatML, the template both tiny targets were trained with
 
 
-@pytest.mark.parametrize("name", ["tiny_v4", "tiny_hy_v4"])
+@pytest.mark.parametrize("name", ["tiny_v4", "tiny_hy_v4", "tiny_llama"])
 def test_the_tiny_targets_write_varied_text(name):
     """The tiny targets the README evaluates write text, not one repeated token, on every shipped benchmark's first
     prompts (greedy, 32 tokens): no token above half of the output, and the answer does not restart the chat's

@@ -1,9 +1,11 @@
 """A tiny dense target vLLM can load, and draft runs against it, for the serving checks (tests, scripts).
 
-`build_tiny_llama` (dspark.targets.tiny_llama): the seeded random 4-layer Llama. Its greedy answers are repetitive,
-so a draft trained for ~150 steps on them accepts enough for a parity check to mean something (AL ~1.5-1.8 at
-gamma 4). `regenerate_answers`: ShareGPT first user turns answered greedily by the
-target (the project's regeneration loop). `train_dense_run`: train.py's code on those answers (DFlash or
+`build_random_tiny_llama`: the tiny dense Llama's shape (dspark.targets.tiny_llama) with seeded random weights. Its
+greedy answers are repetitive, so a draft trained for ~150 steps on them accepts enough for a parity check to mean
+something (AL ~1.5-1.8 at gamma 4), and its next-token distribution is flat, which the sampled (T=1) checks rely on
+(probabilistic and greedy drafting then accept very differently); the experiments' target=tiny_llama is the shipped
+one trained on text (`dspark.targets.tiny_llama.build_tiny_llama` copies it). `regenerate_answers`: ShareGPT first
+user turns answered greedily by the target (the project's regeneration loop). `train_dense_run`: train.py's code on those answers (DFlash or
 dense DSpark), returning the run dir. `write_benchmarks`: two small eval.py-style benchmark files.
 """
 from __future__ import annotations
@@ -15,6 +17,37 @@ import torch
 
 LAYERS = [0, 2]  # target layers the drafts read (of 4; shifted by one they stay in range)
 MASK_ID = 4  # <|mask|> of the tiny V4 tokenizer
+
+
+def build_random_tiny_llama(path: Path, seed: int = 0) -> Path:
+    """A seeded random 4-layer Llama (hidden 64, head_dim 32: vLLM's CPU attention needs >= 32), vocabulary 2048,
+    with the shipped tiny V4 tokenizer and ChatML template, saved as an HF folder; the same bytes on every machine.
+    Near-uniform next-token distribution: for the serving checks only, never a target to measure a draft against."""
+    import shutil
+
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from dspark.targets.tiny_v4 import TINY_V4_DIR
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(TINY_V4_DIR) / f, path / f)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, initializer_range=0.05,
+                      max_position_embeddings=2048, bos_token_id=0, eos_token_id=[3, 0], pad_token_id=1,
+                      tie_word_embeddings=False)
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        LlamaForCausalLM(cfg).save_pretrained(path)
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+    GenerationConfig(do_sample=False, eos_token_id=[3, 0], pad_token_id=1).save_pretrained(path)
+    return path
 
 
 def regenerate_answers(target: Path, out: Path, limit: int = 160, max_new_tokens: int = 48) -> Path:

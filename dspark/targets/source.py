@@ -27,7 +27,7 @@ def _tiny_hy_v4() -> Path:
     return Path(TINY_HY_V4_DIR)
 
 
-def _tiny_llama() -> Path:  # the tiny dense Llama, built once into the cache (deterministic)
+def _tiny_llama() -> Path:  # the tiny dense Llama, shipped (trained on text like tiny_v4)
     from dspark.targets.tiny_llama import tiny_llama_folder
 
     return tiny_llama_folder()

@@ -1,58 +1,51 @@
-"""The tiny dense target (target=tiny_llama): a seeded random 4-layer Llama (hidden 64, head_dim 32: vLLM's CPU
-attention needs >= 32), vocabulary 2048, with the shipped tiny V4 tokenizer and ChatML template, saved as an HF
-folder. Random weights: its next-token distribution is near-uniform (train and eval say so, dspark.targets.health);
-it is the target of the serving parity checks and of experiment=dflash2_tiny, not a model of text."""
+"""The tiny dense target (target=tiny_llama): a 4-layer Llama (hidden 64, head_dim 32: vLLM's CPU attention needs
+>= 32) with the tiny V4 tokenizer and ChatML template, trained on English ShareGPT like the tiny V4 / HY V4 targets, so
+that the dense drafts' tiny experiments (dflash2_tiny, eagle3_tiny, xpress_tiny) and the serving parity checks measure
+a draft against a model of text, not against noise.
+
+The assets (config, bf16-stored safetensors, the tiny_v4 tokenizer, README with the build recipe and measured numbers,
+build_info.json) live in ``dspark/assets/tiny_llama/`` and are rebuilt with ``python scripts/build_tiny_llama.py``
+(about 5 minutes on one core). Loading is fully offline.
+"""
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
+from dspark.targets.assets import TinyTarget
+from dspark.targets.hf_target import FrozenTarget
 
-def build_tiny_llama(path: Path, seed: int = 0) -> Path:
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+TINY_LLAMA = TinyTarget("tiny_llama", "tiny dense Llama target", "python scripts/build_tiny_llama.py", "~5 min")
+TINY_LLAMA_DIR: Path = TINY_LLAMA.dir
+check_tiny_llama_assets = TINY_LLAMA.check
+# (model, tokenizer): a LlamaForCausalLM and the tiny_v4 tokenizer
+load_tiny_llama = TINY_LLAMA.load
 
-    from dspark.targets.tiny_v4 import TINY_V4_DIR
 
+def load_tiny_llama_target(path: str | Path = TINY_LLAMA_DIR, layer_ids: list[int] | None = None,
+                           dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> FrozenTarget:
+    """The tiny dense Llama as a FrozenTarget; layer_ids (aux features) default to [0, 2], the dense drafts' taps."""
+    model, tokenizer = load_tiny_llama(path, dtype, device)
+    return FrozenTarget(model, [0, 2] if layer_ids is None else list(layer_ids), tokenizer)
+
+
+def tiny_llama_folder() -> Path:
+    """The tiny dense Llama as a target folder (target=tiny_llama): the shipped one, checked complete."""
+    return check_tiny_llama_assets()
+
+
+def build_tiny_llama(path: Path) -> Path:
+    """A copy of the shipped tiny dense Llama in `path` (a folder of its own: the serving checks and tests write next to
+    it or change it); the same bytes on every machine, so the same weight fingerprint."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(Path(TINY_V4_DIR) / f, path / f)
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, initializer_range=0.05,
-                      max_position_embeddings=2048, bos_token_id=0, eos_token_id=[3, 0], pad_token_id=1,
-                      tie_word_embeddings=False)
-    from transformers.utils import logging as hf_logging
-
-    was = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # built silently on first use (a config check may trigger it before refusing)
-    try:
-        LlamaForCausalLM(cfg).save_pretrained(path)
-    finally:
-        if was:
-            hf_logging.enable_progress_bar()
-    GenerationConfig(do_sample=False, eos_token_id=[3, 0], pad_token_id=1).save_pretrained(path)
+    for f in sorted(tiny_llama_folder().iterdir()):
+        if f.is_file():
+            shutil.copy(f, path / f.name)
     return path
 
 
-def tiny_llama_folder(cache_dir: Path | None = None) -> Path:
-    """The tiny dense Llama as a target folder (target=tiny_llama): built once, seed 0, into the dspark cache
-    ($DSPARK_CACHE or ~/.cache/dspark)/tiny_llama, through a staging folder renamed into place (a killed build leaves
-    nothing half-written). The build is deterministic, so every machine gets the same weights (and fingerprint)."""
-    from dspark.targets.gguf_convert import default_cache_dir
-
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / "tiny_llama"
-    if (final / "config.json").is_file():
-        return final
-    staging = root / f".tiny_llama.{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    build_tiny_llama(staging)
-    try:
-        staging.rename(final)
-    except OSError:  # another process finished first: keep its folder
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
+__all__ = ["TINY_LLAMA", "TINY_LLAMA_DIR", "build_tiny_llama", "check_tiny_llama_assets", "load_tiny_llama",
+           "load_tiny_llama_target", "tiny_llama_folder"]

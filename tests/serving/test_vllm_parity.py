@@ -27,13 +27,13 @@ GAMMA = 4
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
-    """(root, target dir, its greedy answers, benchmark dir, vLLM python): the tiny target every draft here serves."""
-    from dspark.serving.tiny_dense import regenerate_answers, write_benchmarks
-    from dspark.targets.tiny_llama import build_tiny_llama
+    """(root, target dir, its greedy answers, benchmark dir, vLLM python): the tiny target every draft here serves,
+    with random weights (a flat distribution, which the sampled checks rely on)."""
+    from dspark.serving.tiny_dense import build_random_tiny_llama, regenerate_answers, write_benchmarks
 
     python = vllm_or_skip()
     root = tmp_path_factory.mktemp("vllm_parity")
-    target = build_tiny_llama(root / "target")
+    target = build_random_tiny_llama(root / "target")
     data = regenerate_answers(target, root / "regen.jsonl")
     return root, target, data, write_benchmarks(root / "bench"), python
 
