@@ -267,7 +267,7 @@ class ServeCheckKeys(EvalKeys):
     al_z_max: float = field(metadata=POSITIVE)
     vllm_default_drafting: bool = field()
     vllm_fix_cpu_float_expand: bool = field()
-    strict: bool = field()
+    strict: bool = field(metadata=doc("exit 1 unless parity is shown; false: report only"))
 
 
 # ---- whole configs --------------------------------------------------------------------------------

