@@ -61,8 +61,7 @@ def write_readme(out: Path, info: dict) -> None:
 
 A tiny `LlamaForCausalLM` trained for a few minutes on English ShareGPT conversations, so that its
 next-token distribution is text-like. It is the frozen target of the dense drafts' tiny experiments
-(`target=tiny_llama`: experiment=dflash2_tiny, eagle3_tiny, xpress_tiny) and of the serving parity
-checks. Load it with `dspark.targets.tiny_llama.load_tiny_llama()` (model + tokenizer) or
+(`target=tiny_llama`: experiment=dflash2_tiny, eagle3_tiny, xpress_tiny). Load it with `dspark.targets.tiny_llama.load_tiny_llama()` (model + tokenizer) or
 `load_tiny_llama_target()` (FrozenTarget).
 
 {tiny_train.readme_rebuild(info)}

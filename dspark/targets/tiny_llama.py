@@ -1,7 +1,8 @@
 """The tiny dense target (target=tiny_llama): a 4-layer Llama (hidden 64, head_dim 32: vLLM's CPU attention needs
 >= 32) with the tiny V4 tokenizer and ChatML template, trained on English ShareGPT like the tiny V4 / HY V4 targets, so
-that the dense drafts' tiny experiments (dflash2_tiny, eagle3_tiny, xpress_tiny) and the serving parity checks measure
-a draft against a model of text, not against noise.
+that the dense drafts' tiny experiments (dflash2_tiny, eagle3_tiny, xpress_tiny) measure a draft against a model of
+text, not against noise. (The vLLM parity checks' sampled tests need a flat target: they build a random one,
+dspark.serving.tiny_dense.build_random_tiny_llama.)
 
 The assets (config, bf16-stored safetensors, the tiny_v4 tokenizer, README with the build recipe and measured numbers,
 build_info.json) live in ``dspark/assets/tiny_llama/`` and are rebuilt with ``python scripts/build_tiny_llama.py``
