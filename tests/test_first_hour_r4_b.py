@@ -118,6 +118,74 @@ def test_an_extension_s_schedule_is_a_function_of_the_resume_point_and_the_new_e
     assert early.multiplier(5) == pytest.approx(warmup_cosine(5, 600, 0.04, 0.05)) and early.from_step is None
 
 
+# ---- 6. a short run caches only the rows it reads ---------------------------------------------------------
+def _cache_metas(root) -> dict[int, dict]:
+    """num_examples -> meta.json of every complete auto feature cache under `root`."""
+    metas = [json.loads(p.read_text()) for p in (root / "features").glob("*/meta.json")]
+    return {m["num_examples"]: m for m in metas}
+
+
+def test_a_short_run_caches_only_the_rows_it_reads_and_a_longer_run_builds_its_own(tmp_path, monkeypatch, caplog):
+    """data.feature_cache=auto, 2 steps of 4 rows: the cache holds those 8 training rows and the 8 held-out ones, not
+    the whole set, and the run says so (and how long it takes) before it builds; 3 steps read 4 more rows: a cache
+    of its own rows (keyed by them), never the 16-row one taken as complete; a complete cache of the whole set is
+    used by any run."""
+    import logging
+
+    from dspark.data.feature_cache import build_feature_cache, cache_key, dataset_fingerprint, target_identity
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    common = ["data.feature_cache=auto", "data.feature_cache_dtype=float32", "trainer.val_check_interval=2"]
+    with caplog.at_level(logging.INFO):
+        run_training(_run(tmp_path / "a", "trainer.max_steps=2", *common))
+    metas = _cache_metas(tmp_path / "cache")
+    assert sorted(metas) == [16], sorted(metas)
+    said = [r.getMessage() for r in caplog.records if r.name in ("dspark.feature_cache", "dspark.data.feature_cache")]
+    plan = [m for m in said if m.startswith("feature cache: this run reads 8 training rows")]
+    assert len(plan) == 1 and "building 16 of the" in plan[0], said
+    assert any(m.startswith("feature cache: about ") for m in said), said  # the time, measured on its first batch
+    run_training(_run(tmp_path / "b", "trainer.max_steps=3", *common))
+    assert sorted(_cache_metas(tmp_path / "cache")) == [16, 20]
+    assert metas[16]["key"] != _cache_metas(tmp_path / "cache")[20]["key"]
+    # the whole set's cache, once complete, is what every run reads (no partial one built beside it)
+    import torch
+
+    from dspark import factory
+    from dspark.data.feature_cache_build import cache_dir_for_key, rows_before_target
+    from dspark.schema import run_config
+
+    cfg = _run(tmp_path / "c", "trainer.max_steps=1", *common)
+    run = run_config(cfg)
+    target = factory.build_target(run.target, run.draft)
+    dataset = rows_before_target(run, factory.build_dataset)
+    key = cache_key(target_identity(target), dataset_fingerprint(dataset), torch.float32)
+    build_feature_cache(target, dataset, cache_dir_for_key(run.data, key), dtype=torch.float32)
+    run_training(cfg)
+    assert sorted(_cache_metas(tmp_path / "cache")) == [16, 20, len(dataset)]
+
+
+def test_the_cached_rows_are_the_ones_the_sampler_hands_out_on_every_rank():
+    """cached_rows = the rows of the run's global batches (2 ranks: both ranks' shares) + the held-out tail; the whole
+    set (None) for a run reading half of it or more, a named cache folder, a stream, an unknown number of ranks."""
+    from dspark.schema import run_config
+    from dspark.training.data_module import ResumableBatchSampler
+    from dspark.training.data_plan import cached_rows
+
+    rows = [{"input_ids": [1, 2, 3]}] * 200
+
+    def plan(*more):
+        return cached_rows(run_config(compose(TINY_RUN + ["data.feature_cache=auto", "data.val_examples=8", *more])),
+                           rows)
+
+    got = plan("trainer.max_steps=3", "trainer.devices=2", "trainer.accelerator=cpu")
+    read = {i for r in (0, 1) for b in ResumableBatchSampler(192, 4, 3, 0, rank=r, world_size=2) for _, i in b}
+    assert got == sorted(read) + list(range(192, 200)) and len(read) == 24
+    assert len(plan("trainer.max_steps=12")) == 48 + 8  # 12 steps x 4 rows + the held-out ones: under half
+    assert plan("trainer.max_steps=23") is None  # 92 + 8 rows: half the set
+    assert plan("trainer.max_steps=3", "data.feature_cache=/some/folder") is None
+    assert plan("trainer.max_steps=3", "data.feature_stream=true") is None
+
+
 # ---- 7. a tiny data set is named -------------------------------------------------------------------------
 def test_a_tiny_data_set_gets_one_warning_line_with_its_rows_and_passes(tmp_path, capsys):
     tiny = [o for o in TINY_RUN if not o.startswith(("data.limit", "data.val_examples"))]

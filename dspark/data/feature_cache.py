@@ -324,8 +324,28 @@ def _pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torc
     return ids.to(device), am.to(device)
 
 
+class BuildClock:
+    """Says once, after the build's first batch, roughly how long the whole build takes: that batch's seconds per
+    token times the tokens of every row still to compute (`tokens`)."""
+
+    def __init__(self, out_dir: Path, tokens: int):
+        self.out_dir, self.tokens, self.said = out_dir, int(tokens), False
+
+    def batch_done(self, tokens: int, seconds: float) -> None:
+        if self.said or tokens <= 0:
+            return
+        self.said = True
+        log.info("feature cache: about %.0f s to compute %d tokens into %s (its first batch: %d tokens in %.2f s)",
+                 seconds / tokens * self.tokens, self.tokens, self.out_dir, tokens, seconds)
+
+
+def row_tokens(rows) -> int:
+    """Tokens of all the rows' input_ids."""
+    return int(sum(int(lengths.sum()) for lengths, _ in _input_id_chunks(rows)))
+
+
 def _shard_tensors(target: FrozenTarget, rows, lo: int, hi: int, batch_size: int,
-                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                   dtype: torch.dtype, clock: BuildClock | None = None) -> dict[str, torch.Tensor]:
     """Features of examples [lo, hi), one padded batch at a time, cut back to each example's length."""
     tok = target.tokenizer
     pad_id = int(tok.pad_token_id) if tok is not None and tok.pad_token_id is not None else 0
@@ -334,8 +354,11 @@ def _shard_tensors(target: FrozenTarget, rows, lo: int, hi: int, batch_size: int
         seqs = _rows_input_ids(rows, b0, min(hi, b0 + batch_size))
         if any(len(s) == 0 for s in seqs):
             raise ValueError(f"feature cache: an example in rows [{b0}, {b0 + len(seqs)}) has no input_ids")
+        t0 = time.perf_counter()
         ids, am = _pad(seqs, pad_id, target.device)  # [B, S]
         feats = target.features(ids, am)  # aux [B, S, n*H], final [B, S, H]
+        if clock is not None:
+            clock.batch_done(sum(len(s) for s in seqs), time.perf_counter() - t0)
         for j, s in enumerate(seqs):
             n, idx = len(s), b0 + j
             # copy=True: every example gets its own storage (safetensors refuses shared tensors)
@@ -426,9 +449,10 @@ def build_feature_cache(target: FrozenTarget, rows, out_dir, *, batch_size: int 
         raise ValueError(f"feature cache: batch_size ({batch_size}) must be >= 1")
     layout = layout or CacheLayout()
     work = torch.float32 if layout.encoding != "plain" else dtype  # fp8 codes are made from the float32 features
+    clock = None if (Path(out_dir) / META_NAME).is_file() else BuildClock(Path(out_dir), row_tokens(rows))
     return write_feature_cache(
         target_identity(target), rows, out_dir,
-        lambda lo, hi: _shard_tensors(target, rows, lo, hi, batch_size, work),
+        lambda lo, hi: _shard_tensors(target, rows, lo, hi, batch_size, work, clock),
         dtype=dtype, shard_size=shard_size, hidden_size=int(target.hidden_size), producer="hf", layout=layout)
 
 
@@ -521,6 +545,34 @@ def convert_feature_cache(src, rows, out_dir, *, layout: CacheLayout, dtype: tor
 
 
 # ---- read -----------------------------------------------------------------------------------------
+class RowSubsetCache:
+    """A FeatureCache built from some rows of a dataset (a short run's: dspark.training.data_plan.cached_rows), read
+    by dataset index like a cache of the whole dataset: `rows` are the dataset indices it holds, ascending (its
+    example i is dataset row rows[i]); len() is the dataset's. A row it does not hold is refused, naming it."""
+
+    def __init__(self, cache: "FeatureCache", rows, num_rows: int):
+        self.cache, self.rows, self.num_rows = cache, [int(r) for r in rows], int(num_rows)
+        if len(self.rows) != len(cache):
+            raise ValueError(f"feature cache {cache.path}: holds {len(cache)} examples, {len(self.rows)} rows asked")
+        self._position = {r: i for i, r in enumerate(self.rows)}
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def __getattr__(self, name):  # path, meta, nbytes, dtype, layout, hidden_size, ...: the cache's
+        if name in ("cache", "_position"):
+            raise AttributeError(name)
+        return getattr(self.cache, name)
+
+    def get(self, idx: int, dtype: torch.dtype | None = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        position = self._position.get(int(idx))
+        if position is None:
+            raise ValueError(f"feature cache {self.cache.path}: dataset row {idx} is not in it (it holds the "
+                             f"{len(self.rows)} rows this run's steps read and the held-out ones; a run on more "
+                             "ranks or steps than planned?): set data.feature_cache to a folder to cache every row")
+        return self.cache.get(position, dtype=dtype)
+
+
 class FeatureCache:
     """Read side of a built cache: `get(idx)` -> (aux [S_i, n*H], final [S_i, H]), loaded lazily per example.
 

@@ -104,13 +104,14 @@ class CachePlan:
     hit: bool  # complete and built for this target, these rows, dtype and layout: training needs only the head
 
 
-def plan_feature_cache(run, dataset) -> CachePlan | None:
+def plan_feature_cache(run, dataset, rows=None) -> CachePlan | None:
     """Whether the cache is complete (a hit), decided from the checkpoint files before the target loads: the target's
     cache identity by `vllm_features.checkpoint_identity` (the dict the loaded target's `target_identity` gives), the
     key and folder as `feature_cache_dir` makes them, meta.json checked against it. A complete cache built for another
     target / rows / dtype / layout is refused now (ConfigError naming each difference), before any model loads. A
     checkpoint whose identity cannot be computed without loading it gives `hit=False` (the whole target loads and
-    prepare_feature_cache decides, as before). None when data.feature_cache is null."""
+    prepare_feature_cache decides, as before). None when data.feature_cache is null. `rows` (a short run's,
+    dspark.training.data_plan.cached_rows): the cache is of those rows, unless the whole set's is complete."""
     if not cache_wanted(run.data):
         return None
     from dspark.data.feature_cache import META_NAME, FeatureCache, dataset_fingerprint
@@ -126,6 +127,9 @@ def plan_feature_cache(run, dataset) -> CachePlan | None:
                  "target loads", e)
         return CachePlan(None, None, False)
     path = feature_cache_dir(run.data, None, dataset, identity=ident)
+    if rows is not None and not (path / META_NAME).is_file():  # a short run: the cache of the rows it reads
+        dataset = dataset.select(rows)
+        path = feature_cache_dir(run.data, None, dataset, identity=ident)
     if not (path / META_NAME).is_file():
         return CachePlan(path, ident, False)
     try:
@@ -149,16 +153,18 @@ class TargetLoading:
 WHOLE_TARGET = TargetLoading(head_only=False, identity=None, why="", path=None)
 
 
-def target_loading(run, dataset) -> TargetLoading:
+def target_loading(run, dataset, rows=None) -> TargetLoading:
     """Whether training needs the target's decoder layers. It does not with a feature cache complete for this target
     and these rows (`dataset`, rows_before_target; a hit: plan_feature_cache) or with data.feature_stream (a child
     process computes the features): the target then loads head-only, plus the target modules draft.init_from_target
     copies when the draft family names them (registry.init_reads_named). It does on a miss (this process computes
     the features), with no dataset, and with draft.init_from_target of a family that does not name what its copy
-    reads (logged). A stream whose cache identity cannot be computed from the checkpoint is refused (ConfigError)."""
+    reads (logged). A stream whose cache identity cannot be computed from the checkpoint is refused (ConfigError).
+    `rows`: a short run's cached rows (plan_feature_cache)."""
     from dspark.models import registry
 
-    plan = plan_feature_cache(run, dataset) if dataset is not None else None
+    plan = None if dataset is None else plan_feature_cache(run, dataset, rows) if rows is not None else \
+        plan_feature_cache(run, dataset)
     streamed = plan is not None and not plan.hit and stream_wanted(run.data)
     if streamed and plan.identity is None:
         raise ConfigError("data.feature_stream: the target's cache identity cannot be computed from its checkpoint "
@@ -317,7 +323,7 @@ def _wait_for_producer(path: Path, poll_s: float = 0.5) -> None:
         polls += 1
 
 
-def prepare_feature_cache(run, target, dataset):
+def prepare_feature_cache(run, target, dataset, rows=None):
     """Builds (local rank 0; a resumed build skips finished shards) or reuses the feature cache, checks that it
     belongs to this target and dataset, and returns it (None when data.feature_cache is null).
 
@@ -325,17 +331,27 @@ def prepare_feature_cache(run, target, dataset):
     shared filesystem concurrent builders write identical shards atomically. A head-only target (loaded on a hit,
     factory.build_target) cannot build: every rank only checks the complete cache against its checkpoint identity.
     With data.feature_stream and the cache not complete: a FeatureStream, its producer a child process
-    (start_feature_stream).
+    (start_feature_stream). `rows` (a short run's, dspark.training.data_plan.cached_rows): unless the whole set's
+    cache is complete, the cache holds only those dataset rows (keyed by them) and is read through a RowSubsetCache.
+    Before a build, one line says what it builds; the hf build then says roughly how long (BuildClock).
     """
     if not cache_wanted(run.data):
         return None
-    from dspark.data.feature_cache import META_NAME, FeatureCache, build_feature_cache, dataset_fingerprint
+    from dspark.data.feature_cache import (META_NAME, FeatureCache, RowSubsetCache, build_feature_cache,
+                                           dataset_fingerprint)
 
     layout, producer = cache_layout(run.data), run.data.feature_producer
     path = feature_cache_dir(run.data, target, dataset)
     reused = (path / META_NAME).is_file()
     if stream_wanted(run.data) and not reused:
         return start_feature_stream(run, target, dataset)
+    whole, subset = dataset, None
+    if rows is not None and not reused:
+        subset, dataset = list(rows), dataset.select(rows)
+        path = feature_cache_dir(run.data, target, dataset)
+        reused = (path / META_NAME).is_file()
+    if not reused and _local_rank() == 0 and not isinstance(target, HeadOnlyTarget):
+        log.info(_build_line(run, whole, subset, path))
     t0 = time.perf_counter()
     try:
         if isinstance(target, HeadOnlyTarget):  # loaded on a hit (plan_feature_cache): nothing to build, every rank
@@ -366,4 +382,21 @@ def prepare_feature_cache(run, target, dataset):
         log.info("feature cache reused: %s, %s (built in %.1f s)", path, size, cache.meta["build_seconds"])
     else:
         log.info("feature cache ready: %s, %s in %.1f s", path, size, time.perf_counter() - t0)
-    return cache
+    return cache if subset is None else RowSubsetCache(cache, subset, len(whole))
+
+
+def _build_line(run, dataset, rows, path: Path) -> str:
+    """What a build is about to compute, in one line: the whole set, or (`rows`) the rows a short run reads."""
+    from dspark.data.feature_cache import row_tokens
+    from dspark.training.data_module import held_out_count
+
+    n = len(dataset)
+    if rows is None:
+        return (f"feature cache: building all {n} rows ({row_tokens(dataset)} tokens) into {path}; the target runs "
+                "once per row (how long: said after its first batch)")
+    held = held_out_count(run.data.val_examples, n)
+    steps = int(run.trainer["max_steps"])
+    return (f"feature cache: this run reads {len(rows) - held} training rows ({steps} steps) + {held} held out: "
+            f"building {len(rows)} of the {n} rows ({row_tokens(dataset.select(rows))} tokens) into {path}, keyed by "
+            "those rows (a run that reads others builds its own; a run that reads half the set or more builds the "
+            "whole set's, which every run then reads)")

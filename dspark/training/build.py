@@ -11,13 +11,15 @@ from dspark.ops.backend import set_ops_backend
 from dspark.schema import RunConfig, run_config, typed
 from dspark.targets.hf_target import FrozenTarget
 from dspark.training.data_module import ChatDataModule, held_out_count
+from dspark.training.data_plan import cached_rows
 from dspark.training.module import OptimConfig
 from dspark.training.modules import MODULES
 
 
 def build_datamodule(run: RunConfig, tokenizer, dataset=None, target: FrozenTarget | None = None) -> ChatDataModule:
     """Train/val DataModule; with data.feature_cache set, builds (or reuses) the offline feature cache for `target`
-    first (dspark.data.feature_cache_build), and the batches then carry the cached features; with data.feature_stream
+    first (dspark.data.feature_cache_build; a short run's holds only the rows it reads, data_plan.cached_rows), and
+    the batches then carry the cached features; with data.feature_stream
     the cache is read while a child process writes it (dspark.data.feature_stream) and the first pass over the data
     follows the order the shards are written in."""
     run = run_config(run)
@@ -25,7 +27,7 @@ def build_datamodule(run: RunConfig, tokenizer, dataset=None, target: FrozenTarg
     if cache_wanted(data) and target is None:
         raise ValueError("build_datamodule: data.feature_cache needs the target (pass target=)")
     dataset = dataset if dataset is not None else factory.build_dataset(data, tokenizer)
-    features = prepare_feature_cache(run, target, dataset)
+    features = prepare_feature_cache(run, target, dataset, cached_rows(run, dataset))  # a short run: its rows only
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     val = held_out_count(data.val_examples, len(dataset))  # auto -> its count (run.choose_held_out says it)
     # streamed: the first pass follows the producer's shards (whether or not the cache is complete by now)

@@ -47,3 +47,34 @@ def tiny_data_warning(run, n_train: int, n_held_out: int) -> str | None:
             f"{TINY_TRAIN_ROWS}): trainer.max_steps={steps} x {per_step or '?'} rows a step = {passes}; a draft "
             "trained on so few learns them by heart and its held-out figures say little (more data: data.limit=, "
             "data.path=)")
+
+
+def cached_rows(run, dataset) -> list[int] | None:
+    """The dataset indices a short run's feature cache holds (data.feature_cache=auto, no feature stream): the training
+    rows its trainer.max_steps global batches read (the sampler's own order: ResumableBatchSampler over global
+    batches, all ranks together) and the held-out rows, ascending. None (the whole set is cached) when the run
+    reads half the rows or more, when the number of ranks cannot be told before the trainer starts, for a named
+    cache folder (it holds one cache) and for a stream (its producer writes the whole set). The cache of these rows
+    is keyed by them (their fingerprint), so a later run that reads other rows builds its own and never takes this
+    one for complete; a complete cache of the whole set is read by every run (dspark.data.feature_cache_build)."""
+    from dspark.data.feature_cache_build import cache_wanted, stream_wanted
+    from dspark.training.data_module import ResumableBatchSampler, held_out_count
+
+    data = run.data
+    if not cache_wanted(data) or stream_wanted(data) or str(data.feature_cache) != "auto":
+        return None
+    per_step, world = rows_per_step(run), data_parallel_size(dict(run.trainer))
+    if per_step is None:
+        return None
+    n = len(dataset)
+    held = held_out_count(data.val_examples, n)
+    n_train, global_batch = n - held, int(run.train.batch_size) * world
+    batches = int(run.trainer["max_steps"]) * int(run.trainer.get("accumulate_grad_batches", 1) or 1)
+    if global_batch > n_train or 2 * (batches * global_batch + held) >= n:
+        return None
+    lengths = None
+    if data.group_by_length:
+        lengths = torch.tensor([len(ids) for ids in dataset.select(range(n_train))["input_ids"]])
+    sampler = ResumableBatchSampler(n_train, global_batch, batches, int(run.seed), lengths=lengths)
+    read = {int(i) for batch in sampler for _, i in batch}
+    return sorted(read) + list(range(n_train, n))

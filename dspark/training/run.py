@@ -24,7 +24,7 @@ from dspark.training import draft_dir
 from dspark.training.build import build_datamodule, build_module
 from dspark.training.callbacks import Throughput
 from dspark.training.curves import write_curves
-from dspark.training.data_plan import tiny_data_warning
+from dspark.training.data_plan import cached_rows, tiny_data_warning
 from dspark.training.draft_vocab import install_draft_vocab
 from dspark.training.rank_loss import rank_lost_error
 from dspark.training.resume import SHARDED_META
@@ -386,7 +386,7 @@ def _train(run: RunConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> d
     tiny = tiny_data_warning(run, len(dataset) - run.data.val_examples, run.data.val_examples)
     if tiny and is_launcher_process():
         print_and_log(tiny)
-    target = factory.build_target(run.target, run.draft, target_loading(run, dataset))
+    target = factory.build_target(run.target, run.draft, target_loading(run, dataset, cached_rows(run, dataset)))
     draft = factory.build_draft(run.draft, target)
     if run.draft.get("init_from") and ckpt_path is None:  # a warm start (a resumed run restores its checkpoint)
         from dspark.warm_start import init_from
