@@ -55,8 +55,16 @@ NON_NEGATIVE = _range(0)
 UNIT = _range(0, 1)
 
 
+# other tools' names for a key (key -> (ours, whose name it is)): an unknown key with one of these names points to ours
+ALIASES = {"num_speculative_tokens": ("num_drafts", "vLLM's speculative_config")}
+
+
 def nearest(key: str, valid: Iterable[str]) -> str | None:
-    match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
+    valid = list(valid)
+    alias = ALIASES.get(key)
+    if alias is not None and alias[0] in valid:
+        return alias[0]
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     return match[0] if match else None
 
 
@@ -65,6 +73,8 @@ def unknown_key_error(prefix: str, key: str, valid: Iterable[str]) -> ConfigErro
     near = nearest(key, valid)
     hint = f"did you mean {prefix + '.' if prefix else ''}{near}?" if near else \
         f"valid keys: {', '.join(sorted(valid))}"
+    if near is not None and ALIASES.get(key, (None,))[0] == near:
+        hint += f" {ALIASES[key][1]} calls it {key}"
     return ConfigError(f"{full}: unknown key ({hint})")
 
 

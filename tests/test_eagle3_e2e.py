@@ -151,8 +151,8 @@ def test_a_finished_run_trains_on_with_a_larger_max_steps(tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("override,message", [
-    ("draft.target_layer_ids=[0,5]", "draft.target_layer_ids: [0, 5]: ids must be 0-based layer indices in [0, 3] "
-                                     "of the target (4 layers); bad: [5]"),
+    ("draft.target_layer_ids=[0,5]", "draft.target_layer_ids: [0, 5]: ids must be 0-based layer indices in [0, 2] "
+                                     "of the target (4 layers; EAGLE-3 cannot tap the last layer"),
     ("draft.draft_vocab_size=99999", "draft.draft_vocab_size: Eagle3Config.draft_vocab_size must be in "
                                      "[1, vocab_size=2048]"),
 ], ids=["target_layer_ids", "draft_vocab_size"])

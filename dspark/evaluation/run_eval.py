@@ -67,11 +67,23 @@ def read_benchmarks(cfg: EvalKeys) -> dict[str, list[list[str]]]:
     out = {}
     for name in cfg.benchmarks:
         path = data_dir / f"{name}.jsonl"
-        require(path.is_file(), "benchmarks", f"{name}: {str(path)!r} does not exist (data_dir={cfg.data_dir}; "
-                f"a folder of <name>.jsonl files, null = the shipped sets in {SHIPPED_BENCHMARKS})")
+        require(path.is_file(), "benchmarks", f"{name}: {str(path)!r} does not exist ({_benchmark_names(cfg)}; "
+                f"data_dir={cfg.data_dir}: a folder of <name>.jsonl files, null = the shipped sets in "
+                f"{SHIPPED_BENCHMARKS})")
         out[str(name)] = read_benchmark(path, int(cfg.num_prompts))
         require(len(out[str(name)]) > 0, "benchmarks", f"{name}: no prompts in {path}")
     return out
+
+
+def _benchmark_names(cfg: EvalKeys) -> str:
+    """The benchmark names there are, in words: the shipped sets, and data_dir's when it is another folder."""
+    def names(folder: Path) -> str:
+        found = sorted(p.stem for p in folder.glob("*.jsonl")) if folder.is_dir() else []
+        return ", ".join(found) or "none"
+
+    shipped = f"shipped benchmarks: {names(SHIPPED_BENCHMARKS)}"
+    folder = benchmark_dir(cfg)
+    return shipped if folder == SHIPPED_BENCHMARKS else f"{folder} holds: {names(folder)}; {shipped}"
 
 
 def read_benchmark(path: Path, limit: int | None = None) -> list[list[str]]:
@@ -79,7 +91,7 @@ def read_benchmark(path: Path, limit: int | None = None) -> list[list[str]]:
     if not path.is_file():
         raise FileNotFoundError(f"benchmark file {str(path)!r} does not exist (check data_dir / benchmarks)")
     convs: list[list[str]] = []
-    with path.open(encoding="utf-8") as fh:
+    with path.open(encoding="utf-8-sig") as fh:  # a BOM (Windows editors) is not part of the first line
         for lineno, line in enumerate(fh, start=1):
             if limit is not None and len(convs) >= limit:
                 break
@@ -141,6 +153,8 @@ def draft_source(cfg: EvalKeys) -> tuple[DictConfig, Path, Path]:
     require(has_run != has_ckpt, "run_dir", "set exactly one of run_dir (a training run dir) or draft_ckpt (a .ckpt)")
     if has_run:
         run_dir = resolve_path(cfg.run_dir)
+        require(run_dir.is_dir(), "run_dir", f"{str(run_dir)!r} does not exist (a training run folder, "
+                "runs/<experiment>/<stamp>; relative paths resolve against the repository root)")
         folder = run_dir / draft_dir.DRAFT_DIR
         weights, conf = folder / draft_dir.WEIGHTS_FILE, folder / draft_dir.CONFIG_FILE
         require(weights.is_file() and conf.is_file(), "run_dir",

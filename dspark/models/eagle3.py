@@ -51,6 +51,8 @@ class Eagle3Config(DenseLayerSizes):
     DRAFTS_KEY: ClassVar[str] = "num_steps"
     DEFAULT_TARGET: ClassVar[str | None] = "tiny_llama"
     vllm_method: ClassVar[str] = "eagle3"
+    # taps end below the last layer (from_target_config says why); registry.build_config's range check reads it
+    TAPS_BELOW_LAST: ClassVar[str] = "EAGLE-3 cannot tap the last layer: vLLM's stream there is before the final norm"
 
     num_layers: int = 1  # EAGLE-3 drafts with one decoder layer (the layer whose q/k/v take 2H)
     num_steps: int = 3  # training-time-test depth and the default drafts per verify step

@@ -184,10 +184,13 @@ def build_config(group: Mapping[str, Any], hf_config, tokenizer=None):
     ids = values.get("target_layer_ids")
     if ids is not None:
         n = int(hf_config.num_hidden_layers)
-        bad = [i for i in ids if not 0 <= i < n]
+        below_last = getattr(fam.config, "TAPS_BELOW_LAST", None)  # a family that cannot tap the last layer says why
+        top = n - 2 if below_last else n - 1
+        bad = [i for i in ids if not 0 <= i <= top]
         if not ids or bad:
-            raise ConfigError(f"draft.target_layer_ids: {ids}: ids must be 0-based layer indices in [0, {n - 1}] of "
-                              f"the target ({n} layers); bad: {bad or 'empty list'}")
+            raise ConfigError(f"draft.target_layer_ids: {ids}: ids must be 0-based layer indices in [0, {top}] of "
+                              f"the target ({n} layers{'; ' + below_last if below_last else ''}); bad: "
+                              f"{bad or 'empty list'}")
     if "mask_token_id" in values and values["mask_token_id"] is None:
         values["mask_token_id"] = tokenizer_mask_id(tokenizer)
     vocab = int(hf_config.vocab_size)
