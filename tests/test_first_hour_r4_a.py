@@ -248,6 +248,12 @@ def test_a_jsonl_with_a_bom_keeps_its_first_conversation(tmp_path, caplog):
     ids = tmp_path / "ids.jsonl"
     ids.write_text(BOM + json.dumps({"input_ids": [1, 2], "loss_mask": [1, 1]}) + "\n", encoding="utf-8")
     assert count_tokens_jsonl(ids, 4).tolist() == [0, 1, 1, 0]
+    from dspark.data.sharegpt import iter_sharegpt
+
+    share = tmp_path / "sharegpt.json"
+    share.write_text(BOM + json.dumps([{"conversations": [{"from": "human", "value": "hi"},
+                                                          {"from": "gpt", "value": "hello"}]}]), encoding="utf-8")
+    assert len(list(iter_sharegpt(share))) == 1
 
 
 def _source_draft(folder: Path, fingerprint: str | None):

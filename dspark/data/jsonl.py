@@ -1,6 +1,6 @@
 """Read prompt files in JSON Lines into conversation records (docs/CONTRACTS.md).
 
-Accepted line shapes (one JSON object per line, blank lines ignored):
+Accepted line shapes (one JSON object per line, blank lines ignored; a UTF-8 BOM opening the file is dropped):
 
 - ``{"turns": ["first user turn", "second user turn", ...]}`` (MT-Bench / eval prompt files such as
   ``dspark/assets/eval/*.jsonl``): every turn becomes a ``user`` message, in order. The
@@ -107,7 +107,8 @@ def iter_jsonl_records(
     """
     path = Path(path)
     stats = stats if stats is not None else JsonlStats()
-    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
+    # utf-8-sig: a leading BOM (Windows editors, some exporters) is dropped, not read as part of line 1
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as fh:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
@@ -147,7 +148,7 @@ def read_jsonl_records(
 
 def looks_like_sharegpt(path: str | os.PathLike) -> bool:
     """Is the file's first non-empty line a ShareGPT record ({"conversations": [{"from": ..., "value": ...}]})?"""
-    with open(path, encoding="utf-8", errors="replace") as fh:
+    with open(path, encoding="utf-8-sig", errors="replace") as fh:
         line = next((ln for ln in fh if ln.strip()), "")
     try:
         obj = json.loads(line)

@@ -76,7 +76,7 @@ def eval_prompts(eval_dir: str | Path = EVAL_DIR) -> set[str]:
     """Every turn of every shipped eval prompt file, normalised."""
     out = set()
     for path in sorted(Path(eval_dir).glob("*.jsonl")):
-        for line in path.read_text(encoding="utf-8").split("\n"):  # not splitlines: U+2028 is legal in JSON strings
+        for line in path.read_text(encoding="utf-8-sig").split("\n"):  # not splitlines: U+2028 is legal in JSON strings
             if line.strip():
                 out.update(normalise_prompt(t) for t in json.loads(line).get("turns", []))
     return out

@@ -224,7 +224,7 @@ def iter_sharegpt(
     path = Path(path) if path is not None else default_sharegpt_path()
     if limit is not None and limit <= 0:
         return stats
-    with open(path, encoding="utf-8", errors="replace") as fh:
+    with open(path, encoding="utf-8-sig", errors="replace") as fh:  # a leading BOM is not part of the array
         for index, obj in enumerate(_iter_json_array(fh, stats)):
             record = sharegpt_to_record(obj, index, stats)
             if record is None:

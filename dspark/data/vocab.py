@@ -47,7 +47,7 @@ def count_tokens(rows: Iterable[dict], vocab_size: int, tokenizer=None, max_leng
 
 def count_tokens_jsonl(path, vocab_size: int, tokenizer=None, max_length: int | None = None) -> torch.Tensor:
     def rows():
-        with Path(path).open() as fh:
+        with Path(path).open(encoding="utf-8-sig") as fh:  # a leading BOM is not part of row 1
             for n, line in enumerate(fh, start=1):
                 if line.strip():
                     try:
