@@ -184,6 +184,13 @@ def test_the_cached_rows_are_the_ones_the_sampler_hands_out_on_every_rank():
     assert plan("trainer.max_steps=23") is None  # 92 + 8 rows: half the set
     assert plan("trainer.max_steps=3", "data.feature_cache=/some/folder") is None
     assert plan("trainer.max_steps=3", "data.feature_stream=true") is None
+    import datasets  # data.group_by_length: the sampler's length-sorted order, as the DataModule builds it
+    import torch
+
+    rows = datasets.Dataset.from_list([{"input_ids": [1] * (1 + (i * 7) % 50)} for i in range(200)])
+    lengths = torch.tensor([len(r) for r in rows.select(range(192))["input_ids"]])
+    read = {i for b in ResumableBatchSampler(192, 4, 3, 0, lengths=lengths) for _, i in b}
+    assert plan("trainer.max_steps=3", "data.group_by_length=true") == sorted(read) + list(range(192, 200))
 
 
 # ---- 7. a tiny data set is named -------------------------------------------------------------------------
