@@ -332,8 +332,9 @@ def check_draft_keys(draft: Mapping[str, Any]) -> None:
     for key in arch:
         if key not in fields:
             raise unknown_key_error("draft.arch", str(key), fields - set(fam.group_keys))
-    if not isinstance(draft.get("init_from_target", False), bool):
-        raise ConfigError(f"draft.init_from_target: must be bool, got {draft['init_from_target']!r}")
+    for key in ("init_from_target", "init_from_any_target"):
+        if not isinstance(draft.get(key, False), bool):
+            raise ConfigError(f"draft.{key}: must be bool, got {draft[key]!r}")
     if draft.get("init_from") is not None and not isinstance(draft["init_from"], str):
         raise ConfigError(f"draft.init_from: must be a folder path or null, got {draft['init_from']!r}")
 

@@ -11,11 +11,14 @@ adapter reads (dense DSpark / DFlash, DFlash2, EAGLE-3, V4 / V4.1, ...). Two cas
     draft takes its ids from its own training data (dspark.training.draft_vocab).
 Copied and fresh names are logged and returned. Refused (ConfigError naming draft.init_from): a folder sharing no
 tensor with the draft, and one whose tensors of the draft's names have other shapes (a draft of other sizes: copying
-only the tensors that happen to fit would start a mix of two drafts).
+only the tensors that happen to fit would start a mix of two drafts). A RUN/draft folder records its target
+(draft/target.json): a draft trained against a target with other weights (another fingerprint) is refused unless
+`draft.init_from_any_target=true`, which starts from it with a warning (an export records no target: not checked).
 """
 from __future__ import annotations
 
 import logging
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,14 +67,50 @@ def source_tensors(folder: Path) -> tuple[str, dict[str, torch.Tensor]]:
                           f"family ({e})") from e
 
 
-def init_from(draft: torch.nn.Module, folder: str) -> WarmStart:
-    """Start `draft` from FOLDER (module docstring); ConfigError naming draft.init_from when it cannot."""
+def _same_weights(target, recorded: str) -> bool:
+    """Whether `recorded` (a draft/target.json fingerprint) is the target's, also in the older dtype-dependent
+    scheme (FrozenTarget.legacy_fingerprint) when the target has it."""
+    if recorded == target.fingerprint():
+        return True
+    legacy = getattr(target, "legacy_fingerprint", None)
+    if legacy is None:
+        return False
+    try:
+        return any(legacy(dtype) == recorded for dtype in (None, torch.bfloat16, torch.float32, torch.float16))
+    except Exception:  # noqa: BLE001 (a target that cannot replay the older scheme: the current one decided)
+        return False
+
+
+def check_source_target(folder: Path, target, any_target: bool = False) -> None:
+    """ConfigError unless FOLDER's draft was trained against `target` (the run's FrozenTarget: its fingerprint is the
+    one FOLDER's draft/target.json records); with `any_target` a warning instead. Nothing to compare (no record, no
+    fingerprint, no target): nothing checked."""
+    from dspark.training.draft_dir import TARGET_FILE
+
+    record = Path(folder) / TARGET_FILE
+    rec = json.loads(record.read_text()) if record.is_file() else {}
+    theirs = rec.get("fingerprint")
+    if target is None or theirs is None or _same_weights(target, str(theirs)):
+        return
+    msg = (f"draft.init_from: {folder} was trained against target kind={rec.get('kind')} path={rec.get('path')} "
+           f"(fingerprint {str(theirs)[:12]}); this run's target has fingerprint {target.fingerprint()[:12]}: other "
+           "weights")
+    if not any_target:
+        raise ConfigError(msg + "; start from a draft of this target, or set draft.init_from_any_target=true to "
+                                "start from it anyway")
+    log.warning("%s; draft.init_from_any_target=true: starting from another target's draft", msg)
+
+
+def init_from(draft: torch.nn.Module, folder: str, target=None, any_target: bool = False) -> WarmStart:
+    """Start `draft` from FOLDER (module docstring); ConfigError naming draft.init_from when it cannot.
+    target: the run's target (its `fingerprint()` is compared with FOLDER's draft/target.json; None: not checked)."""
     from dspark.export.adapter import primary_adapter
     from dspark.models.registry import family_of
 
     path = Path(folder).expanduser()
     if not path.is_dir():
         raise ConfigError(f"draft.init_from: {folder!r} is not a folder")
+    check_source_target(path, target, any_target)
     adapter = primary_adapter(family_of(draft).kind)()
     if hasattr(adapter, "import_into") and adapter.read(path) is not None:
         try:
@@ -105,4 +144,4 @@ def init_from(draft: torch.nn.Module, folder: str) -> WarmStart:
     return out
 
 
-__all__ = ["WarmStart", "init_from", "source_tensors"]
+__all__ = ["WarmStart", "check_source_target", "init_from", "source_tensors"]

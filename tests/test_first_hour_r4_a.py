@@ -265,6 +265,14 @@ def _source_draft(folder: Path, fingerprint: str | None):
     return src
 
 
+class _Target:
+    def __init__(self, fingerprint: str):
+        self._fingerprint = fingerprint
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+
 def test_a_warm_start_from_a_draft_of_another_target_is_refused_unless_asked(tmp_path, caplog):
     from dspark.warm_start import init_from
 
@@ -272,11 +280,11 @@ def test_a_warm_start_from_a_draft_of_another_target_is_refused_unless_asked(tmp
     new = _draft("dspark_dense", num_layers=1, block_size=3, mask_token_id=63, target_layer_ids=[0, 2], markov_rank=4)
     with pytest.raises(ConfigError, match=r"^draft.init_from: .*trained against target kind=hf path=/models/other "
                                           r"\(fingerprint aaaaaaaaaaaa\).*draft.init_from_any_target=true"):
-        init_from(new, str(tmp_path / "src"), target_fingerprint="b" * 64)
+        init_from(new, str(tmp_path / "src"), target=_Target("b" * 64))
     with caplog.at_level(logging.WARNING, logger="dspark.warm_start"):
-        assert init_from(new, str(tmp_path / "src"), target_fingerprint="b" * 64, any_target=True).copied
+        assert init_from(new, str(tmp_path / "src"), target=_Target("b" * 64), any_target=True).copied
     assert "another target" in caplog.text
-    assert init_from(new, str(tmp_path / "src"), target_fingerprint="a" * 64).copied  # the same target
+    assert init_from(new, str(tmp_path / "src"), target=_Target("a" * 64)).copied  # the same target
 
 
 def test_train_py_refuses_a_warm_start_from_another_targets_draft(tmp_path):

@@ -35,7 +35,7 @@ import torch
 
 from dspark.errors import ConfigError
 
-NOT_CONFIG_KEYS = ("kind", "init_from_target", "init_from", "arch")  # draft-group keys that are not config fields
+NOT_CONFIG_KEYS = ("kind", "init_from_target", "init_from", "init_from_any_target", "arch")  # draft-group keys that are not config fields
 
 
 @dataclass(frozen=True)

@@ -391,7 +391,8 @@ def _train(run: RunConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> d
     if run.draft.get("init_from") and ckpt_path is None:  # a warm start (a resumed run restores its checkpoint)
         from dspark.warm_start import init_from
 
-        init_from(draft, str(run.draft["init_from"]))
+        init_from(draft, str(run.draft["init_from"]), target,  # a draft of another target: refused unless asked
+                  any_target=bool(run.draft.get("init_from_any_target", False)))
     run.draft = factory.resolved_group(draft, run.draft)  # draft_config.json, hyper_parameters, a stream's producer
     datamodule = build_datamodule(run, target.tokenizer, dataset=dataset, target=target)
     install_draft_vocab(draft, datamodule.train_rows, target.tokenizer)  # draft.arch.draft_vocab_size
