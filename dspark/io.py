@@ -77,13 +77,19 @@ def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: Path, metada
     return data
 
 
-def remove_stale_tmp(folder: Path) -> list[Path]:
+def remove_stale_tmp(folder: Path, older_than_s: float | None = None) -> list[Path]:
     """Deletes the `.<name>.*.tmp` files an interrupted atomic write left in `folder` (not recursive).
-    Only call it where no other process is writing (e.g. a run directory under its lock)."""
+    Only call it where no other process is writing (e.g. a run directory under its lock), or with `older_than_s`:
+    then only files last modified that many seconds ago or earlier go (an atomic write takes far less: a file that old
+    is no write in progress)."""
+    import time
+
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    stale = [p for p in folder.iterdir() if p.is_file() and p.name.startswith(".") and p.name.endswith(TMP_SUFFIX)]
+    cutoff = None if older_than_s is None else time.time() - older_than_s
+    stale = [p for p in folder.iterdir() if p.is_file() and p.name.startswith(".") and p.name.endswith(TMP_SUFFIX)
+             and (cutoff is None or p.stat().st_mtime <= cutoff)]
     for p in stale:
         p.unlink(missing_ok=True)
     return stale

@@ -1,6 +1,8 @@
 """matplotlib for the PNG plots (eval reports, training curves): imported lazily (extra `plots`), with the Agg
-backend (no display needed)."""
+backend (no display needed). `save_png` writes a figure whole or not at all."""
 from __future__ import annotations
+
+from pathlib import Path
 
 
 def pyplot():
@@ -13,3 +15,16 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_png(fig, path: Path, dpi: int = 120) -> Path:
+    """The figure as a PNG at `path`, rendered in memory and written atomically (dspark.io): a process killed while
+    saving leaves the previous file or none, never a 0-byte or half-written PNG."""
+    import io
+
+    from dspark.io import atomic_write_bytes
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    atomic_write_bytes(Path(path), buf.getvalue())
+    return Path(path)

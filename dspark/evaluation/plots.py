@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dspark.plotting import pyplot
+from dspark.plotting import pyplot, save_png
 
 
 def _save(plt, fig, ax, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    try:
+        return save_png(fig, path)  # whole or not at all
+    finally:
+        plt.close(fig)
 
 
 def plot_conditional_acceptance(reports: dict[str, dict], path: Path) -> Path:

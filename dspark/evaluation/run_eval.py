@@ -35,7 +35,7 @@ from dspark.evaluation.speculative import Decoded, Timing, acceptance_counter, p
     speculative_generate_batch
 from dspark.integrity import check_file
 from dspark.schema import EvalKeys, TargetKeys, check_section, eval_config, typed
-from dspark.io import atomic_write_json, unwritable
+from dspark.io import atomic_write_json, remove_stale_tmp, unwritable
 from dspark.targets.health import degenerate_warning, output_health
 from dspark.targets.hf_target import FrozenTarget
 from dspark.targets.source import shipped_without_work
@@ -46,6 +46,7 @@ log = logging.getLogger("dspark.eval")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_BENCHMARKS = Path(__file__).resolve().parents[1] / "assets" / "eval"  # data_dir: null (README there)
 ENGINE = "dspark-reference"
+STALE_TMP_S = 600  # a temp file of this folder older than this is a killed eval's (another eval may be writing now)
 
 
 # ---- inputs -------------------------------------------------------------------------------------------
@@ -530,6 +531,8 @@ def run_eval(cfg: DictConfig | EvalKeys, target_from_run: bool = False) -> dict[
     why = unwritable(out_dir)
     require(why is None, "out" if cfg.out else "run_dir",
             f"the reports go to {out_dir}, but {why}: set out=<a writable folder>")
+    for stale in remove_stale_tmp(out_dir, older_than_s=STALE_TMP_S):  # a killed eval's half-written report / plot
+        log.info("removed %s, left by an interrupted eval", stale.name)
     if target_from_run:
         cfg = with_run_target(cfg, source[2])
     check_target_fits(cfg, source[0], source[2])

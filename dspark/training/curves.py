@@ -62,7 +62,7 @@ def plot_training_curves(series: dict[str, list[tuple[int, float]]], path: Path,
     if title:
         axes[0, 0].set_title(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    try:
+        return plotting.save_png(fig, path)  # whole or not at all
+    finally:
+        plt.close(fig)
