@@ -30,7 +30,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from dspark.data.generator import GeneratorUnavailable, SamplingParams  # noqa: E402
-from dspark.data.regenerate import regenerate  # noqa: E402
+from dspark.data.regenerate import read_jsonl_state, regenerate  # noqa: E402
+
+logger = logging.getLogger("regenerate")
 
 
 def _records(args):
@@ -108,7 +110,7 @@ def _generator(args, sampling: SamplingParams):
         try:
             return OpenAIChatGenerator(args.openai_base_url, args.openai_model, api_key=api_key,
                                        timeout=args.timeout, max_retries=args.max_retries, sampling=sampling,
-                                       concurrency=args.batch_size, disable_thinking=not args.no_disable_thinking)
+                                       concurrency=_batch_size(args, "openai"), disable_thinking=not args.no_disable_thinking)
         except ImportError as exc:  # urllib3 missing: the message says what to install
             raise SystemExit(f"error: {exc}") from None
     if not args.target:
@@ -123,7 +125,7 @@ def _generator(args, sampling: SamplingParams):
         from dspark.serving.vllm_generator import VLLMGenerator  # noqa: PLC0415
 
         try:
-            return VLLMGenerator(folder, sampling, python=args.vllm_python, dtype=args.dtype,
+            return VLLMGenerator(folder, sampling, python=args.vllm_python, dtype=_dtype_name(args, None)[0],
                                  tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
                                  log_path=Path(str(args.out) + ".vllm.log"))
         except VLLMUnavailable as exc:
@@ -131,13 +133,54 @@ def _generator(args, sampling: SamplingParams):
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype, why = _dtype_name(args, device)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if not getattr(tokenizer, "chat_template", None):
+        raise SystemExit(f"error: the tokenizer of {folder} has no chat template; regeneration renders each "
+                         "conversation with it (add \"chat_template\" to its tokenizer_config.json)")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device)
+    engine = args.engine
+    if engine in ("auto", "native"):
+        from dspark.data.fast_decode import UnsupportedModel, check_supported  # noqa: PLC0415
+
+        try:
+            check_supported(model, args.max_model_len)
+            engine = "native"
+        except UnsupportedModel as exc:
+            if engine == "native":
+                raise SystemExit(f"error: --engine native cannot run {folder}: {exc}; use --engine hf") from None
+            logger.warning("the native engine cannot run %s (%s): using transformers' generate", folder, exc)
+            engine = "hf"
+    batch = _batch_size(args, engine)
+    logger.info("regenerate: engine %s, %s (%s), %d rows decoded together, %s", engine, dtype, why, batch, device)
+    if engine == "native":
+        from dspark.data.native_generator import NativeGenerator  # noqa: PLC0415
+
+        return NativeGenerator(model, tokenizer, sampling, slots=batch, max_model_len=args.max_model_len,
+                               name=f"native:{Path(folder).name}")
     from dspark.data.hf_generator import HFGenerator  # noqa: PLC0415
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     return HFGenerator(model, tokenizer, device=device, sampling=sampling, name=f"hf:{Path(folder).name}")
+
+
+def _dtype_name(args, device: str | None) -> tuple[str, str]:
+    """--dtype, or on a CPU the one it computes fastest (dspark.cpu), with the reason."""
+    if args.dtype != "auto":
+        return args.dtype, "--dtype"
+    if device is None or device.startswith("cuda"):
+        return "bfloat16", "GPU default"
+    from dspark.cpu import fast_cpu_dtype  # noqa: PLC0415
+
+    choice = fast_cpu_dtype()
+    return choice.dtype, choice.reason
+
+
+DEFAULT_ROWS = {"native": 128, "hf": 8, "vllm": 64, "openai": 8}
+
+
+def _batch_size(args, engine: str) -> int:
+    return args.batch_size if args.batch_size is not None else DEFAULT_ROWS[engine]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,9 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     gen = parser.add_argument_group("generator")
     gen.add_argument("--target", default=None, help="local HF model folder, or 'smollm2'")
     gen.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--engine", choices=["hf", "vllm"], default="hf",
-                     help="--target decoded by transformers (hf) or by vLLM's offline engine in its own venv")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="auto: bfloat16 on a GPU and on CPUs with AMX / AVX512-BF16, else float32")
+    gen.add_argument("--engine", choices=["auto", "native", "hf", "vllm"], default="auto",
+                     help="auto (default): native where the model is Llama / Qwen2 / Qwen3 / Mistral-shaped "
+                          "(continuous batching, static KV cache: the fastest on CPU), else hf (transformers' "
+                          "generate); vllm: vLLM's offline engine in its own venv (the one to use on GPUs)")
     gen.add_argument("--vllm-python", default=None, help="vLLM interpreter (default $DSPARK_VLLM_PYTHON or .venv-vllm)")
     gen.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM: GPUs per model")
     gen.add_argument("--max-model-len", type=int, default=4096, help="vLLM: longest prompt + answer")
@@ -173,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--no-disable-thinking", action="store_true",
                      help="do not send chat_template_kwargs.enable_thinking=false to the server")
     samp = parser.add_argument_group("sampling")
-    samp.add_argument("--batch-size", type=int, default=8)
+    samp.add_argument("--batch-size", type=int, default=None,
+                      help="rows decoded together (default: native 128, vllm 64, hf / openai 8)")
     samp.add_argument("--max-new-tokens", type=int, default=512)
     samp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     samp.add_argument("--top-p", type=float, default=1.0)
@@ -189,17 +236,27 @@ def main(argv: list[str] | None = None) -> int:
                               top_p=args.top_p, seed=args.seed)
     records = _records(args)  # a bad source stops here, before the model loads
     generator = _generator(args, sampling)
+    per_call = args.batch_size or DEFAULT_ROWS.get(args.engine, 8)  # records per call (batch generators)
     try:
-        stats = regenerate(records, generator, args.out, batch_size=args.batch_size,
+        stats = regenerate(records, generator, args.out, batch_size=per_call,
                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                            seed=args.seed, limit=args.limit, retry_failed=args.retry_failed,
                            progress_every=args.progress_every)
     except GeneratorUnavailable as exc:
         print(f"error: generator unavailable, run stopped (rerun to resume): {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        kept = len(read_jsonl_state(args.out, repair=False, fields=("id",)))
+        print(f"interrupted: {kept} records kept in {args.out} (the batch in flight is redone); rerun the same "
+              "command to continue", file=sys.stderr)
+        return 130
     finally:
         if hasattr(generator, "close"):
             generator.close()
+    if stats.total == 0:
+        print("error: the prompt source yielded no records (check --source and the filters: --english-only, "
+              "--max-prompt-chars, --max-user-turns, --limit)", file=sys.stderr)
+        return 2
     print(f"{stats.summary()} -> {args.out}")
     return 0
 

@@ -50,7 +50,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -286,6 +287,18 @@ def _run_rows(generator, prompts: list[list[Message]], sampling: SamplingParams)
     return [_run_rows(generator, [prompt], sampling)[0] for prompt in prompts]
 
 
+def _take_output(job: _Job, output) -> None:
+    """Record a generator result for the job's current turn: its answer, or the reason the job failed."""
+    if isinstance(output, BaseException):
+        job.error = f"turn {job.turn}: {_error_text(output)}"
+    elif not isinstance(output, str):
+        job.error = f"turn {job.turn}: generator returned {type(output).__name__}, not str"
+    elif not output.strip():
+        job.error = f"turn {job.turn}: empty output"
+    else:
+        job.add_answer(str(output), getattr(output, "finish_reason", None), getattr(output, "num_tokens", None))
+
+
 def _process_batch(generator, jobs: list[_Job], sampling: SamplingParams) -> None:
     """Advance every job of the batch turn by turn until each is finished or failed."""
     while True:
@@ -295,14 +308,7 @@ def _process_batch(generator, jobs: list[_Job], sampling: SamplingParams) -> Non
             return
         outputs = _run_rows(generator, [prompt for _, prompt in active], sampling)
         for (job, _), output in zip(active, outputs):
-            if isinstance(output, BaseException):
-                job.error = f"turn {job.turn}: {_error_text(output)}"
-            elif not isinstance(output, str):
-                job.error = f"turn {job.turn}: generator returned {type(output).__name__}, not str"
-            elif not output.strip():
-                job.error = f"turn {job.turn}: empty output"
-            else:
-                job.add_answer(str(output), getattr(output, "finish_reason", None), getattr(output, "num_tokens", None))
+            _take_output(job, output)
 
 
 @dataclass
@@ -395,9 +401,38 @@ class _Run:
     stats: RegenStats = field(default_factory=RegenStats)
 
     def finish_batch(self, jobs: list[_Job]) -> None:
-        """Generate every turn of a batch, write the results, count them, report progress when due."""
+        """Generate every turn of a batch, then settle it."""
         self.progress.start()
         _process_batch(self.generator, jobs, self.sampling)
+        self.settle(jobs)
+
+    def stream(self, new_jobs: Iterable[_Job]) -> None:
+        """Keep a streaming generator's rows full: a conversation's next turn, else the next record, goes in as
+        soon as a row frees; each finished record is written at once (a kill loses only the rows in flight)."""
+        ready: deque[tuple[_Job, list[Message]]] = deque()
+        new_jobs = iter(new_jobs)
+
+        def next_prompt():
+            if ready:
+                return ready.popleft()
+            for job in new_jobs:
+                prompt = job.next_prompt() if job.error is None else None
+                if prompt is not None:
+                    return job, prompt
+                self.settle([job])  # invalid from the start
+            return None
+
+        self.progress.start()
+        for job, output in self.generator.stream(next_prompt, self.sampling):
+            _take_output(job, output)
+            prompt = job.next_prompt() if job.error is None else None
+            if prompt is not None:
+                ready.append((job, prompt))
+            else:
+                self.settle([job])
+
+    def settle(self, jobs: list[_Job]) -> None:
+        """Write finished jobs, count them, report progress when due."""
         done_ids, n_failed = self.sink.write(jobs)
         self.state.done.update(done_ids)
         self.stats.done += len(done_ids)
@@ -410,6 +445,20 @@ class _Run:
         logger.info("regenerate: %s", self.progress.line(self.stats, len(self.state.done)))
 
 
+def _new_jobs(records: Iterable[dict], state: ResumeState, stats: RegenStats, limit: int | None,
+              retry_failed: bool) -> Iterator[_Job]:
+    """A job per input record this run takes on (counting the read and the skipped ones in ``stats``)."""
+    for record in islice(records, limit) if limit is not None else records:
+        stats.total += 1
+        if not isinstance(record, dict) or not isinstance(record.get("id"), (str, int)):
+            raise ValueError(f"input record #{stats.total} has no 'id' (str): resumption needs one")
+        rid = str(record["id"])
+        if not state.take(rid, retry_failed):
+            stats.skipped += 1
+            continue
+        yield _Job.start(rid, record)
+
+
 def regenerate(records: Iterable[dict], generator: Generator, out_path: str | os.PathLike, *,
                batch_size: int = 8, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0, limit: int | None = None, retry_failed: bool = False,
@@ -418,7 +467,8 @@ def regenerate(records: Iterable[dict], generator: Generator, out_path: str | os
 
     Args:
         records: conversation records ``{"id", "messages"}`` (any iterable; read lazily).
-        generator: see :class:`Generator`; called with batches of up to ``batch_size`` prompts.
+        generator: see :class:`Generator`; called with batches of up to ``batch_size`` prompts, or, when it
+            has ``stream(next_prompt, sampling)`` (the native engine), fed a prompt whenever a row frees.
         out_path: JSON Lines output, appended to; its sidecar is ``<out_path>.failed.jsonl``.
         batch_size, max_new_tokens, temperature, top_p, seed: generation settings (see
             :class:`SamplingParams`); recorded in every output line's ``meta``.
@@ -444,21 +494,18 @@ def regenerate(records: Iterable[dict], generator: Generator, out_path: str | os
                    state, Progress(limit, progress_every, clock))
         stats = run.stats
         try:
-            pending: list[_Job] = []
-            for record in islice(records, limit) if limit is not None else records:
-                stats.total += 1
-                if not isinstance(record, dict) or not isinstance(record.get("id"), (str, int)):
-                    raise ValueError(f"input record #{stats.total} has no 'id' (str): resumption needs one")
-                rid = str(record["id"])
-                if not state.take(rid, retry_failed):
-                    stats.skipped += 1
-                    continue
-                pending.append(_Job.start(rid, record))
-                if len(pending) == batch_size:
+            jobs = _new_jobs(records, state, stats, limit, retry_failed)
+            if hasattr(generator, "stream"):
+                run.stream(jobs)
+            else:
+                pending: list[_Job] = []
+                for job in jobs:
+                    pending.append(job)
+                    if len(pending) == batch_size:
+                        run.finish_batch(pending)
+                        pending = []
+                if pending:
                     run.finish_batch(pending)
-                    pending = []
-            if pending:
-                run.finish_batch(pending)
             if run.progress.last_reported != run.progress.settled or run.progress.settled == 0:
                 run.report()
         finally:
