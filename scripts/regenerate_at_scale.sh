@@ -1,24 +1,24 @@
 #!/usr/bin/env bash
-# SmolLM2 regeneration at scale through vLLM (benchmarks/README.md, "Data at scale (issue 23)"): 4000 ShareGPT first
-# user turns and 1500 reasoning-gym problems, the two sources in alternating stages of growing --limit so both
-# files fill from the start. Each stage is scripts/regenerate.py (resumable), so rerunning this script continues
-# where it stopped; a stage whose records are all settled (output + failure sidecar) is skipped without starting
-# vLLM. Run in the background:
+# The SmolLM2 30k set (benchmarks/README.md, "The 30k SmolLM2 set"): ShareGPT conversations regenerated turn by turn
+# (up to 3 user turns, each answered given the target's own earlier answers) and reasoning-gym problems from 40
+# families, through the native CPU engine (scripts/regenerate.py's default). The two sources fill in alternating
+# stages of growing --limit; each stage is scripts/regenerate.py (resumable), so rerunning this script continues
+# where it stopped; a stage whose records are all settled (output + failure sidecar) is skipped. Run in the
+# background on one core, packing progress as it comes (scripts/pack_regenerated.py shard):
 #
-#   DSPARK_VLLM_PYTHON=.venv-vllm/bin/python DSPARK_VLLM_THREADS=1 \
-#     nohup nice -n 19 bash scripts/regenerate_at_scale.sh > data/regenerated/at_scale.log 2>&1 &
+#   OMP_NUM_THREADS=1 nohup nice -n 10 bash scripts/regenerate_at_scale.sh > data/regenerated/at_scale.log 2>&1 &
 #
-# PYTHON: the project's interpreter (default: python). OUT_DIR: default data/regenerated. BATCH_SIZE: records per
-# vLLM call (default 64; smaller saves progress more often on a loaded machine). Progress (records in
-# the output / limit, records/min, answer tokens/s, ETA) is logged by every stage after each batch.
+# PYTHON: the project's interpreter (default: python). OUT_DIR: default data/regenerated. ROWS: rows decoded
+# together (default 128).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 OUT_DIR=${OUT_DIR:-data/regenerated}
-SHAREGPT_OUT=$OUT_DIR/smollm2_sharegpt_5k.jsonl
-RG_OUT=$OUT_DIR/smollm2_reasoning_gym_1500.jsonl
+SHAREGPT_OUT=$OUT_DIR/smollm2_30k_sharegpt.jsonl
+RG_OUT=$OUT_DIR/smollm2_30k_reasoning_gym.jsonl
 mkdir -p "$OUT_DIR"
-COMMON=(--target smollm2 --engine vllm --batch-size "${BATCH_SIZE:-64}" --max-new-tokens 192 --temperature 0.7 --top-p 0.95 --seed 0)
+COMMON=(--target smollm2 --batch-size "${ROWS:-128}" --max-new-tokens 192 --temperature 0.7 --top-p 0.95 --seed 0
+        --max-model-len 1536 --progress-every 50)
 
 settled() {  # records already in the output or its failure sidecar
   cat "$1" "$1.failed.jsonl" 2>/dev/null | wc -l
@@ -28,10 +28,10 @@ stage() {  # stage SOURCE LIMIT
   local source=$1 limit=$2 out args
   if [ "$source" = sharegpt ]; then
     out=$SHAREGPT_OUT
-    args=(--source sharegpt --english-only --max-user-turns 1 --max-prompt-chars 1200)
+    args=(--source sharegpt --english-only --max-user-turns 3 --max-prompt-chars 2000)
   else
     out=$RG_OUT
-    args=(--source reasoning-gym --rg-seed 0 --max-user-turns 1)
+    args=(--source reasoning-gym --rg-seed 1 --rg-tasks wide --max-user-turns 1)
   fi
   if [ "$(settled "$out")" -ge "$limit" ]; then
     echo "[$(date +%FT%T)] stage $source --limit $limit: already settled ($(settled "$out") records), skipped"
@@ -41,8 +41,9 @@ stage() {  # stage SOURCE LIMIT
   "$PY" scripts/regenerate.py "${args[@]}" "${COMMON[@]}" --out "$out" --limit "$limit"
 }
 
-for spec in sharegpt:500 reasoning-gym:300 sharegpt:1500 reasoning-gym:800 sharegpt:2500 reasoning-gym:1500 \
-            sharegpt:4000; do
+# ShareGPT holds 13,866 such conversations (after the prompt filter); reasoning-gym fills the set to 30,000.
+for spec in sharegpt:2000 reasoning-gym:2000 sharegpt:5000 reasoning-gym:5000 sharegpt:9000 reasoning-gym:9000 \
+            sharegpt:13866 reasoning-gym:16200; do
   stage "${spec%%:*}" "${spec##*:}"
 done
 echo "[$(date +%FT%T)] all stages done: $(settled "$SHAREGPT_OUT") sharegpt, $(settled "$RG_OUT") reasoning-gym records"

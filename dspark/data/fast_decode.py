@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from dspark.ops.decode_attention import decode_attention
+
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 TOPK_FAST = 256  # nucleus searched among the top-256 first; rows whose top-256 mass is < top_p sort in full
 
@@ -231,12 +233,8 @@ class ContinuousDecoder:
         """Feed ``tokens`` [slots] at positions ``pos`` [slots] (each slot's cache holds 0..pos-1);
         the logits [slots, V] (float32). Rows of idle slots compute garbage that nobody reads."""
         n = tokens.shape[0]
-        span = int(pos.max()) + 1
         where = (torch.arange(n, device=self.device)[:, None], torch.arange(self.n_kv, device=self.device)[None, :],
                  pos[:, None])
-        valid = torch.arange(span, device=self.device)[None, :] <= pos[:, None]  # [n, span]
-        bias = torch.zeros(n, 1, 1, span, dtype=torch.float32, device=self.device).masked_fill(
-            ~valid[:, None, None, :], float("-inf"))
         x = self.embed[tokens]  # [n, H]
         cos, sin = self.cos[pos], self.sin[pos]
         group = self.n_heads // self.n_kv
@@ -245,10 +243,7 @@ class ContinuousDecoder:
             kc, vc = self.k_cache[li][:n], self.v_cache[li][:n]
             kc.index_put_(where, k)  # k / v [n, kvh, hd] at (slot, head, pos)
             vc.index_put_(where, v)
-            keys, values = kc[:, :, :span], vc[:, :, :span]  # [n, kvh, span, hd]
-            qg = q.view(n, self.n_kv, group, self.head_dim)
-            scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale + bias  # [n, kvh, g, span]
-            att = torch.matmul(torch.softmax(scores, dim=-1).to(self.dtype), values)  # [n, kvh, g, hd]
+            att = decode_attention(q.view(n, self.n_kv, group, self.head_dim), kc, vc, pos, self.scale)
             x = x + F.linear(att.reshape(n, -1), layer.o, layer.o_bias)
             x = self._mlp(layer, x)
         return F.linear(_rms(x, self.final_norm, self.eps), self.lm_head).float()

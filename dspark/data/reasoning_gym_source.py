@@ -54,6 +54,16 @@ DEFAULT_TASKS = (
     "letter_counting",
     "word_sorting",
 )
+# Beyond word problems and arithmetic: number theory, algebra, calculus, geometry, logic, strings, planning
+# (procedural, no bundled third-party text); the 30k SmolLM2 set draws from DEFAULT_TASKS + these (--rg-tasks wide).
+WIDE_EXTRA_TASKS = (
+    "base_conversion", "gcd", "lcm", "count_bits", "polynomial_multiplication", "polynomial_equations",
+    "simple_geometry", "number_sorting", "number_filtering", "power_function", "complex_arithmetic",
+    "simple_integration", "propositional_logic", "tower_of_hanoi", "dice", "isomorphic_strings",
+    "bitwise_arithmetic", "chain_sum", "products", "binary_alternation", "string_insertion", "list_functions",
+    "jugs", "course_schedule",
+)
+WIDE_TASKS = DEFAULT_TASKS + WIDE_EXTRA_TASKS
 EXCLUDED_TASKS = ("gsm_symbolic",)  # GSM8K test templates (see the module docstring)
 
 

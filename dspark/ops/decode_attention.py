@@ -1,0 +1,143 @@
+"""Decode-step attention over per-row KV caches of different lengths (regeneration's native engine).
+
+At decode every row attends over its own cache prefix: per (row, KV head) a [group, head_dim] x [head_dim, len]
+product, far too small for a BLAS call each (torch's batched matmul over them ran at ~6 GFLOP/s on one core) and
+memory-bound anyway. :func:`decode_attention` is one pass over each row's keys and values at its own length:
+
+* ``decode_attention_reference``: torch ops over the longest row with a mask (any device, any dtype);
+* the CPU kernel: a small C++ loop compiled on first use with torch's cpp_extension (``g++``, cached under
+  ``$DSPARK_CACHE/torch_extensions``): float32 accumulation, bf16 / fp32 caches, each row read up to its own length.
+  Where it cannot be built (no compiler) the reference runs and a warning says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
+template <typename T> static inline float to_f(T x) { return static_cast<float>(x); }
+
+template <typename T>
+static void run(const T* q, const T* kc, const T* vc, const int64_t* pos, T* out,
+                int64_t n, int64_t kvh, int64_t g, int64_t hd, int64_t max_len, int64_t cache_rows_stride,
+                float scale) {
+  at::parallel_for(0, n * kvh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(g * hd), acc(g * hd), s;
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / kvh, h = bh % kvh;
+      const int64_t len = pos[b] + 1;
+      const T* qrow = q + (b * kvh + h) * g * hd;
+      const T* kb = kc + b * cache_rows_stride + h * max_len * hd;
+      const T* vb = vc + b * cache_rows_stride + h * max_len * hd;
+      for (int64_t i = 0; i < g * hd; ++i) qf[i] = to_f(qrow[i]) * scale;
+      s.assign(g * len, 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        float kf[512];
+        const T* krow = kb + t * hd;
+        for (int64_t d = 0; d < hd; ++d) kf[d] = to_f(krow[d]);
+        for (int64_t j = 0; j < g; ++j) {
+          const float* qj = qf.data() + j * hd;
+          float dot = 0.f;
+          for (int64_t d = 0; d < hd; ++d) dot += qj[d] * kf[d];
+          s[j * len + t] = dot;
+        }
+      }
+      for (int64_t j = 0; j < g; ++j) {
+        float* sj = s.data() + j * len;
+        float mx = sj[0];
+        for (int64_t t = 1; t < len; ++t) mx = std::max(mx, sj[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) { sj[t] = std::exp(sj[t] - mx); sum += sj[t]; }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        float vf[512];
+        const T* vrow = vb + t * hd;
+        for (int64_t d = 0; d < hd; ++d) vf[d] = to_f(vrow[d]);
+        for (int64_t j = 0; j < g; ++j) {
+          const float p = s[j * len + t];
+          float* aj = acc.data() + j * hd;
+          for (int64_t d = 0; d < hd; ++d) aj[d] += p * vf[d];
+        }
+      }
+      T* orow = out + (b * kvh + h) * g * hd;
+      for (int64_t i = 0; i < g * hd; ++i) orow[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor pos, double scale) {
+  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && pos.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(q.size(3) <= 512, "head_dim <= 512");
+  const int64_t n = q.size(0), kvh = q.size(1), g = q.size(2), hd = q.size(3), max_len = kc.size(2);
+  auto out = torch::empty_like(q);
+  const int64_t stride = kc.stride(0);
+  if (q.scalar_type() == at::kBFloat16) {
+    run<at::BFloat16>(q.data_ptr<at::BFloat16>(), kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>(),
+                      pos.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), n, kvh, g, hd, max_len, stride, scale);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "bfloat16 or float32");
+    run<float>(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), pos.data_ptr<int64_t>(),
+               out.data_ptr<float>(), n, kvh, g, hd, max_len, stride, scale);
+  }
+  return out;
+}
+"""
+
+_kernel = None
+_unavailable: str | None = None
+
+
+def _load():
+    """The compiled kernel module, or None (the reason in ``_unavailable``)."""
+    global _kernel, _unavailable
+    if _kernel is not None or _unavailable is not None:
+        return _kernel
+    try:
+        from torch.utils.cpp_extension import load_inline  # noqa: PLC0415
+
+        root = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark")).expanduser()
+        build = root / "torch_extensions" / "decode_attention"
+        build.mkdir(parents=True, exist_ok=True)
+        _kernel = load_inline("dspark_decode_attention", cpp_sources=_SOURCE, functions=["decode_attention"],
+                              extra_cflags=["-O3", "-march=native", "-ffast-math"], build_directory=str(build),
+                              verbose=False)
+    except Exception as exc:  # noqa: BLE001 (no compiler, no headers: the reference still works)
+        _unavailable = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        logger.warning("decode attention: the C++ kernel could not be built (%s); using torch ops (slower)",
+                       _unavailable)
+    return _kernel
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """q [n, kvh, g, hd]; caches [n, kvh, L, hd] (row b valid up to pos[b] inclusive); pos [n] -> [n, kvh, g, hd]."""
+    span = int(pos.max()) + 1
+    keys, values = k_cache[:, :, :span], v_cache[:, :, :span]
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [n, kvh, g, span]
+    invalid = torch.arange(span, device=q.device)[None, :] > pos[:, None]  # [n, span]
+    scores = scores.masked_fill(invalid[:, None, None, :], float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), values)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Each row's attention over its own cache prefix (shapes as :func:`decode_attention_reference`)."""
+    if (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32) and k_cache.dtype == q.dtype
+            and q.shape[-1] <= 512 and _load() is not None):
+        return _kernel.decode_attention(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
+                                        pos.to(torch.int64).contiguous(), float(scale))
+    return decode_attention_reference(q, k_cache, v_cache, pos, scale)
