@@ -5,6 +5,8 @@ benchmarks/data/<name>.jsonl.gz with a sha256 manifest, and unpack it back to re
     python scripts/pack_regenerated.py pack data/regenerated/smollm2_sharegpt_5k.jsonl [more.jsonl ...]
     python scripts/pack_regenerated.py unpack smollm2_sharegpt_5k [--force]   # -> data/regenerated/, then rerun
     python scripts/pack_regenerated.py check                                   # every packed file vs the manifest
+    # a run in progress: append-only shards <name>.partNNNN.jsonl.gz, each holding the lines added since the last
+    python scripts/pack_regenerated.py shard data/regenerated/smollm2_30k_sharegpt.jsonl [--min-lines 500]
 
 Packing takes the complete lines only (a run may be appending while it packs: a partial last line is left out)
 and checks that each parses as a JSON object with an "id". The gzip files carry no timestamp, so packing the same
@@ -87,6 +89,51 @@ def pack(paths: list[Path], pack_dir: Path = PACK_DIR) -> list[dict]:
     return written
 
 
+def shard_names(manifest: dict, stem: str) -> list[str]:
+    """The packed shards of <stem>.jsonl, in order."""
+    prefix = f"{stem}.part"
+    return sorted(n for n in manifest if n.startswith(prefix) and n.endswith(".jsonl.gz")
+                  and n[len(prefix):-len(".jsonl.gz")].isdigit())
+
+
+def shard(path: Path, pack_dir: Path = PACK_DIR, min_lines: int = 1) -> list[dict]:
+    """Pack the complete lines of ``path`` that its earlier shards do not hold into a new shard (never rewriting
+    a packed file), when there are at least ``min_lines``; the failure sidecar is packed whole when it changed.
+    Refuses a file whose start differs from its shards (edited or replaced: pack it under another name)."""
+    path = Path(path)
+    stem = path.name[: -len(".jsonl")] if path.name.endswith(".jsonl") else path.name
+    pack_dir.mkdir(parents=True, exist_ok=True)
+    manifest = load_manifest(pack_dir)
+    parts = shard_names(manifest, stem)
+    packed = b"".join(_verified_text(pack_dir, n, manifest[n]) for n in parts)
+    text = complete_lines(path)
+    if not text.startswith(packed):
+        raise ValueError(f"{path} does not continue its {len(parts)} packed shards ({_lines(packed)} lines): "
+                         "the file was edited or replaced")
+    new = text[len(packed):]
+    written = []
+    if _lines(new) >= max(1, min_lines):
+        name = f"{stem}.part{len(parts):04d}.jsonl.gz"
+        blob = _gzip(new)
+        (pack_dir / name).write_bytes(blob)
+        manifest[name] = {"sha256": _sha256(blob), "content_sha256": _sha256(new), "lines": _lines(new),
+                          "bytes": len(new), "gz_bytes": len(blob), "source": path.name,
+                          "first_line": _lines(packed)}
+        written.append({"file": name, **manifest[name]})
+    sidecar = path.with_name(path.name + SIDECAR)
+    if sidecar.exists() and sidecar.stat().st_size:
+        side = complete_lines(sidecar)
+        name = sidecar.name + ".gz"
+        if manifest.get(name, {}).get("content_sha256") != _sha256(side):
+            blob = _gzip(side)
+            (pack_dir / name).write_bytes(blob)
+            manifest[name] = {"sha256": _sha256(blob), "content_sha256": _sha256(side), "lines": _lines(side),
+                              "bytes": len(side), "gz_bytes": len(blob), "source": sidecar.name}
+            written.append({"file": name, **manifest[name]})
+    _write_manifest(pack_dir, manifest)
+    return written
+
+
 def _verified_text(pack_dir: Path, name: str, entry: dict) -> bytes:
     blob = (pack_dir / name).read_bytes()
     if _sha256(blob) != entry["sha256"]:
@@ -106,19 +153,22 @@ def unpack(name: str, pack_dir: Path = PACK_DIR, data_dir: Path = DATA_DIR, forc
     """Restore <name>.jsonl (and its sidecar, if packed) into data_dir; returns the files written."""
     stem = name[: -len(".jsonl")] if name.endswith(".jsonl") else name
     manifest = load_manifest(pack_dir)
-    names = [n for n in (f"{stem}.jsonl.gz", f"{stem}.jsonl{SIDECAR}.gz") if n in manifest]
-    if not names:
+    whole = [n for n in (f"{stem}.jsonl.gz",) if n in manifest] or shard_names(manifest, stem)
+    files = ([(f"{stem}.jsonl", whole)] if whole else []) + [
+        (f"{stem}.jsonl{SIDECAR}", [n]) for n in (f"{stem}.jsonl{SIDECAR}.gz",) if n in manifest]
+    if not whole:
         raise FileNotFoundError(f"{stem}: not in {pack_dir / MANIFEST} (packed: {sorted(manifest)})")
     data_dir.mkdir(parents=True, exist_ok=True)
     out = []
-    for packed in names:
-        text = _verified_text(pack_dir, packed, manifest[packed])
-        dest = data_dir / packed[: -len(".gz")]
+    for target, packed_names in files:
+        text = b"".join(_verified_text(pack_dir, n, manifest[n]) for n in packed_names)
+        packed = packed_names[0] if len(packed_names) == 1 else f"{stem} ({len(packed_names)} shards)"
+        dest = data_dir / target
         if dest.exists() and not force:
             have = dest.read_bytes()
             if not text.startswith(have):
-                raise FileExistsError(f"{dest} exists and is not a prefix of the packed file ({_lines(have)} vs "
-                                      f"{manifest[packed]['lines']} lines); --force replaces it")
+                raise FileExistsError(f"{dest} exists and is not a prefix of the packed file {packed} ({_lines(have)} "
+                                      f"vs {_lines(text)} lines); --force replaces it")
         tmp = dest.with_name(dest.name + ".tmp")
         tmp.write_bytes(text)
         os.replace(tmp, dest)
@@ -137,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--force", action="store_true", help="replace an existing file that is not a prefix")
     u.add_argument("--data-dir", type=Path, default=DATA_DIR)
     c = sub.add_parser("check", help="verify every packed file against the manifest")
-    for q in (p, u, c):
+    sh = sub.add_parser("shard", help="pack the lines added since the last shard into a new shard")
+    sh.add_argument("paths", nargs="+", type=Path)
+    sh.add_argument("--min-lines", type=int, default=1, help="pack only when at least this many lines are new")
+    for q in (p, u, c, sh):
         q.add_argument("--pack-dir", type=Path, default=PACK_DIR)
     args = ap.parse_args(argv)
     try:
@@ -145,6 +198,13 @@ def main(argv: list[str] | None = None) -> int:
             for entry in pack(args.paths, args.pack_dir):
                 print(f"{entry['file']}: {entry['lines']} lines, {entry['bytes']} -> {entry['gz_bytes']} bytes, "
                       f"sha256 {entry['sha256']}")
+        elif args.cmd == "shard":
+            for path in args.paths:
+                entries = shard(path, args.pack_dir, args.min_lines)
+                for entry in entries:
+                    print(f"{entry['file']}: {entry['lines']} lines, {entry['bytes']} -> {entry['gz_bytes']} bytes")
+                if not entries:
+                    print(f"{path}: nothing new to pack")
         elif args.cmd == "unpack":
             for name in args.names:
                 for dest in unpack(name, args.pack_dir, args.data_dir, args.force):

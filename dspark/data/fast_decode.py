@@ -192,6 +192,7 @@ class ContinuousDecoder:
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.cached: list[list[int]] = [[] for _ in range(slots)]  # the tokens whose K/V each slot holds, in order
 
     # ---- the forward passes -------------------------------------------------------------------------------
 
@@ -211,39 +212,48 @@ class ContinuousDecoder:
         return x + F.linear(F.silu(gu[:, :self.inter]) * gu[:, self.inter:], layer.down)
 
     @torch.inference_mode()
-    def prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
-        """Run a prompt [S] into ``slot``'s cache (positions 0..S-1); the last position's logits [V] (float32)."""
+    def prefill(self, slot: int, prompt_ids: list[int], start: int = 0) -> torch.Tensor:
+        """Run ``prompt_ids[start:]`` into ``slot``'s cache at positions start..S-1 (positions < start already
+        hold this prompt's prefix); the last position's logits [V] (float32)."""
         s = len(prompt_ids)
-        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
-        x = self.embed[ids]  # [S, H]
-        cos, sin = self.cos[:s], self.sin[:s]
+        if not 0 <= start < s:
+            raise ValueError(f"start {start} outside the prompt's {s} tokens")
+        new = s - start
+        self.cached[slot] = list(prompt_ids[:start])  # what stays valid should this pass stop half-way
+        ids = torch.tensor(prompt_ids[start:], dtype=torch.long, device=self.device)
+        x = self.embed[ids]  # [new, H]
+        cos, sin = self.cos[start:s], self.sin[start:s]
+        # query i (position start + i) sees keys 0..start + i
+        mask = None if start == 0 else (torch.arange(s, device=self.device)[None, :]
+                                        <= torch.arange(start, s, device=self.device)[:, None])
         for li, layer in enumerate(self.layers):
             q, k, v = self._split_qkv(layer, _rms(x, layer.in_norm, self.eps), cos, sin)
-            k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kvh, S, hd]
-            self.k_cache[li][slot, :, :s] = k
-            self.v_cache[li][slot, :, :s] = v
-            att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], is_causal=True,
-                                                 scale=self.scale, enable_gqa=self.n_kv != self.n_heads)
-            x = x + F.linear(att[0].transpose(0, 1).reshape(s, -1), layer.o, layer.o_bias)
+            self.k_cache[li][slot, :, start:s] = k.transpose(0, 1)  # [kvh, new, hd]
+            self.v_cache[li][slot, :, start:s] = v.transpose(0, 1)
+            keys, values = self.k_cache[li][slot, :, :s], self.v_cache[li][slot, :, :s]
+            att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                                 is_causal=mask is None, scale=self.scale,
+                                                 enable_gqa=self.n_kv != self.n_heads)
+            x = x + F.linear(att[0].transpose(0, 1).reshape(new, -1), layer.o, layer.o_bias)
             x = self._mlp(layer, x)
+        self.cached[slot] = list(prompt_ids)
         return F.linear(_rms(x[-1:], self.final_norm, self.eps), self.lm_head)[0].float()
 
     @torch.inference_mode()
-    def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Feed ``tokens`` [slots] at positions ``pos`` [slots] (each slot's cache holds 0..pos-1);
-        the logits [slots, V] (float32). Rows of idle slots compute garbage that nobody reads."""
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens`` [n] at positions ``pos`` [n] into the slots ``rows`` [n] (slot rows[b] holds positions
+        0..pos[b]-1 already); the logits [n, V] (float32)."""
         n = tokens.shape[0]
-        where = (torch.arange(n, device=self.device)[:, None], torch.arange(self.n_kv, device=self.device)[None, :],
-                 pos[:, None])
+        where = (rows[:, None], torch.arange(self.n_kv, device=self.device)[None, :], pos[:, None])
         x = self.embed[tokens]  # [n, H]
         cos, sin = self.cos[pos], self.sin[pos]
         group = self.n_heads // self.n_kv
         for li, layer in enumerate(self.layers):
             q, k, v = self._split_qkv(layer, _rms(x, layer.in_norm, self.eps), cos, sin)
-            kc, vc = self.k_cache[li][:n], self.v_cache[li][:n]
+            kc, vc = self.k_cache[li], self.v_cache[li]
             kc.index_put_(where, k)  # k / v [n, kvh, hd] at (slot, head, pos)
             vc.index_put_(where, v)
-            att = decode_attention(q.view(n, self.n_kv, group, self.head_dim), kc, vc, pos, self.scale)
+            att = decode_attention(q.view(n, self.n_kv, group, self.head_dim), kc, vc, pos, rows, self.scale)
             x = x + F.linear(att.reshape(n, -1), layer.o, layer.o_bias)
             x = self._mlp(layer, x)
         return F.linear(_rms(x, self.final_norm, self.eps), self.lm_head).float()
@@ -263,7 +273,8 @@ class ContinuousDecoder:
             return None
         rng = random.Random(request.seed) if self.temperature > 0 else None
         state = _Slot(index, n, max_new=min(request.max_new_tokens, self.max_len - n), rng=rng)
-        token = self._sample(self.prefill(slot, request.prompt_ids)[None], [rng])[0]
+        reuse = min(_common_prefix(self.cached[slot], request.prompt_ids), n - 1)  # a conversation's earlier turns
+        token = self._sample(self.prefill(slot, request.prompt_ids, reuse)[None], [rng])[0]
         return self._accept(slot, state, token, slots, results)
 
     def _accept(self, slot: int, state: _Slot, token: int, slots, results) -> int | None:
@@ -295,21 +306,22 @@ class ContinuousDecoder:
         keys: dict[int, object] = {}
         done: list = []  # (index, result) finished since the last yield
         slots: list[_Slot | None] = [None] * self.slots
-        feed = torch.zeros(self.slots, dtype=torch.long)
-        pos = torch.zeros(self.slots, dtype=torch.long)
+        feed: list[int] = [0] * self.slots  # the token each busy slot feeds next
         counter = 0
         carry = None  # an item taken while checking for idleness
         while True:
-            for slot in range(self.slots):
-                while slots[slot] is None:
-                    item, carry = (carry, None) if carry is not None else (next_request(), None)
-                    if item is None:
-                        break
-                    keys[counter] = item[0]
-                    token = self._admit(slot, counter, item[1], slots, done)
-                    counter += 1
-                    if token is not None:
-                        feed[slot] = token
+            free = [i for i, s in enumerate(slots) if s is None]
+            while free:
+                item, carry = (carry, None) if carry is not None else (next_request(), None)
+                if item is None:
+                    break
+                slot = max(free, key=lambda i: _common_prefix(self.cached[i], item[1].prompt_ids))
+                keys[counter] = item[0]
+                token = self._admit(slot, counter, item[1], slots, done)
+                counter += 1
+                if token is not None:
+                    feed[slot] = token
+                    free.remove(slot)
             while done:
                 index, result = done.pop(0)
                 yield keys.pop(index), result
@@ -319,13 +331,30 @@ class ContinuousDecoder:
                 if carry is None:
                     return
                 continue
-            width = live[-1] + 1  # rows past the last busy slot are not computed
-            for i in live:
-                pos[i] = slots[i].pos
-            logits = self.step(feed[:width], pos[:width])
-            tokens = self._sample(logits[live], [slots[i].rng for i in live])
-            for i, token in zip(live, tokens):
+            fed = [feed[i] for i in live]
+            logits = self.step(torch.tensor(fed), torch.tensor([slots[i].pos for i in live]), torch.tensor(live))
+            tokens = self._sample(logits, [slots[i].rng for i in live])
+            for i, token, t in zip(live, tokens, fed):
+                self.cached[i].append(t)
                 slots[i].pos += 1
                 nxt = self._accept(i, slots[i], token, slots, done)
                 if nxt is not None:
                     feed[i] = nxt
+            while done:  # before refilling: a conversation's next turn can take its own slot (and prefix) back
+                index, result = done.pop(0)
+                yield keys.pop(index), result
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

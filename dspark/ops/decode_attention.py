@@ -29,7 +29,7 @@ _SOURCE = r"""
 template <typename T> static inline float to_f(T x) { return static_cast<float>(x); }
 
 template <typename T>
-static void run(const T* q, const T* kc, const T* vc, const int64_t* pos, T* out,
+static void run(const T* q, const T* kc, const T* vc, const int64_t* pos, const int64_t* rows, T* out,
                 int64_t n, int64_t kvh, int64_t g, int64_t hd, int64_t max_len, int64_t cache_rows_stride,
                 float scale) {
   at::parallel_for(0, n * kvh, 1, [&](int64_t begin, int64_t end) {
@@ -38,8 +38,8 @@ static void run(const T* q, const T* kc, const T* vc, const int64_t* pos, T* out
       const int64_t b = bh / kvh, h = bh % kvh;
       const int64_t len = pos[b] + 1;
       const T* qrow = q + (b * kvh + h) * g * hd;
-      const T* kb = kc + b * cache_rows_stride + h * max_len * hd;
-      const T* vb = vc + b * cache_rows_stride + h * max_len * hd;
+      const T* kb = kc + rows[b] * cache_rows_stride + h * max_len * hd;
+      const T* vb = vc + rows[b] * cache_rows_stride + h * max_len * hd;
       for (int64_t i = 0; i < g * hd; ++i) qf[i] = to_f(qrow[i]) * scale;
       s.assign(g * len, 0.f);
       for (int64_t t = 0; t < len; ++t) {
@@ -79,19 +79,26 @@ static void run(const T* q, const T* kc, const T* vc, const int64_t* pos, T* out
   });
 }
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor pos, double scale) {
-  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && pos.is_contiguous(), "contiguous inputs");
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor pos,
+                               torch::Tensor rows, double scale) {
+  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && pos.is_contiguous()
+              && rows.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(pos.size(0) == q.size(0) && rows.size(0) == q.size(0), "one pos and one cache row per query row");
+  TORCH_CHECK(rows.numel() == 0 || (rows.min().item<int64_t>() >= 0 && rows.max().item<int64_t>() < kc.size(0)),
+              "cache rows out of range");
+  TORCH_CHECK(pos.numel() == 0 || (pos.min().item<int64_t>() >= 0 && pos.max().item<int64_t>() < kc.size(2)),
+              "positions out of range");
   TORCH_CHECK(q.size(3) <= 512, "head_dim <= 512");
   const int64_t n = q.size(0), kvh = q.size(1), g = q.size(2), hd = q.size(3), max_len = kc.size(2);
   auto out = torch::empty_like(q);
   const int64_t stride = kc.stride(0);
   if (q.scalar_type() == at::kBFloat16) {
     run<at::BFloat16>(q.data_ptr<at::BFloat16>(), kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>(),
-                      pos.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), n, kvh, g, hd, max_len, stride, scale);
+                      pos.data_ptr<int64_t>(), rows.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), n, kvh, g, hd, max_len, stride, scale);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "bfloat16 or float32");
     run<float>(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), pos.data_ptr<int64_t>(),
-               out.data_ptr<float>(), n, kvh, g, hd, max_len, stride, scale);
+               rows.data_ptr<int64_t>(), out.data_ptr<float>(), n, kvh, g, hd, max_len, stride, scale);
   }
   return out;
 }
@@ -112,7 +119,7 @@ def _load():
         root = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark")).expanduser()
         build = root / "torch_extensions" / "decode_attention"
         build.mkdir(parents=True, exist_ok=True)
-        _kernel = load_inline("dspark_decode_attention", cpp_sources=_SOURCE, functions=["decode_attention"],
+        _kernel = load_inline("dspark_decode_attention_v2", cpp_sources=_SOURCE, functions=["decode_attention"],
                               extra_cflags=["-O3", "-march=native", "-ffast-math"], build_directory=str(build),
                               verbose=False)
     except Exception as exc:  # noqa: BLE001 (no compiler, no headers: the reference still works)
@@ -123,10 +130,11 @@ def _load():
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-    """q [n, kvh, g, hd]; caches [n, kvh, L, hd] (row b valid up to pos[b] inclusive); pos [n] -> [n, kvh, g, hd]."""
+                               rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, kvh, g, hd]; caches [slots, kvh, L, hd]; query row b reads cache row rows[b] at positions 0..pos[b]
+    -> [n, kvh, g, hd]."""
     span = int(pos.max()) + 1
-    keys, values = k_cache[:, :, :span], v_cache[:, :, :span]
+    keys, values = k_cache[rows, :, :span], v_cache[rows, :, :span]
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [n, kvh, g, span]
     invalid = torch.arange(span, device=q.device)[None, :] > pos[:, None]  # [n, span]
     scores = scores.masked_fill(invalid[:, None, None, :], float("-inf"))
@@ -134,10 +142,11 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     rows: torch.Tensor, scale: float) -> torch.Tensor:
     """Each row's attention over its own cache prefix (shapes as :func:`decode_attention_reference`)."""
     if (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32) and k_cache.dtype == q.dtype
             and q.shape[-1] <= 512 and _load() is not None):
         return _kernel.decode_attention(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
-                                        pos.to(torch.int64).contiguous(), float(scale))
-    return decode_attention_reference(q, k_cache, v_cache, pos, scale)
+                                        pos.to(torch.int64).contiguous(), rows.to(torch.int64).contiguous(),
+                                        float(scale))
+    return decode_attention_reference(q, k_cache, v_cache, pos, rows, scale)

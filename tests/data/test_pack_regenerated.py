@@ -87,3 +87,47 @@ def test_pack_refuses_a_malformed_line(tmp_path):
     bad.write_text('{"id": "a", "messages": []}\n[1, 2]\n')
     with pytest.raises(ValueError, match="b.jsonl:2"):
         packer.pack([bad], tmp_path / "packs")
+
+
+def test_shards_are_append_only_and_unpack_to_the_whole_file(tmp_path):
+    data, packs = tmp_path / "data", tmp_path / "packs"
+    out = data / "big.jsonl"
+    regenerate(records(3), Echo(), out, batch_size=2)
+    first = {e["file"] for e in packer.shard(out, packs)}
+    assert first == {"big.part0000.jsonl.gz"}
+    blob0 = (packs / "big.part0000.jsonl.gz").read_bytes()
+    assert packer.shard(out, packs) == []  # nothing new: no shard
+    regenerate(records(7), Echo(), out, batch_size=2)  # resumes: 4 more records
+    with open(out, "ab") as fh:  # a run appending right now: its partial line stays out
+        fh.write(b'{"id": "r7", "mess')
+    entries = packer.shard(out, packs)
+    assert [(e["file"], e["lines"], e["first_line"]) for e in entries] == [("big.part0001.jsonl.gz", 4, 3)]
+    assert (packs / "big.part0000.jsonl.gz").read_bytes() == blob0  # the earlier shard is never rewritten
+    whole = out.read_bytes()[: out.read_bytes().rfind(b"\n") + 1]
+    restored = tmp_path / "fresh"
+    [dest] = packer.unpack("big", packs, restored)
+    assert dest.read_bytes() == whole
+    assert packer.check(packs) == {"big.part0000.jsonl.gz": 3, "big.part0001.jsonl.gz": 4}
+
+
+def test_a_shard_refuses_a_file_that_does_not_continue_its_shards(tmp_path):
+    data, packs = tmp_path / "data", tmp_path / "packs"
+    out = data / "big.jsonl"
+    regenerate(records(3), Echo(), out, batch_size=2)
+    packer.shard(out, packs)
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text(lines[1] + lines[0] + lines[2])  # same records, edited order
+    with pytest.raises(ValueError, match="does not continue its 1 packed shards"):
+        packer.shard(out, packs)
+
+
+def test_a_damaged_shard_is_refused_on_unpack(tmp_path):
+    data, packs = tmp_path / "data", tmp_path / "packs"
+    out = data / "big.jsonl"
+    regenerate(records(3), Echo(), out, batch_size=2)
+    packer.shard(out, packs)
+    regenerate(records(5), Echo(), out, batch_size=2)
+    packer.shard(out, packs)
+    (packs / "big.part0001.jsonl.gz").write_bytes(gzip.compress(b'{"id": "x"}\n'))
+    with pytest.raises(ValueError, match="sha256 differs"):
+        packer.unpack("big", packs, tmp_path / "fresh")
