@@ -24,53 +24,63 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
-template <typename T> static inline float to_f(T x) { return static_cast<float>(x); }
+// bf16 -> float by bits (vectorises), float stays float
+static inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(raw[i]) << 16;
+}
+static inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
-template <typename T>
+// HD > 0: the head size as a compile-time constant (the inner loops unroll into whole vector registers);
+// HD == 0: any head size, read from hd.
+template <typename T, int HD>
 static void run(const T* q, const T* kc, const T* vc, const int64_t* pos, const int64_t* rows, T* out,
-                int64_t n, int64_t kvh, int64_t g, int64_t hd, int64_t max_len, int64_t cache_rows_stride,
+                int64_t n, int64_t kvh, int64_t g, int64_t hd_arg, int64_t max_len, int64_t cache_rows_stride,
                 float scale) {
+  const int64_t hd = HD > 0 ? HD : hd_arg;
   at::parallel_for(0, n * kvh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(g * hd), acc(g * hd), s;
+    std::vector<float> qf(g * hd), acc(g * hd), s, kf, vf;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / kvh, h = bh % kvh;
       const int64_t len = pos[b] + 1;
       const T* qrow = q + (b * kvh + h) * g * hd;
       const T* kb = kc + rows[b] * cache_rows_stride + h * max_len * hd;
       const T* vb = vc + rows[b] * cache_rows_stride + h * max_len * hd;
-      for (int64_t i = 0; i < g * hd; ++i) qf[i] = to_f(qrow[i]) * scale;
-      s.assign(g * len, 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        float kf[512];
-        const T* krow = kb + t * hd;
-        for (int64_t d = 0; d < hd; ++d) kf[d] = to_f(krow[d]);
-        for (int64_t j = 0; j < g; ++j) {
-          const float* qj = qf.data() + j * hd;
-          float dot = 0.f;
-          for (int64_t d = 0; d < hd; ++d) dot += qj[d] * kf[d];
-          s[j * len + t] = dot;
-        }
-      }
+      load_row(qrow, qf.data(), g * hd);
+      for (int64_t i = 0; i < g * hd; ++i) qf[i] *= scale;
+      kf.resize(len * hd);
+      load_row(kb, kf.data(), len * hd);  // the row's keys 0..len-1 are contiguous
+      s.resize(g * len);
       for (int64_t j = 0; j < g; ++j) {
+        const float* qj = qf.data() + j * hd;
         float* sj = s.data() + j * len;
+        for (int64_t t = 0; t < len; ++t) {
+          const float* kt = kf.data() + t * hd;
+          float dot = 0.f;
+          for (int64_t d = 0; d < hd; ++d) dot += qj[d] * kt[d];
+          sj[t] = dot;
+        }
         float mx = sj[0];
-        for (int64_t t = 1; t < len; ++t) mx = std::max(mx, sj[t]);
+        for (int64_t t = 1; t < len; ++t) mx = sj[t] > mx ? sj[t] : mx;
         float sum = 0.f;
         for (int64_t t = 0; t < len; ++t) { sj[t] = std::exp(sj[t] - mx); sum += sj[t]; }
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
       }
+      vf.resize(len * hd);
+      load_row(vb, vf.data(), len * hd);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        float vf[512];
-        const T* vrow = vb + t * hd;
-        for (int64_t d = 0; d < hd; ++d) vf[d] = to_f(vrow[d]);
-        for (int64_t j = 0; j < g; ++j) {
-          const float p = s[j * len + t];
-          float* aj = acc.data() + j * hd;
-          for (int64_t d = 0; d < hd; ++d) aj[d] += p * vf[d];
+      for (int64_t j = 0; j < g; ++j) {
+        const float* sj = s.data() + j * len;
+        float* aj = acc.data() + j * hd;
+        for (int64_t t = 0; t < len; ++t) {
+          const float p = sj[t];
+          const float* vt = vf.data() + t * hd;
+          for (int64_t d = 0; d < hd; ++d) aj[d] += p * vt[d];
         }
       }
       T* orow = out + (b * kvh + h) * g * hd;
@@ -88,18 +98,19 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor 
               "cache rows out of range");
   TORCH_CHECK(pos.numel() == 0 || (pos.min().item<int64_t>() >= 0 && pos.max().item<int64_t>() < kc.size(2)),
               "positions out of range");
-  TORCH_CHECK(q.size(3) <= 512, "head_dim <= 512");
   const int64_t n = q.size(0), kvh = q.size(1), g = q.size(2), hd = q.size(3), max_len = kc.size(2);
   auto out = torch::empty_like(q);
   const int64_t stride = kc.stride(0);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, "bfloat16 or float32");
+#define DSPARK_RUN(T, HD) run<T, HD>(q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), pos.data_ptr<int64_t>(), \
+                                     rows.data_ptr<int64_t>(), out.data_ptr<T>(), n, kvh, g, hd, max_len, stride, scale)
   if (q.scalar_type() == at::kBFloat16) {
-    run<at::BFloat16>(q.data_ptr<at::BFloat16>(), kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>(),
-                      pos.data_ptr<int64_t>(), rows.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), n, kvh, g, hd, max_len, stride, scale);
+    if (hd == 64) DSPARK_RUN(at::BFloat16, 64); else if (hd == 128) DSPARK_RUN(at::BFloat16, 128);
+    else DSPARK_RUN(at::BFloat16, 0);
   } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "bfloat16 or float32");
-    run<float>(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), pos.data_ptr<int64_t>(),
-               rows.data_ptr<int64_t>(), out.data_ptr<float>(), n, kvh, g, hd, max_len, stride, scale);
+    if (hd == 64) DSPARK_RUN(float, 64); else if (hd == 128) DSPARK_RUN(float, 128); else DSPARK_RUN(float, 0);
   }
+#undef DSPARK_RUN
   return out;
 }
 """
@@ -119,7 +130,7 @@ def _load():
         root = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark")).expanduser()
         build = root / "torch_extensions" / "decode_attention"
         build.mkdir(parents=True, exist_ok=True)
-        _kernel = load_inline("dspark_decode_attention_v2", cpp_sources=_SOURCE, functions=["decode_attention"],
+        _kernel = load_inline("dspark_decode_attention_v4", cpp_sources=_SOURCE, functions=["decode_attention"],
                               extra_cflags=["-O3", "-march=native", "-ffast-math"], build_directory=str(build),
                               verbose=False)
     except Exception as exc:  # noqa: BLE001 (no compiler, no headers: the reference still works)
@@ -145,8 +156,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      rows: torch.Tensor, scale: float) -> torch.Tensor:
     """Each row's attention over its own cache prefix (shapes as :func:`decode_attention_reference`)."""
     if (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32) and k_cache.dtype == q.dtype
-            and q.shape[-1] <= 512 and _load() is not None):
-        return _kernel.decode_attention(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
-                                        pos.to(torch.int64).contiguous(), rows.to(torch.int64).contiguous(),
-                                        float(scale))
+            and _load() is not None):
+        with torch.profiler.record_function("dspark::decode_attention"):
+            return _kernel.decode_attention(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
+                                            pos.to(torch.int64).contiguous(), rows.to(torch.int64).contiguous(),
+                                            float(scale))
     return decode_attention_reference(q, k_cache, v_cache, pos, rows, scale)

@@ -1,5 +1,7 @@
 """The Lightning Trainer from the config: `trainer` (every Trainer argument), `callbacks` and `logger` (groups of
-`_target_` nodes, instantiated by Hydra). Nothing here adds or renames a Trainer argument."""
+`_target_` nodes, instantiated by Hydra). Nothing here adds or renames a Trainer argument; one value is added to
+`precision`: `auto` = what the machine computes fastest (bf16-mixed on a GPU, and on CPUs with AMX / AVX512-BF16;
+32-true on other CPUs, where bf16 is emulated), said in one line at the start (:func:`resolve_precision`)."""
 from __future__ import annotations
 
 from hydra.errors import InstantiationException
@@ -7,10 +9,29 @@ from hydra.utils import get_class, instantiate
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary
 
+import logging
+
+import torch
+
 import dspark.training.sharding  # noqa: F401  (registers the "fsdp2" strategies with Lightning)
+from dspark.cpu import fast_cpu_dtype
 from dspark.errors import ConfigError
 from dspark.schema import RunConfig, run_config
 from dspark.training.callbacks import LogLastStep, OneLineModelSummary, step_progress_bar
+
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_precision(precision, accelerator) -> tuple[str, str]:
+    """``(precision, why)``: ``auto`` resolved for the accelerator at hand, any other value as given."""
+    if str(precision) != "auto":
+        return precision, "trainer.precision"
+    on_gpu = str(accelerator) in ("gpu", "cuda") or (str(accelerator) == "auto" and torch.cuda.is_available())
+    if on_gpu:
+        return "bf16-mixed", "a GPU"
+    choice = fast_cpu_dtype()
+    return choice.precision, choice.reason
 
 
 def instantiate_group(nodes: dict | None, group: str) -> list:
@@ -38,6 +59,9 @@ def make_trainer(run: RunConfig, callbacks: list[Callback], plugins: list) -> Tr
     last step's train metrics and lr are logged even when log_every_n_steps does not divide max_steps."""
     run = run_config(run)
     kwargs = dict(run.trainer)
+    if str(kwargs.get("precision")) == "auto":
+        kwargs["precision"], why = resolve_precision("auto", kwargs.get("accelerator", "auto"))
+        logger.info("trainer.precision=auto: %s (%s)", kwargs["precision"], why)
     trainer_cls = get_class(kwargs.pop("_target_", "lightning.pytorch.Trainer"))
     cbs = [*callbacks, *instantiate_group(run.callbacks, "callbacks")]  # the run's own first: they fix the logging step
     if kwargs.get("enable_checkpointing") is False:  # Lightning refuses a ModelCheckpoint then
