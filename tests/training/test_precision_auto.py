@@ -1,0 +1,41 @@
+"""trainer.precision=auto and the regeneration dtype: chosen from the CPU's flags (bf16 only where the CPU has AMX or
+AVX512-BF16: on an AVX2-only CPU emulated bf16 is ~28x slower than fp32), a GPU's bf16-mixed, any other value kept."""
+from __future__ import annotations
+
+import pytest
+
+from dspark import cpu
+from dspark.training import trainer as trainer_mod
+
+AMX = frozenset({"avx2", "avx512f", "amx_bf16", "avx512_bf16"})
+ZEN4 = frozenset({"avx2", "avx512f", "avx512_bf16"})
+AVX2 = frozenset({"avx2", "fma"})
+
+
+@pytest.mark.parametrize("flags,dtype,precision", [(AMX, "bfloat16", "bf16-mixed"), (ZEN4, "bfloat16", "bf16-mixed"),
+                                                   (AVX2, "float32", "32-true")])
+def test_the_cpu_dtype_follows_its_bf16_instructions(flags, dtype, precision):
+    choice = cpu.fast_cpu_dtype(flags)
+    assert (choice.dtype, choice.precision) == (dtype, precision)
+    assert ("neither" in choice.reason) == (dtype == "float32")
+
+
+@pytest.mark.parametrize("flags,want", [(ZEN4, "bf16-mixed"), (AVX2, "32-true")])
+def test_precision_auto_on_a_cpu(monkeypatch, flags, want):
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
+    got, why = trainer_mod.resolve_precision("auto", "cpu")
+    assert got == want and why
+
+
+def test_precision_auto_on_a_gpu_and_explicit_values_kept(monkeypatch):
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: AVX2)
+    assert trainer_mod.resolve_precision("auto", "gpu")[0] == "bf16-mixed"
+    assert trainer_mod.resolve_precision("32-true", "cpu")[0] == "32-true"
+    assert trainer_mod.resolve_precision("bf16-mixed", "cpu")[0] == "bf16-mixed"
+
+
+def test_cpu_flags_reads_proc_cpuinfo():
+    flags = cpu.cpu_flags()
+    assert isinstance(flags, frozenset)
+    # whatever this machine is, the choice is consistent with what it reports
+    assert (cpu.fast_cpu_dtype().dtype == "bfloat16") == bool(flags & {"amx_bf16", "avx512_bf16"})
