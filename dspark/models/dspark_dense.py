@@ -17,6 +17,8 @@ layers.{i}.mlp.*, norm, markov_head.*, confidence_head.proj).
 """
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -32,6 +34,8 @@ from dspark.models.registry import register
 from dspark.ops.attention import masked_attention
 from dspark.ops.norms import RMSNorm
 from dspark.ops.rope import ROPE_TYPES, RotaryEmbedding, apply_rope
+
+log = logging.getLogger("dspark.models.dspark_dense")
 
 
 @dataclass(kw_only=True)
@@ -52,14 +56,16 @@ class DenseLayerSizes(DraftConfig):
 
     @staticmethod
     def sizes_of(hf) -> dict:
-        """These fields from a dense HF config (Llama, Qwen2/3, SmolLM2, ...)."""
+        """These fields from a dense HF config (Llama, Qwen2/3, SmolLM2, ...); a target whose logits or embeddings the
+        shared head / embedding would misread is refused (refuse_unshareable_target)."""
+        refuse_unshareable_target(hf)
         heads = int(hf.num_attention_heads)
         return dict(
             hidden_size=int(hf.hidden_size), vocab_size=int(hf.vocab_size), num_attention_heads=heads,
             num_key_value_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
             head_dim=int(getattr(hf, "head_dim", None) or hf.hidden_size // heads),
             intermediate_size=int(hf.intermediate_size), rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
-            rope_parameters=target_rope_parameters(hf),
+            rope_parameters=draft_rope_parameters(hf),
             max_position_embeddings=int(getattr(hf, "max_position_embeddings", None) or 32768),
         )
 
@@ -149,6 +155,41 @@ def target_rope_parameters(hf) -> dict:
     if not rp:
         return {"rope_type": "default", "rope_theta": float(getattr(hf, "rope_theta", None) or 10000.0)}
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dict(rp).items()}
+
+
+def draft_rope_parameters(hf) -> dict:
+    """The draft's own RoPE: the target's frequencies over the whole head. A partial-rotary target (StableLM, GPT-NeoX,
+    Phi-2: partial_rotary_factor < 1) rotates part of its heads; the draft's layers are its own and what vLLM serves
+    is the export's config, so the draft rotates its whole head (said once per config build)."""
+    rp = target_rope_parameters(hf)
+    factor = float(rp.pop("partial_rotary_factor", None) or getattr(hf, "partial_rotary_factor", None) or 1.0)
+    if factor != 1.0:
+        log.info("target partial_rotary_factor=%g (%s): the dense draft applies full rotary to its own heads "
+                 "(its RoPE is its own; the export's config says so to vLLM)", factor, getattr(hf, "model_type", "?"))
+    return rp
+
+
+# Targets whose forward does more around the embedding / LM head than the weights the draft shares: the draft embeds
+# with the raw embedding matrix and the teacher's logits are lm_head(final), so these would be misread in silence.
+EMBED_SCALED_MODEL_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text", "recurrent_gemma")
+
+
+def refuse_unshareable_target(hf) -> None:
+    """FieldError (one line, naming the architecture and why) for a target whose embedding scale or final logit
+    soft-capping the shared embedding / LM head would drop; called from the target's config.json, before any model
+    loads."""
+    kind = str(getattr(hf, "model_type", "") or "")
+    why = []
+    if kind in EMBED_SCALED_MODEL_TYPES:
+        why.append(f"scales its input embeddings by sqrt(hidden_size) = {math.sqrt(int(hf.hidden_size)):.4g}")
+    cap = getattr(hf, "final_logit_softcapping", None) or getattr(getattr(hf, "text_config", None),
+                                                                  "final_logit_softcapping", None)
+    if cap:
+        why.append(f"soft-caps its final logits (final_logit_softcapping={cap})")
+    if why:
+        raise FieldError("kind", f"the dense drafts do not support a {kind or type(hf).__name__} target: it "
+                                 f"{' and '.join(why)}, which the draft's shared embedding / LM head and the teacher "
+                                 "logits (lm_head(final)) do not apply; choose another target architecture")
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
