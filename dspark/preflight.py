@@ -13,6 +13,7 @@ from typing import NamedTuple
 from dspark import schema
 from dspark.errors import ConfigError, require
 from dspark.models import registry
+from dspark.models.contract import optional
 from dspark.targets.source import target_folder
 
 
@@ -84,7 +85,7 @@ def check_data(run: schema.RunConfig) -> None:
         require(not data.feature_stream, "data.feature_stream",
                 "streams the features into the feature cache: set data.feature_cache (auto or a folder)")
         return
-    require(not getattr(fam.draft, "needs_pre_head", False), "data.feature_cache",
+    require(not optional(fam.draft, "needs_pre_head"), "data.feature_cache",
             f"the cache stores no pre-hc_head stream, which draft.kind={fam.kind} reads; set it to null")
     layout = data.feature_cache_layout
     drops = layout.teacher_rows != "all" or layout.context_rows != "all"

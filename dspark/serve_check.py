@@ -119,8 +119,7 @@ def project_decode(cfg: ServeCheckKeys, target, draft, draft_group, convs: list[
     from dspark.serving.parity import Request, request_order
 
     dcfg = draft.config
-    default_g = getattr(dcfg, "block_size", None) or getattr(dcfg, "num_steps", None)  # MTP: num_steps
-    g = int(cfg.num_drafts) if cfg.num_drafts is not None else int(default_g)
+    g = int(cfg.num_drafts) if cfg.num_drafts is not None else int(dcfg.block_size)  # MTP: block_size = num_steps
     temperature, eos, max_new = float(cfg.temperature), ev.eos_ids(cfg, target), int(cfg.max_new_tokens)
     sample = cfg.draft_sample_method  # eval.yaml: vLLM's draft_sample_method
     prompts_seen: list[list[int]] = []

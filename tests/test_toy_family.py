@@ -32,14 +32,11 @@ class ToyAdapter(DenseAdapter):
 
 
 @pytest.fixture
-def toy_family(monkeypatch):
-    monkeypatch.setattr(registry, "_FAMILIES", dict(registry.families()))
-    registry.register("toy_dense", config=ToyConfig, objective="block", serving=__name__)(ToyDraft)
-    ad.adapters()
-    ad.serving_adapter(ToyAdapter)
-    assert ad.family_adapters("toy_dense") == [ToyAdapter]  # the record leads to its adapter
-    yield
-    ad._ADAPTERS.remove(ToyAdapter)
+def toy_family():
+    record = registry.Family(kind="toy_dense", draft=ToyDraft, config=ToyConfig, objective="block", serving=__name__)
+    with ad.temporary_adapter(ToyAdapter), registry.temporary_family(record):
+        assert ad.family_adapters("toy_dense") == [ToyAdapter]  # the record leads to its adapter
+        yield
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ from dspark.evaluation.verify import NOT_REPRODUCED, REJECTION_SAMPLE_METHODS
 from dspark.evaluation.speculative import Decoded, Timing, acceptance_counter, plain_generate, \
     speculative_generate_batch
 from dspark.integrity import check_file
+from dspark.models.contract import optional
 from dspark.schema import EvalKeys, TargetKeys, check_section, eval_config, typed
 from dspark.io import atomic_write_json, remove_stale_tmp, unwritable
 from dspark.targets.health import degenerate_warning, output_health
@@ -607,9 +608,9 @@ def run_eval(cfg: DictConfig | EvalKeys, target_from_run: bool = False) -> dict[
         pictures.append((plots.plot_conditional_acceptance(reports, out_dir / f"acceptance.{tag}.png"),
                          "conditional acceptance per draft position"))
     n_requests = sum(len(d.steps) for d in spec_batches)
-    if getattr(draft, "confidence_head", None) is not None and cfg.confidence and n_requests < 2:
+    if optional(draft, "confidence_head") is not None and cfg.confidence and n_requests < 2:
         log.warning("confidence analysis skipped: it needs at least 2 requests (fit / held-out), got %d", n_requests)
-    elif getattr(draft, "confidence_head", None) is not None and cfg.confidence:
+    elif optional(draft, "confidence_head") is not None and cfg.confidence:
         conf = analysis.confidence_report([d.steps for d in spec_batches], sps())
         atomic_write_json(out_dir / f"confidence.{tag}.json", {**common, **conf})
         if cfg.plots:

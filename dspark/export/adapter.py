@@ -17,16 +17,22 @@ verify all use:
 
 Adapters register themselves by class (`@serving_adapter`) in the module their family's record names
 (`register(..., serving="dspark.export.<file>")` in dspark/models/): a new family's adapter is one new module here,
-found through its family; no table here names a family.
+found through its family; no table here names a family. That module is checked when adapters are first collected
+(adapters(): it exists and registers an adapter of the family's kind; FamilyContractError naming both otherwise). A
+test registers an adapter of its own for a while with `temporary_adapter(cls)`.
 """
 from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import ClassVar
 
 import torch
+
+from dspark.models.contract import FamilyContractError
 
 Expected = dict[str, tuple[tuple[int, ...], str]]  # checkpoint name -> (shape, safetensors dtype)
 
@@ -115,7 +121,7 @@ class ServingAdapter:
 
 
 _ADAPTERS: list[type[ServingAdapter]] = []
-_discovered = False
+_collected: set = set()  # the family records whose serving module has been imported and checked
 
 
 def serving_adapter(cls: type[ServingAdapter]) -> type[ServingAdapter]:
@@ -125,16 +131,46 @@ def serving_adapter(cls: type[ServingAdapter]) -> type[ServingAdapter]:
     return cls
 
 
-def adapters() -> list[type[ServingAdapter]]:
-    """Every registered adapter class (the serving module of every family record imported once)."""
-    global _discovered
-    if not _discovered:
-        from dspark.models.registry import families
+@contextmanager
+def temporary_adapter(cls: type[ServingAdapter]) -> Iterator[type[ServingAdapter]]:
+    """An adapter registered for the `with` block (a test's format), after the shipped ones (a folder they read stays
+    theirs), removed on exit. A test family's adapter enters before its family (dspark.models.registry.
+    temporary_family), so that the family's serving module is checked with its adapter there."""
+    adapters()
+    if cls in _ADAPTERS:
+        raise ValueError(f"serving adapter {cls.__name__} is registered already")
+    _ADAPTERS.append(cls)
+    try:
+        yield cls
+    finally:
+        _ADAPTERS.remove(cls)
 
-        for fam in families().values():
-            if fam.serving:
-                importlib.import_module(fam.serving)
-        _discovered = True
+
+def _collect(fam) -> None:
+    """Import the serving module a family's record names; FamilyContractError (one line naming the family and the
+    module) when there is no such module or it registers no adapter of the family's kind."""
+    if fam.serving is None:  # the record's NOT_SERVED says why (checked when the family registered)
+        return
+    try:
+        importlib.import_module(fam.serving)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (fam.serving == e.name or fam.serving.startswith(e.name + ".")):
+            raise  # a module the serving module imports is missing: its own error
+        raise FamilyContractError(f"draft family {fam.kind!r} breaks the family contract: its serving module "
+                                  f"{fam.serving!r} does not exist") from None
+    if not any(cls.kind == fam.kind for cls in _ADAPTERS):
+        raise FamilyContractError(f"draft family {fam.kind!r} breaks the family contract: its serving module "
+                                  f"{fam.serving!r} registers no serving adapter of kind {fam.kind!r}")
+
+
+def adapters() -> list[type[ServingAdapter]]:
+    """Every registered adapter class (the serving module of every family record imported once, and checked)."""
+    from dspark.models.registry import families
+
+    for fam in families().values():
+        if fam not in _collected:
+            _collect(fam)
+            _collected.add(fam)
     return list(_ADAPTERS)
 
 
@@ -199,4 +235,4 @@ def refuse_unservable(problems: list[str], where: str, for_vllm: bool, how: str)
 
 __all__ = ["Expected", "NOT_FOR_VLLM", "SAFETENSORS_DTYPES", "ServingAdapter", "add_not_for_vllm", "adapter_for_folder",
            "adapter_formats", "adapters", "family_adapters", "cli_commands", "cli_kinds", "dtype_name", "read_json", "refuse_unservable",
-           "serving_adapter"]
+           "serving_adapter", "temporary_adapter"]

@@ -41,6 +41,7 @@ from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, S
                                    dtype_name, read_json, refuse_unservable, serving_adapter)
 from dspark.export.dflash_rules import (block_causal, draft_markov_problems, markov_expected, markov_lines,
                                         precedence_lines, sorted_lines)
+from dspark.models.contract import optional
 from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
 
 DSPARK_ARCH = "Qwen3DSparkModel"
@@ -134,7 +135,7 @@ def speculators_config_json(cfg: DSparkDenseConfig, dtype: torch.dtype = torch.b
 def dense_export_plan(draft: DSparkDenseDraft, dtype: torch.dtype = torch.bfloat16) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{checkpoint name: (shape, dtype)}; names are the module's own (+ lm_head / d2t / t2d when reduced)."""
     plan = {k: (tuple(p.shape), dtype) for k, p in draft.named_parameters()}
-    if getattr(draft, "reduced_vocab", False):
+    if optional(draft, "reduced_vocab"):
         vd = draft.d2t.numel()
         plan["lm_head.weight"] = ((vd, draft.config.hidden_size), dtype)
         plan["d2t"] = ((vd,), torch.int64)
@@ -157,7 +158,7 @@ def dense_tensors(draft: DSparkDenseDraft, dtype: torch.dtype) -> dict[str, torc
     """{checkpoint name: tensor}: the draft's own names (vLLM prepends "model."), + lm_head / d2t / t2d when the
     vocabulary is reduced."""
     tensors = {k: p.detach().to("cpu", dtype).contiguous() for k, p in draft.named_parameters()}
-    if getattr(draft, "reduced_vocab", False):
+    if optional(draft, "reduced_vocab"):
         lm_head = draft._shared("lm_head_weight")
         tensors["lm_head.weight"] = lm_head[draft.draft_to_target()].detach().to("cpu", dtype).contiguous()
         tensors["d2t"] = draft.d2t.detach().cpu().long().contiguous()
@@ -267,7 +268,7 @@ def import_dense(folder, draft: DSparkDenseDraft) -> DSparkDenseDraft:
     if present, is dropped. A reduced-vocab folder installs d2t / t2d and checks that its lm_head rows are
     the shared target LM head at those ids (the draft scores with the target's head)."""
     tensors = DenseAdapter().from_serving(dict(iter_tensors(Path(folder))), draft)
-    reduced = getattr(draft, "reduced_vocab", False)
+    reduced = optional(draft, "reduced_vocab")
     if reduced != ("d2t" in tensors):
         raise ValueError(f"import_dense({folder}): the folder {'has' if 'd2t' in tensors else 'has no'} d2t but the "
                          f"draft is {'reduced' if reduced else 'full'}-vocabulary (config draft_vocab_size)")
@@ -365,7 +366,7 @@ def _draft_config_json(folder: Path) -> dict | None:
 
 def _reduced_from_cli(draft: DSparkDenseDraft, args, tokenizer) -> DSparkDenseDraft:
     """`--draft-vocab-size N --vocab-counts FILE`: the draft reduced to the N most frequent tokens of FILE."""
-    if getattr(draft, "reduced_vocab", False):
+    if optional(draft, "reduced_vocab"):
         raise SystemExit(f"--draft-vocab-size: the run's draft was trained with draft_vocab_size="
                          f"{draft.d2t.numel()} and exports with that vocabulary as it is: drop --draft-vocab-size")
     v = draft.config.vocab_size

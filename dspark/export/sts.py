@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.errors import UserError
+from dspark.models.contract import optional
 
 STS_FILE = "dspark_sts.json"  # SGLang takes any path; this name sits in the export folder
 SGLANG_FLAG = "--speculative-dspark-confidence-sts-path"
@@ -198,10 +199,10 @@ def export_sts(run_dir: Path, out: Path, draft) -> tuple[Path | None, str | None
     """The export hook: for a draft with a confidence head, writes OUT/dspark_sts.json from the run's newest eval
     calibration (and lists it in OUT's manifest). -> (the file or None, the line to print; None for a draft without a
     confidence head)."""
-    if getattr(draft, "confidence_head", None) is None:
+    if optional(draft, "confidence_head") is None:
         return None, None
     cfg = draft.config
-    block_size = int(getattr(cfg, getattr(type(cfg), "DRAFTS_KEY", "block_size")))
+    block_size = int(getattr(cfg, type(cfg).DRAFTS_KEY))
     found = eval_calibration(Path(run_dir), block_size)
     if isinstance(found, str):
         return None, f"SGLang STS calibration ({SGLANG_FLAG}) not written: {found}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from dspark.data.vocab import build_vocab_mapping, count_tokens, count_tokens_jsonl  # noqa: F401  (the export CLI's)
+from dspark.models.contract import optional
 from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
 
 
@@ -13,7 +14,7 @@ def reduce_dense_vocab(draft: DSparkDenseDraft, d2t: torch.Tensor, t2d: torch.Te
     """A reduced-vocab copy of a full-vocab dense draft: same weights, markov_w2 rows at the kept ids,
     the given mapping; shares the target embedding / LM head. Its logits at kept ids equal the full
     draft's, -inf elsewhere."""
-    if getattr(draft, "reduced_vocab", False):
+    if optional(draft, "reduced_vocab"):
         raise ValueError("reduce_dense_vocab: the draft already has a reduced vocabulary")
     cfg = DSparkDenseConfig(**{**draft.config.__dict__, "draft_vocab_size": int(d2t.numel())})
     small = DSparkDenseDraft(cfg)

@@ -18,6 +18,9 @@ serving adapters. The family owns, in that one file,
     (dspark.training.modules.MODULES: "block" = DSpark / DFlash blocks, "mtp" = the MTP chain).
 Its serving adapters (checkpoint names, config.json, vLLM rules: dspark.export.adapter.ServingAdapter) are in the
 module its record names (`serving`, a dspark/export/ file), imported when an adapter is first asked for.
+What the config and the draft class must hold is the family contract (dspark.models.contract: Protocols, the optional
+members' defaults), checked when the family registers: a family lacking a member is refused at import time, in one
+line naming it. A test registers a family of its own for a while with `temporary_family(Family(...))`.
 
 The family modules are found by importing every module of this package once (no list to edit): adding a family
 is one new file here plus its configs (docs/design.md, "How to add a family").
@@ -27,13 +30,15 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dspark.errors import ConfigError
+from dspark.models.contract import FamilyContractError, check_family, optional
 
 NOT_CONFIG_KEYS = ("kind", "init_from_target", "init_from", "init_from_any_target", "arch")  # draft-group keys that are not config fields
 
@@ -66,17 +71,49 @@ _discovered = False
 
 
 def register(kind: str, *, config: type, objective: str, serving: str | None = None):
-    """Class decorator of a family's draft class: the family's record (Family)."""
+    """Class decorator of a family's draft class: the family's record (Family), checked against the family contract
+    (dspark.models.contract: FamilyContractError at import time, naming the family and what it lacks)."""
 
     def add(draft: type) -> type:
-        if kind in _FAMILIES and _FAMILIES[kind].draft is not draft:
-            raise ValueError(f"draft kind {kind!r} is registered twice ({_FAMILIES[kind].draft.__name__}, "
-                             f"{draft.__name__})")
-        _FAMILIES[kind] = Family(kind=kind, draft=draft, config=config, objective=objective, serving=serving)
-        draft.family_kind = kind
+        register_family(Family(kind=kind, draft=draft, config=config, objective=objective, serving=serving))
         return draft
 
     return add
+
+
+def register_family(record: Family) -> Family:
+    """Add a family's record (what `register` does; a family declared outside dspark/models/, e.g. in a test, is
+    added for a while by temporary_family). FamilyContractError when the record breaks the family contract,
+    ValueError when its kind is another draft's."""
+    check_family(record.kind, record.config, record.draft, record.serving)
+    known = _FAMILIES.get(record.kind)
+    if known is not None and known.draft is not record.draft:
+        raise ValueError(f"draft kind {record.kind!r} is registered twice ({known.draft.__name__}, "
+                         f"{record.draft.__name__})")
+    _FAMILIES[record.kind] = record
+    record.draft.family_kind = record.kind
+    return record
+
+
+@contextmanager
+def temporary_family(record: Family) -> Iterator[Family]:
+    """A family registered for the `with` block (a test's family): the shipped families found first, the record added
+    (register_family, contract checked), then removed on exit and its draft class's `family_kind` as it was. Its
+    serving adapters, if any, register for the same block with dspark.export.adapter.temporary_adapter (first)."""
+    _discover()
+    if record.kind in _FAMILIES:
+        raise ValueError(f"draft kind {record.kind!r} is registered already (by {_FAMILIES[record.kind].draft.__name__})")
+    own = vars(record.draft)
+    had_kind, kind_before = "family_kind" in own, own.get("family_kind")
+    register_family(record)
+    try:
+        yield record
+    finally:
+        _FAMILIES.pop(record.kind, None)
+        if had_kind:
+            record.draft.family_kind = kind_before
+        else:
+            del record.draft.family_kind
 
 
 def _discover() -> None:
@@ -184,7 +221,7 @@ def build_config(group: Mapping[str, Any], hf_config, tokenizer=None):
     ids = values.get("target_layer_ids")
     if ids is not None:
         n = int(hf_config.num_hidden_layers)
-        below_last = getattr(fam.config, "TAPS_BELOW_LAST", None)  # a family that cannot tap the last layer says why
+        below_last = optional(fam.config, "TAPS_BELOW_LAST")  # a family that cannot tap the last layer says why
         top = n - 2 if below_last else n - 1
         bad = [i for i in ids if not 0 <= i <= top]
         if not ids or bad:
@@ -223,7 +260,7 @@ def build_draft(group: Mapping[str, Any], target) -> torch.nn.Module:
             draft.init_from_target(target.model)
         except ValueError as e:
             raise ConfigError(f"draft.init_from_target: {e}") from e
-    if getattr(draft, "needs_pre_head", False):
+    if optional(draft, "needs_pre_head"):
         target.capture_pre_head = True  # the draft reads the last layer's raw output (TargetFeatures.pre_head)
     draft.share_target_weights(target.embed_weight, target.lm_head_weight)
     return draft
@@ -234,15 +271,16 @@ def check_init_from_target(group: Mapping[str, Any]) -> None:
     start from the target's layers."""
     group = _plain(group)
     fam = family(str(group.get("kind")))
-    if group.get("init_from_target", False) and not hasattr(fam.draft, "init_from_target"):
+    if group.get("init_from_target", False) and optional(fam.draft, "init_from_target") is None:
+        starts = sorted(k for k in kinds() if optional(family(k).draft, "init_from_target") is not None)
         raise ConfigError(f"draft.init_from_target: not implemented for {fam.kind} (families that have it: "
-                          f"{', '.join(sorted(k for k in kinds() if hasattr(family(k).draft, 'init_from_target')))})")
+                          f"{', '.join(starts)})")
 
 
 def init_reads_named(kind: str) -> bool:
     """Whether the family names the target modules its init_from_target reads (its draft's `init_reads`), so a target
     holding only those (and its head) can start the draft: dspark.data.feature_cache_build.target_loading."""
-    return callable(getattr(family(kind).draft, "init_reads", None))
+    return callable(optional(family(kind).draft, "init_reads"))
 
 
 def init_reads(group: Mapping[str, Any], target_model: torch.nn.Module, tokenizer) -> list[str]:
@@ -259,8 +297,9 @@ def init_reads(group: Mapping[str, Any], target_model: torch.nn.Module, tokenize
 
 
 def vllm_options(config) -> dict:
-    """A family's own speculative_config options (its config's `vllm_options()`, e.g. XPress's xpress_topc)."""
-    return dict(config.vllm_options()) if hasattr(config, "vllm_options") else {}
+    """A family's own speculative_config options (its config's `vllm_options()`, e.g. XPress's xpress_topc; none
+    when it has no such method)."""
+    return dict(optional(config, "vllm_options")())
 
 
 def config_from_group(group: Mapping[str, Any]):
@@ -283,5 +322,5 @@ def config_from_group(group: Mapping[str, Any]):
                          "needs its target (dspark.factory.build_draft)") from e
 
 
-__all__ = ["Family", "register", "families", "kinds", "family", "family_of", "config_values", "resolved_group",
+__all__ = ["Family", "FamilyContractError", "register", "register_family", "temporary_family", "families", "kinds", "family", "family_of", "config_values", "resolved_group",
            "build_config", "build_draft", "config_from_group", "tokenizer_mask_id"]

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from dspark.errors import ConfigError
 from dspark.models.block_draft import block_attention_mask, packed_block_attention_mask
+from dspark.models.contract import optional
 from dspark.targets.hf_target import FrozenTarget
 from dspark.training.blocks import Blocks, build_blocks
 from dspark.training.module import DraftLightningModule, OptimConfig, is_distributed
@@ -102,7 +103,7 @@ class BlockDraftModule(DraftLightningModule):
         lm_head = self.target.lm_head_weight
         dev = lm_head.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else lm_head.dtype
-        reduced = getattr(self.draft, "reduced_vocab", False)
+        reduced = optional(self.draft, "reduced_vocab")
         key = (lm_head.data_ptr(), lm_head.device, dtype, reduced and self.draft.d2t._version)
         if getattr(self, "_head_key", None) != key:
             full = lm_head.detach().to(dtype)

@@ -12,6 +12,7 @@ import logging
 import torch
 
 from dspark.data.vocab import build_vocab_mapping, count_tokens
+from dspark.models.contract import optional
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 def install_draft_vocab(draft: torch.nn.Module, train_rows, tokenizer=None) -> float | None:
     """Sets a reduced-vocab draft's d2t / t2d from `train_rows` (rows with input_ids + loss_mask); returns the
     share of the rows' loss tokens the kept ids cover (None, and nothing done, for a full-vocabulary draft)."""
-    if not getattr(draft, "reduced_vocab", False):
+    if not optional(draft, "reduced_vocab"):
         return None
     v, vd = int(draft.config.vocab_size), int(draft.d2t.numel())
     counts = count_tokens(train_rows, v)  # [V]

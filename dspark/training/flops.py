@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.models.contract import optional
+
 PARTS = ("lm_head_loss", "draft_layers", "context", "attention", "optimizer")
 
 # AdamW per parameter: weight decay (1), m = b1 m + (1 - b1) g (3), v = b2 v + (1 - b2) g^2 (4), bias corrections,
@@ -225,7 +227,7 @@ def step_shapes(module, batch: dict[str, torch.Tensor]) -> StepShapes:
     vd, vt = module.lm_head_vocab()
     pairs, recompute = attention_work(batch["anchors"], lb, s, cfg.sliding_window, int(cfg.num_attention_heads),
                                       packed=bool(getattr(module, "packed_attention_mask", True)))
-    conf_head = getattr(module.draft, "confidence_head", None) is not None
+    conf_head = optional(module.draft, "confidence_head") is not None
     return StepShapes(
         context_rows=b * s, block_rows=b * a * lb, pred_rows=b * a * g, loss_rows=loss_rows,
         attention_pairs=pairs, attention_own_pairs=b * a * lb * lb,

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dspark.models.contract import optional
 from dspark.targets.hf_target import FrozenTarget, TargetFeatures
 from dspark.training.schedule import CHECKPOINT_KEY as LR_SCHEDULE_KEY
 from dspark.training.schedule import LrSchedule, resumed_schedule
@@ -171,7 +172,7 @@ class DraftLightningModule(L.LightningModule):
         """The target's features of the batch: from the batch when the offline cache supplied them (aux [B, S, n*H],
         final [B, S, H], in the target's dtype), else the target's forward (with the last layer's raw output when
         the draft reads it, `draft.needs_pre_head`)."""
-        pre_head = bool(getattr(self.draft, "needs_pre_head", False))
+        pre_head = bool(optional(self.draft, "needs_pre_head"))
         if "final" in batch:
             if pre_head:
                 raise ValueError("data.feature_cache: the cache holds no pre-hc_head stream, which this draft reads; "

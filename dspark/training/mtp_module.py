@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dspark.errors import ConfigError
+from dspark.models.contract import optional
 from dspark.ops.lm_head import lm_head_logits
 from dspark.targets.hf_target import FrozenTarget
 from dspark.training.module import DraftLightningModule, OptimConfig, is_distributed
@@ -56,7 +57,7 @@ class MTPDraftModule(DraftLightningModule):
     def losses(self, batch, metrics: bool = True) -> dict[str, torch.Tensor]:
         ids, lm = batch["input_ids"], batch["loss_mask"] * batch["attention_mask"]  # [B, S]
         feats = self.features(batch)
-        if getattr(self.draft, "reduced_vocab", False):
+        if optional(self.draft, "reduced_vocab"):
             return self._reduced_vocab_losses(ids, lm, feats, metrics)
         steps = recursive_forward(self.draft, self.draft.context_hidden(feats), ids, lm, feats.final, self.num_steps)
         teacher = [self.target.logits_from_final(st.teacher_final) for st in steps]  # [N_k, V] each

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from conftest import REPO
 from dspark.errors import ConfigError
 from dspark.export.adapter import family_adapters
-from dspark.models import registry
+from dspark.models import contract, registry
 from dspark.training.modules import MODULES
 
 
@@ -30,11 +30,10 @@ def contract_problems(fam) -> list[str]:
         problems.append(f"group keys {sorted(set(fam.group_keys) - fields)} are not config fields")
     if set(fam.group_keys) & set(registry.NOT_CONFIG_KEYS):
         problems.append("a group key clashes with kind / init_from_target / arch")
-    if not hasattr(fam.config, "from_target_config") or not ("block_size" in fields or hasattr(fam.config, "block_size")):
-        problems.append("config lacks from_target_config / block_size")
+    problems += contract.contract_problems(fam.config, fam.draft, fam.serving)  # its members
     if fam.default_target is not None and fam.default_target not in schema.TARGET_KINDS:
         problems.append(f"DEFAULT_TARGET {fam.default_target!r} is not a target kind")
-    if not family_adapters(fam.kind) and not getattr(fam.config, "NOT_SERVED", None):
+    if not family_adapters(fam.kind) and not contract.optional(fam.config, "NOT_SERVED"):
         problems.append(f"no serving adapter in its record's serving module {fam.serving!r} (and no NOT_SERVED "
                         "reason)")
     return problems
@@ -55,12 +54,13 @@ from typing import ClassVar
 
 import torch.nn as nn
 
-from dspark.models.common import SharedTargetWeights
+from dspark.models.common import DraftConfig, SharedTargetWeights
+from dspark.models.mtp_common import ChainDraft
 from dspark.models.registry import register
 
 
 @dataclass(kw_only=True)
-class ToyConfig:
+class ToyConfig(DraftConfig):
     GROUP_KEYS: ClassVar[tuple] = ("num_layers", "num_steps")
     DRAFTS_KEY: ClassVar[str] = "num_steps"
     DEFAULT_TARGET: ClassVar = "tiny_v4"
@@ -75,13 +75,16 @@ class ToyConfig:
     def block_size(self):
         return self.num_steps
 
+    def validate(self):
+        return self
+
     @classmethod
     def from_target_config(cls, hf_config, **keys):
         return cls(hidden_size=hf_config.hidden_size, vocab_size=hf_config.vocab_size, **keys)
 
 
 @register("toy_mtp", config=ToyConfig, objective="mtp")
-class ToyDraft(SharedTargetWeights, nn.Module):
+class ToyDraft(ChainDraft, SharedTargetWeights, nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -199,9 +202,7 @@ def test_an_adapter_declared_in_a_test_file_gets_its_export_subcommand(capsys):
         def add_cli_args(cls, p) -> None:
             p.add_argument("--toy-knob", type=int, default=3, help="a toy option")
 
-    ad.adapters()  # the real ones first
-    ad.serving_adapter(ToyAdapter)
-    try:
+    with ad.temporary_adapter(ToyAdapter):  # after the real ones
         assert ad.cli_commands()["toy"] is ToyAdapter and ad.cli_kinds("toy") == {"toy_kind"}
         with _pytest.raises(SystemExit) as e:
             export_main(["toy", "--help"])
@@ -209,6 +210,4 @@ def test_an_adapter_declared_in_a_test_file_gets_its_export_subcommand(capsys):
         with _pytest.raises(SystemExit):
             export_main(["--help"])
         assert "export a toy draft" in capsys.readouterr().out
-    finally:
-        ad._ADAPTERS.remove(ToyAdapter)
     assert "toy" not in ad.cli_commands()
