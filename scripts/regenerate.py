@@ -129,7 +129,10 @@ def _generator(args, sampling: SamplingParams):
         from dspark.serving.vllm_generator import VLLMGenerator  # noqa: PLC0415
 
         try:
-            return VLLMGenerator(folder, sampling, python=args.vllm_python, dtype=_dtype_name(args, None)[0],
+            import torch  # noqa: PLC0415
+
+            device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            return VLLMGenerator(folder, sampling, python=args.vllm_python, dtype=_dtype_name(args, device)[0],
                                  tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
                                  log_path=Path(str(args.out) + ".vllm.log"))
         except VLLMUnavailable as exc:

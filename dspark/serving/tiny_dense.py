@@ -86,6 +86,8 @@ def train_dense_run(target: Path, data: Path, run_dir: Path, *, dspark: bool = F
         f"trainer.max_steps={steps}", "train.lr=3e-3", f"trainer.val_check_interval={steps}",
         f"callbacks.last_checkpoint.every_n_train_steps={steps}", "trainer.enable_progress_bar=false",
         "validate_at_start=false",
+        # the tiny target's whole vocabulary, float32, 16 anchors: not the SmolLM2 experiments' 10x-recipe settings
+        "draft.draft_vocab_size=null", "trainer.precision=32-true", "train.num_anchors=16",
         f"run_dir={run_dir}"]
     if dspark:
         overrides.append("draft.markov_rank=16")

@@ -209,7 +209,7 @@ def _train_cfg(tiny, run_dir, cache_dir, producer, python):
         f"draft.target_layer_ids=[{min(LAYERS)},{max(LAYERS)}]", "train.batch_size=4", "train.val_batch_size=8",
         "train.num_anchors=4", "trainer.max_steps=20", "trainer.val_check_interval=20", "trainer.log_every_n_steps=1",
         "callbacks.last_checkpoint.every_n_train_steps=20", "trainer.enable_progress_bar=false",
-        "validate_at_start=false", f"run_dir={run_dir}"]
+        "validate_at_start=false", "draft.draft_vocab_size=null", "trainer.precision=32-true", f"run_dir={run_dir}"]
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
 

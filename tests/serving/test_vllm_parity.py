@@ -216,7 +216,7 @@ def test_regeneration_through_vllm_equals_hf_and_resumes(served, tmp_path):
     out = tmp_path / "vllm.jsonl"
     cmd = [sys.executable, str(REPO / "scripts" / "regenerate.py"), "--source", str(prompts), "--strict",
            "--target", str(target), "--engine", "vllm", "--vllm-python", str(python), "--out", str(out),
-           "--batch-size", "3", "--max-new-tokens", "32", "--max-model-len", "512"]
+           "--batch-size", "3", "--max-new-tokens", "32", "--max-model-len", "512", "--dtype", "float32"]
     first = subprocess.run(cmd + ["--limit", "5"], capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "done=5 failed=0 skipped=0 total=5" in first.stdout
