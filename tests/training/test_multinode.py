@@ -33,7 +33,11 @@ def test_two_localhost_nodes_train_checkpoint_and_resume(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     from dspark.training.run import run_training
 
-    run_training(compose(common + [f"run_dir={one}", "train.batch_size=4", "trainer.max_steps=3"]))
+    # the reference takes the same path: 2 steps, then extended to 3 (an extension continues the lr decay from
+    # where the finished run stopped, README "resume"), unsharded, in one process
+    run_training(compose(common + [f"run_dir={one}", "train.batch_size=4", "trainer.max_steps=2"]))
+    run_training(compose(common + [f"run_dir={one}", "train.batch_size=4", "trainer.max_steps=3", "resume=last",
+                                   "resume_override=[trainer.max_steps]"]))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     nodes = common + [f"run_dir={two}", "train.batch_size=2", "trainer=ddp", "trainer.accelerator=cpu",
                       "trainer.devices=1", "trainer.num_nodes=2", "trainer.precision=32-true"]

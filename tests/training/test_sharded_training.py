@@ -91,7 +91,11 @@ def test_fsdp2_two_processes_match_one_process_and_resume_from_a_sharded_checkpo
     one, two = tmp_path / "one", tmp_path / "two"
     from dspark.training.run import run_training
 
-    run_training(compose(common + [f"run_dir={one}", "train.batch_size=4", "trainer.max_steps=3"]))
+    # the reference takes the same path: 2 steps, then extended to 3 (an extension continues the lr decay from
+    # where the finished run stopped, README "resume"), unsharded, in one process
+    run_training(compose(common + [f"run_dir={one}", "train.batch_size=4", "trainer.max_steps=2"]))
+    run_training(compose(common + [f"run_dir={one}", "train.batch_size=4", "trainer.max_steps=3", "resume=last",
+                                   "resume_override=[trainer.max_steps]"]))
     sharded = common + [f"run_dir={two}", "train.batch_size=2", "trainer=fsdp2", "trainer.accelerator=cpu",
                         "trainer.devices=2", "trainer.precision=32-true", "trainer.enable_progress_bar=false"]
     _train_py(sharded + ["trainer.max_steps=2"])
