@@ -131,3 +131,16 @@ def test_a_damaged_shard_is_refused_on_unpack(tmp_path):
     (packs / "big.part0001.jsonl.gz").write_bytes(gzip.compress(b'{"id": "x"}\n'))
     with pytest.raises(ValueError, match="sha256 differs"):
         packer.unpack("big", packs, tmp_path / "fresh")
+
+
+def test_the_shipped_sets_verify_and_the_30k_shards_unpack_to_unique_regenerated_conversations(tmp_path):
+    lines = packer.check()  # every packed file of benchmarks/data against its manifest digests
+    shards = packer.shard_names(packer.load_manifest(packer.PACK_DIR), "smollm2_30k_sharegpt")
+    assert shards and all(lines[s] > 0 for s in shards)
+    [dest] = [p for p in packer.unpack("smollm2_30k_sharegpt", data_dir=tmp_path) if p.name.endswith("sharegpt.jsonl")]
+    rows = [json.loads(x) for x in dest.read_text(encoding="utf-8").split("\n") if x.strip()]
+    assert len(rows) == sum(lines[s] for s in shards) == len({r["id"] for r in rows})
+    for r in rows[:50]:
+        roles = [m["role"] for m in r["messages"]]
+        assert roles[-1] == "assistant" and roles.count("assistant") == len(r["meta"]["finish_reasons"])
+        assert r["meta"]["generator"].startswith("native:") and r["meta"]["sampling"]["temperature"] == 0.7
