@@ -158,15 +158,19 @@ def test_greedy_sampling_is_the_argmax():
     assert nucleus_sample(logits, 0.0, 1.0, torch.zeros(2)).tolist() == [1, 0]
 
 
+# head size 32: the generic loop; 64 and 128: the vector paths (AVX-512 float32 / AVX512-BF16 dot products where the
+# CPU has them). bf16: inputs rounded to bf16 (and, on the dot-product path, probabilities too), float32 sums.
+@pytest.mark.parametrize("hd", [32, 64, 128])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_decode_attention_kernel_equals_its_reference(dtype, atol):
+def test_decode_attention_kernel_equals_its_reference(dtype, atol, hd):
     torch.manual_seed(0)
-    n, kvh, g, hd, max_len = 5, 2, 3, 32, 40
+    n, kvh, g, max_len = 7, 2, 3, 41
     q = torch.randn(n, kvh, g, hd).to(dtype)
     k = torch.randn(n, kvh, max_len, hd).to(dtype)
     v = torch.randn(n, kvh, max_len, hd).to(dtype)
-    pos = torch.tensor([0, 7, 39, 12, 3])
-    rows = torch.tensor([4, 0, 2, 1, 3])  # query row b reads cache row rows[b]
+    # lengths 1, 8, 40, 13, 4, 16, 41: one and several blocks of 16 positions, odd and even, a row's whole cache
+    pos = torch.tensor([0, 7, 39, 12, 3, 15, 40])
+    rows = torch.tensor([4, 0, 2, 1, 3, 5, 6])  # query row b reads cache row rows[b]; the last one ends the cache
     got = decode_attention(q, k, v, pos, rows, 0.3)
     want = decode_attention_reference(q.float(), k.float(), v.float(), pos, rows, 0.3)
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
