@@ -12,13 +12,9 @@ memory-bound anyway. :func:`decode_attention` is one pass over each row's keys a
 
 from __future__ import annotations
 
-import logging
-import os
-from pathlib import Path
-
 import torch
 
-logger = logging.getLogger(__name__)
+from dspark.ops.cpu_kernels import load_cpu_kernel
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -341,29 +337,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor 
 }
 """
 
-_kernel = None
-_unavailable: str | None = None
-
-
 def _load():
-    """The compiled kernel module, or None (the reason in ``_unavailable``)."""
-    global _kernel, _unavailable
-    if _kernel is not None or _unavailable is not None:
-        return _kernel
-    try:
-        from torch.utils.cpp_extension import load_inline  # noqa: PLC0415
-
-        root = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark")).expanduser()
-        build = root / "torch_extensions" / "decode_attention"
-        build.mkdir(parents=True, exist_ok=True)
-        _kernel = load_inline("dspark_decode_attention_v6", cpp_sources=_SOURCE, functions=["decode_attention"],
-                              extra_cflags=["-O3", "-march=native", "-ffast-math"], build_directory=str(build),
-                              verbose=False)
-    except Exception as exc:  # noqa: BLE001 (no compiler, no headers: the reference still works)
-        _unavailable = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        logger.warning("decode attention: the C++ kernel could not be built (%s); using torch ops (slower)",
-                       _unavailable)
-    return _kernel
+    """The compiled kernel module, or None (no compiler: the reference runs)."""
+    return load_cpu_kernel("dspark_decode_attention_v6", _SOURCE, ["decode_attention"], "torch ops (slower)")
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
@@ -382,9 +358,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      rows: torch.Tensor, scale: float) -> torch.Tensor:
     """Each row's attention over its own cache prefix (shapes as :func:`decode_attention_reference`)."""
     if (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32) and k_cache.dtype == q.dtype
-            and _load() is not None):
+            and (kernel := _load()) is not None):
         with torch.profiler.record_function("dspark::decode_attention"):
-            return _kernel.decode_attention(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
+            return kernel.decode_attention(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
                                             pos.to(torch.int64).contiguous(), rows.to(torch.int64).contiguous(),
                                             float(scale))
     return decode_attention_reference(q, k_cache, v_cache, pos, rows, scale)

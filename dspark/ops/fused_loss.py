@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.ops import backend as _backend
+from dspark.ops import loss_rows_cpu
 from dspark.ops.lm_loss_io import LMLossParts, check_inputs
 
 DEFAULT_CHUNK_ROWS = 256  # rows per chunk: big enough that the LM-head GEMMs stay efficient on CPU
@@ -110,6 +111,8 @@ def _teacher_probs(s, y, w_t, tw_t, cols, low, t_arg) -> torch.Tensor | None:
 
 def _lm_loss_chunks(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows, need_grads, teacher_w=None,
                     teacher_cols=None) -> LMLossParts:
+    if loss_rows_cpu.usable(x, w, teacher_w):
+        return _lm_loss_chunks_cpu(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows, need_grads)
     n, v = x.shape[0], w.shape[0]
     dev = x.device
     acc = _acc(w)
@@ -182,6 +185,47 @@ def _lm_loss_chunks(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows, n
                 gw2.add_(torch.mm(dl.t(), e.to(low_dtype)))
     if teacher_cols is not None:
         d_arg = teacher_cols[d_arg]  # draft ids -> teacher ids, comparable with teacher_argmax
+    return LMLossParts(ce, l1, d_arg, t_arg, gx, ge, gw2)
+
+
+def _lm_loss_chunks_cpu(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_rows, need_grads) -> LMLossParts:
+    """The chunk loop with each chunk's row work in one C++ pass per row (dspark.ops.loss_rows_cpu): the GEMMs
+    write [chunk, V] buffers in the head's dtype (as the torch loop's), the kernel turns the draft's buffer into
+    the gradient of its logits in place, and the gradient GEMMs read it as it is."""
+    n, v = x.shape[0], w.shape[0]
+    k = loss_rows_cpu.kernel()
+    f32 = torch.float32
+    ce, l1 = torch.empty(n, dtype=f32), torch.empty(n, dtype=f32)
+    d_arg, t_arg = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.long)
+    markov, teacher = latent is not None, y is not None
+    gx = torch.empty(n, x.shape[1], dtype=f32) if need_grads else None
+    ge = torch.empty(n, latent.shape[1], dtype=f32) if (need_grads and markov) else None
+    gw2 = torch.zeros(w2.shape, dtype=f32) if (need_grads and markov) else None
+    a_all, b_all = coef_ce.to(f32).contiguous(), coef_l1.to(f32).contiguous()
+    lab_all = labels.long().contiguous()
+    rows = min(n, chunk_rows)
+    D = torch.empty(rows, v, dtype=w.dtype)  # draft logits -> their gradient
+    M = torch.empty(rows, v, dtype=w.dtype) if markov else None  # the Markov term of the draft logits
+    T = torch.empty(rows, v, dtype=w.dtype) if teacher else None  # teacher logits
+    w_t = w.t()
+    w2_low = w2.to(w.dtype) if markov else None
+    for lo in range(0, n, chunk_rows):
+        hi = min(n, lo + chunk_rows)
+        m = hi - lo
+        e = latent[lo:hi].to(w.dtype) if markov else None
+        torch.mm(x[lo:hi].to(w.dtype), w_t, out=D[:m])
+        if markov:
+            torch.mm(e, w2_low.t(), out=M[:m])
+        if teacher:
+            torch.mm(y[lo:hi].to(w.dtype), w_t, out=T[:m])
+        k.loss_rows(D[:m], M[:m] if markov else None, T[:m] if teacher else None, lab_all[lo:hi], a_all[lo:hi],
+                    b_all[lo:hi], ce[lo:hi], l1[lo:hi], d_arg[lo:hi], t_arg[lo:hi], need_grads)
+        if need_grads:
+            dd = D[:m]
+            gx[lo:hi] = torch.mm(dd, w)
+            if markov:
+                ge[lo:hi] = torch.mm(dd, w2_low)
+                gw2.add_(torch.mm(dd.t(), e))
     return LMLossParts(ce, l1, d_arg, t_arg, gx, ge, gw2)
 
 

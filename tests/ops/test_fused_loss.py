@@ -228,3 +228,57 @@ def test_ops_backend_config_key_is_validated():
         backend.set_ops_backend("triton")
     assert compose([]).ops_backend == "auto" and compose([]).train.fused_loss is True
     assert backend.resolve(torch.zeros(1), "auto") == "torch"  # CPU tensors never go to the kernels
+
+
+def _torch_loop(monkeypatch):
+    """Make the chunk loop run its torch ops (the path of a machine without a C++ compiler)."""
+    from dspark.ops import loss_rows_cpu
+
+    monkeypatch.setattr(loss_rows_cpu, "kernel", lambda: None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("markov,teacher", [(True, True), (False, True), (True, False)])
+def test_cpu_row_kernel_equals_the_torch_chunk_loop(monkeypatch, dtype, markov, teacher):
+    """The C++ row pass (dspark.ops.loss_rows_cpu) against the torch loop it replaces, on a vocabulary of a few
+    thousand ids, three chunks with a short last one, a bf16 or float32 head. Both round the GEMM outputs and the
+    logit gradient to the head's dtype at the same points; what differs is the order of float32 sums, so the
+    values agree to float32 precision and the gradients to the head dtype's rounding of a few elements."""
+    from dspark.ops import loss_rows_cpu
+
+    if loss_rows_cpu.kernel() is None:
+        pytest.skip("no C++ compiler here: only the torch loop runs")
+    g = torch.Generator().manual_seed(3)
+    n, h, v, r = 37, 24, 3001, 8
+    x, y = torch.randn(n, h, generator=g), torch.randn(n, h, generator=g)
+    w = (torch.randn(v, h, generator=g) * 0.3).to(dtype)
+    e = torch.randn(n, r, generator=g) if markov else None
+    w2 = torch.randn(v, r, generator=g) * 0.1 if markov else None
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[0] = v - 1  # the last id
+    a, b = torch.rand(n, generator=g), torch.rand(n, generator=g)
+    a[5] = b[5] = 0.0
+    yy = y if teacher else None
+    got = lm_loss_reference(x, yy, w, e, w2, labels, a, b, chunk_rows=16)
+    _torch_loop(monkeypatch)
+    want = lm_loss_reference(x, yy, w, e, w2, labels, a, b, chunk_rows=16)
+    torch.testing.assert_close(got.ce, want.ce, atol=1e-5, rtol=1e-5)
+    if teacher:
+        torch.testing.assert_close(got.l1, want.l1, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got.teacher_argmax, want.teacher_argmax)
+    else:
+        assert got.l1.isnan().all() and (got.teacher_argmax == -1).all()
+    assert torch.equal(got.draft_argmax, want.draft_argmax)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-2)
+    torch.testing.assert_close(got.grad_x, want.grad_x, **tol)
+    assert got.grad_x[5].abs().sum() == 0 and got.grad_x.abs().sum() > 0
+    if markov:
+        torch.testing.assert_close(got.grad_latent, want.grad_latent, **tol)
+        torch.testing.assert_close(got.grad_w2, want.grad_w2, **tol)
+
+
+def test_the_torch_chunk_loop_still_matches_naive(monkeypatch):
+    """Where the C++ kernel cannot be built the torch loop runs: it stays checked against the materialised loss."""
+    _torch_loop(monkeypatch)
+    test_chunked_matches_naive_values_and_gradients(True, 4)
+    test_no_grad_path_and_bad_inputs()
