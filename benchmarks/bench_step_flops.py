@@ -159,11 +159,13 @@ def measure(experiment: str, overrides: list[str], *, steps: int, warmup: int, p
     from torch.profiler import ProfilerActivity, profile
 
     from dspark.training import flops
+    from dspark.training.trainer import resolve_precision
 
     cfg = compose_config(experiment, overrides)
     module, opt, sched, datamodule = build(cfg, overrides)
     device = _device(cfg)
-    precision = str(cfg.trainer.precision)
+    precision, _ = resolve_precision(cfg.trainer.precision, device)  # 'auto': what train.py picks here
+    precision = str(precision)
     step = make_step(module, opt, sched, cfg.trainer.gradient_clip_val, autocast_for(precision, device), device)
     cached = "final" in next(iter(datamodule.train_dataloader()))
     data = batches(module, datamodule, warmup + steps + (1 if profile_top else 0), device)
@@ -241,6 +243,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, OMP_NUM_THREADS)")
     p.add_argument("--peak-budget-s", type=float, default=1.0, help="time the GEMM peak measurement may take")
     p.add_argument("--profile-top", type=int, default=12, help="non-GEMM ops listed (0: no profiled step)")
+    p.add_argument("--loss-paths", nargs="+", default=["kernel"], choices=["kernel", "torch"],
+                   help="the fused loss's CPU row work: the C++ row pass (dspark.ops.loss_rows_cpu, the default) "
+                        "and / or the torch chunk loop it replaced, each measured in this run")
     p.add_argument("overrides", nargs="*", help="train.py overrides (key=value), applied to every experiment")
     a = p.parse_args(argv)
     if a.steps < 1 or a.warmup < 0:
@@ -250,11 +255,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if a.threads:
         torch.set_num_threads(a.threads)
     results = []
+    from dspark.ops import loss_rows_cpu
+
+    built = loss_rows_cpu.kernel
     for experiment in a.experiments:
-        r = measure(experiment, a.overrides, steps=a.steps, warmup=a.warmup, peak_budget_s=a.peak_budget_s,
-                    profile_top=a.profile_top)
-        print_report(r)
-        results.append(r)
+        for path in a.loss_paths:
+            loss_rows_cpu.kernel = built if path == "kernel" else (lambda: None)
+            try:
+                r = measure(experiment, a.overrides, steps=a.steps, warmup=a.warmup, peak_budget_s=a.peak_budget_s,
+                            profile_top=a.profile_top)
+            finally:
+                loss_rows_cpu.kernel = built
+            r["loss_path"] = path
+            print(f"-- fused loss row work: {path}")
+            print_report(r)
+            results.append(r)
     return results
 
 

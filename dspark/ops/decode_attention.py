@@ -5,9 +5,13 @@ product, far too small for a BLAS call each (torch's batched matmul over them ra
 memory-bound anyway. :func:`decode_attention` is one pass over each row's keys and values at its own length:
 
 * ``decode_attention_reference``: torch ops over the longest row with a mask (any device, any dtype);
-* the CPU kernel: a small C++ loop compiled on first use with torch's cpp_extension (``g++``, cached under
-  ``$DSPARK_CACHE/torch_extensions``): float32 accumulation, bf16 / fp32 caches, each row read up to its own length.
-  Where it cannot be built (no compiler) the reference runs and a warning says so once.
+* the CPU kernel: C++ compiled on first use (dspark.ops.cpu_kernels: ``g++``, cached under
+  ``$DSPARK_CACHE/torch_extensions``), each row read up to its own length, float32 sums, in the best path this CPU
+  has: with AVX512-BF16 and bf16 caches, q.k and p.v as bf16 dot products (``vdpbf16ps``: keys and values never
+  widened; the probabilities rounded to bf16 for p.v, as transformers' eager attention casts them), 1.8x the
+  float32-widening loop at 600-token rows; with AVX-512, keys / values widened per block of 16 positions and shared
+  by the group's query heads; otherwise a plain loop the compiler vectorises. Head sizes 64 and 128 take the vector
+  paths. Where it cannot be built (no compiler) the reference runs and a warning says so once.
 """
 
 from __future__ import annotations
