@@ -9,7 +9,8 @@ Every engine answers the same first `--limit` ShareGPT first user turns (English
 same sampling (T, top-p, seed) through `regenerate()` (the same bookkeeping), each into its own fresh file:
 `hf` = transformers' generate in float32, batches of --hf-batch-size (the README's command before the native
 engine), `hf-bf16` the same in bfloat16, `native` = scripts/regenerate.py's default (dspark.data.fast_decode,
-dtype from the CPU, --native-rows rows), `vllm` = vLLM's offline engine (its own venv). Start-up (model load, the
+dtype from the CPU, --native-rows rows), `vllm` / `vllm-bf16` = vLLM's offline engine (its own venv) in
+float32 / bfloat16. Start-up (model load, the
 kernel build) is timed apart from generation. The decode limit: one pass of the model's GEMMs at
 [--native-rows, H] (every layer's fused QKV, O, gate/up and down, and the LM head) in the native engine's dtype,
 timed in-process: rows / that time is the tokens/s no decoder of this model can beat on this core at that batch;
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for both engines (default: torch's)")
     ap.add_argument("--native-rows", type=int, default=128)
     ap.add_argument("--profile-steps", type=int, default=5)
-    ap.add_argument("--engines", nargs="+", default=["hf", "native"], choices=["hf", "hf-bf16", "native", "vllm"])
+    ap.add_argument("--engines", nargs="+", default=["hf", "native"], choices=["hf", "hf-bf16", "native", "vllm", "vllm-bf16"])
     ap.add_argument("--out", type=Path, default=Path("regen_bench"))
     args = ap.parse_args(argv)
     import torch
@@ -169,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from dspark.serving.vllm_generator import VLLMGenerator
 
-            gen = VLLMGenerator(folder, python=None, log_path=args.out / f"vllm.{stamp}.log",
-                                max_model_len=2048 + args.max_new_tokens, threads=args.threads)
+            gen = VLLMGenerator(folder, python=None, log_path=args.out / f"{engine}.{stamp}.log",
+                                max_model_len=2048 + args.max_new_tokens, threads=args.threads,
+                                dtype="bfloat16" if engine == "vllm-bf16" else "float32")
             batch = args.vllm_batch_size
         start_s = time.perf_counter() - t0
         t1 = time.perf_counter()
