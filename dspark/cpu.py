@@ -11,6 +11,8 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
@@ -46,3 +48,15 @@ def fast_cpu_dtype(flags: frozenset[str] | None = None) -> DtypeChoice:
         return DtypeChoice("bfloat16", f"this CPU has {' and '.join(have)} (bf16 GEMMs in hardware)")
     return DtypeChoice("float32", "this CPU has neither amx_bf16 nor avx512_bf16 (bf16 would be emulated, "
                                   "~28x slower than float32)")
+
+
+def resolve_target_dtype(dtype: str) -> tuple[str, str]:
+    """``(dtype, why)`` of the frozen target's weights: ``auto`` -> bfloat16 on a GPU, else this CPU's
+    :func:`fast_cpu_dtype`; any other value as given. (The target forward is most of a feature-cache build and of
+    eval.py's step: bf16 halves it on a CPU with bf16 hardware.)"""
+    if dtype != "auto":
+        return dtype, "target.dtype"
+    if torch.cuda.is_available():
+        return "bfloat16", "a GPU"
+    choice = fast_cpu_dtype()
+    return choice.dtype, choice.reason

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import logging
 import math
 import types
 import typing
@@ -31,6 +32,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from dspark.cpu import resolve_target_dtype
 from dspark.errors import ConfigError
 from dspark.targets.source import TARGET_KINDS  # the kinds live with their folders
 
@@ -165,7 +167,13 @@ FEATURE_PRODUCERS = ("hf", "vllm")
 class TargetKeys:
     kind: Literal[TARGET_KINDS] = field(metadata=doc(" | ".join(TARGET_KINDS)))
     path: Optional[str] = field(metadata=doc("local HF folder or Hub id (kind hf); null: the kind's own"))
-    dtype: Literal["float32", "bfloat16", "float16"] = field(metadata=doc("weights dtype of the frozen target"))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(metadata=doc(
+        "weights dtype of the frozen target; auto: bfloat16 on a GPU or a CPU with AMX / AVX512-BF16, else float32"))
+
+    def __post_init__(self):
+        if self.dtype == "auto":  # resolved once, here: everything downstream (and the run's record) sees the dtype
+            self.dtype, why = resolve_target_dtype("auto")
+            logging.getLogger("dspark").info("target.dtype auto -> %s (%s)", self.dtype, why)
 
 
 @dataclass

@@ -72,7 +72,7 @@ def test_the_run_target_comes_from_its_records(tmp_path):
     hy = _record(tmp_path / "hy", "tiny_hy_v4", None)
     assert ev.recorded_target(hy) == {"kind": "tiny_hy_v4", "path": None, "dtype": "float32"}
     hub = _record(tmp_path / "hub", "hf", "Org/model")  # a Hub-id run: configs/target/hf.yaml's other keys
-    assert ev.recorded_target(hub) == {"kind": "hf", "path": "Org/model", "dtype": "bfloat16"}
+    assert ev.recorded_target(hub) == {"kind": "hf", "path": "Org/model", "dtype": "auto"}  # resolved where typed
     full = _record(tmp_path / "full", "hf", "/models/m", {"kind": "hf", "path": "/models/m", "dtype": "float16"})
     assert ev.recorded_target(full)["dtype"] == "float16"  # the run's own config, when it agrees with target.json
     cfg = ev.with_run_target(eval_config(_eval_cfg(f"run_dir={hy}")), hy)

@@ -39,3 +39,21 @@ def test_cpu_flags_reads_proc_cpuinfo():
     assert isinstance(flags, frozenset)
     # whatever this machine is, the choice is consistent with what it reports
     assert (cpu.fast_cpu_dtype().dtype == "bfloat16") == bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
+@pytest.mark.parametrize("flags,want", [(ZEN4, "bfloat16"), (AVX2, "float32")])
+def test_target_dtype_auto_is_resolved_once_where_the_config_is_typed(monkeypatch, flags, want):
+    """target.dtype=auto (configs/target/smollm2.yaml, hf.yaml): the typed run config holds the CPU's dtype, so the
+    feature cache's identity, the target loader and the run's record all see one concrete dtype."""
+    from conftest import compose
+
+    from dspark.schema import TargetKeys, run_config
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu.torch.cuda, "is_available", lambda: False)
+    assert TargetKeys(kind="smollm2", path=None, dtype="auto").dtype == want
+    assert TargetKeys(kind="smollm2", path=None, dtype="float32").dtype == "float32"  # explicit values kept
+    run = run_config(compose(["experiment=dspark_smollm2"]))
+    assert run.target.dtype == want
+    monkeypatch.setattr(cpu.torch.cuda, "is_available", lambda: True)
+    assert TargetKeys(kind="hf", path="x", dtype="auto").dtype == "bfloat16"
