@@ -8,9 +8,9 @@ their types and ranges, and refuses anything else with one line naming the key a
 What owns which key:
   * the run's own keys (`RunKeys`), `train` (`TrainKeys`: optimisation, shared by every objective), `data`
     (`DataKeys`), `target` (`TargetKeys`), eval.py's keys (`EvalKeys`) and serve_check's (`ServeCheckKeys`): here;
-  * the objective's `train.*` keys: the objective's LightningModule (`KEYS`, a dataclass, e.g.
-    dspark.training.block_module.BlockKeys); the train group's schema is TrainKeys + every objective's KEYS, and the
-    active objective's values are checked by its `check_keys`;
+  * the objective's `train.*` keys: dspark.objective_keys (a dataclass per objective, e.g. BlockKeys, which its
+    LightningModule is built from); the train group's schema is TrainKeys + every objective's keys, and the
+    active objective's values are checked by its `check`;
   * `draft.*`: the draft family (dspark.models.registry): `kind`, `init_from_target`, `arch` + its Config's
     GROUP_KEYS at the top level, every other Config field under `arch`;
   * `trainer.*`: lightning.pytorch.Trainer's own arguments (its signature); `callbacks.*` / `logger.*`: free names of
@@ -34,6 +34,7 @@ from typing import Any, Literal, Optional, Union
 
 from dspark.cpu import resolve_target_dtype
 from dspark.errors import ConfigError
+from dspark.objective_keys import OBJECTIVE_KEYS
 from dspark.targets.source import TARGET_KINDS  # the kinds live with their folders
 
 
@@ -348,16 +349,13 @@ def check_draft_keys(draft: Mapping[str, Any]) -> None:
 
 
 def objective_keys(objective: str) -> type:
-    from dspark.training.modules import MODULES
-
-    return MODULES[objective].KEYS
+    return OBJECTIVE_KEYS[objective]
 
 
 def check_run_keys(cfg, overrides: Iterable[str] = ()) -> dict:
     """Every key of a train.py config: known, typed and in range; returns the resolved plain config. `overrides`:
     the command line's (Hydra's task overrides): setting a key only another objective reads is refused."""
     from dspark.models import registry
-    from dspark.training.modules import MODULES
 
     values = plain(cfg)
     top = set(keys_of(RunKeys)) | set(RUN_GROUPS)
@@ -376,17 +374,17 @@ def check_run_keys(cfg, overrides: Iterable[str] = ()) -> dict:
         _check_target_nodes(group, values.get(group))
     objective = registry.family(str(values["draft"]["kind"])).objective
     train = values.get("train") or {}
-    mine = set(keys_of(MODULES[objective].KEYS))
-    others = {k for name, m in MODULES.items() if name != objective for k in keys_of(m.KEYS)} - mine
+    mine = set(keys_of(OBJECTIVE_KEYS[objective]))
+    others = {k for name, keys in OBJECTIVE_KEYS.items() if name != objective for k in keys_of(keys)} - mine
     # shared keys + anything unknown (refused with the nearest name); another objective's keys keep their defaults
     check_section(TrainKeys, {k: v for k, v in train.items() if k not in mine | others}, "train", extra=mine | others)
-    check_section(MODULES[objective].KEYS, {k: v for k, v in train.items() if k in mine}, "train")
+    check_section(OBJECTIVE_KEYS[objective], {k: v for k, v in train.items() if k in mine}, "train")
     for o in overrides:
         key = o.lstrip("+~").split("=", 1)[0]
         if key.startswith("train.") and key.split(".")[1] in others:
             raise ConfigError(f"{key}: only another objective reads it; draft.kind={values['draft']['kind']} trains "
                               f"the {objective!r} objective (its keys: {', '.join(sorted(mine))})")
-    MODULES[objective].check_keys(train)
+    OBJECTIVE_KEYS[objective].check(train)
     return values
 
 
@@ -417,7 +415,7 @@ class RunConfig(RunKeys):
     its own section by attribute: `target` (TargetKeys), `data` (DataKeys), `train` (TrainKeys, the keys every
     objective shares). Typed by their owners: `draft` (the family's group: its Config types it,
     registry.build_config), `objective` (the train.* keys the objectives own: the draft's objective types its own,
-    Module.KEYS), `trainer` (lightning's Trainer arguments), `callbacks` / `logger` ({_target_: ...} nodes)."""
+    dspark.objective_keys), `trainer` (lightning's Trainer arguments), `callbacks` / `logger` ({_target_: ...} nodes)."""
 
     target: TargetKeys
     data: DataKeys

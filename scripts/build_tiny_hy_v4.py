@@ -10,7 +10,7 @@ Steps (all offline, CPU, fixed seeds):
   2. build transformers.HYV4ForCausalLM from a tiny HYV4Config (iHC on with hc_mult 4, MLA with
      DSA indexer, output gate, learnable sinks, 1 dense + 3 MoE layers) with a fixed seed;
   3. train it as a causal LM on ShareGPT conversations rendered with the chat template, with the
-     same windows / schedule / loop as the DeepSeek-V4 builder (dspark.targets.tiny_train);
+     same windows / schedule / loop as the DeepSeek-V4 builder (scripts/tiny_train.py);
   4. measure held-out loss / entropy / max-probability and save model + tokenizer + README.md +
      build_info.json.
 
@@ -26,7 +26,7 @@ from _tiny_build_env import REPO  # first: sets up the environment torch starts 
 
 from transformers import HYV4Config, HYV4ForCausalLM
 
-from dspark.targets import tiny_train
+import tiny_train  # scripts/tiny_train.py: the builders' shared steps
 
 DEFAULT_OUT = REPO / "dspark" / "assets" / "tiny_hy_v4"
 TOKENIZER_DIR = REPO / "dspark" / "assets" / "tiny_v4"

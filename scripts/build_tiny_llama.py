@@ -10,7 +10,7 @@ Steps (all offline, CPU, fixed seeds):
   2. build transformers.LlamaForCausalLM: 4 layers, hidden 64, 2 query heads / 1 KV head of
      head_dim 32 (vLLM's CPU attention needs >= 32), untied head, with a fixed seed;
   3. train it as a causal LM on ShareGPT conversations rendered with the chat template, with the
-     same windows / schedule / loop as the other tiny builders (dspark.targets.tiny_train);
+     same windows / schedule / loop as the other tiny builders (scripts/tiny_train.py);
   4. measure held-out loss / entropy / max-probability and save model + tokenizer + README.md +
      build_info.json.
 
@@ -26,7 +26,7 @@ from _tiny_build_env import REPO  # first: sets up the environment torch starts 
 
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dspark.targets import tiny_train
+import tiny_train  # scripts/tiny_train.py: the builders' shared steps
 
 DEFAULT_OUT = REPO / "dspark" / "assets" / "tiny_llama"
 TOKENIZER_DIR = REPO / "dspark" / "assets" / "tiny_v4"

@@ -28,7 +28,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, PreTrainedTokenizerFast
 
-from dspark.targets.tiny_train import (
+from tiny_train import (  # scripts/tiny_train.py: the builders' shared steps
     IM_END,
     add_build_args,
     build_and_save,

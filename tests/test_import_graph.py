@@ -102,3 +102,58 @@ def test_no_import_circles():
 def test_the_circle_check_finds_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+# ---- every floor (docs/design.md, "The layers"): a module imports only its own floor and those below ---------------
+FLOORS = (  # lowest first; a module belongs to the floor of its longest matching prefix
+    ("ground", ("dspark.ops", "dspark.io", "dspark.integrity", "dspark.errors", "dspark.console", "dspark.cpu",
+                "dspark.plotting")),
+    ("families", ("dspark.models",)),
+    ("targets", ("dspark.targets",)),
+    ("data, config", ("dspark.data", "dspark.schema", "dspark.objective_keys")),
+    ("shared pieces", ("dspark.factory", "dspark.preflight", "dspark.cli")),
+    ("the work", ("dspark.training", "dspark.evaluation", "dspark.export")),
+    ("a run", ("dspark.training.run", "dspark.training.build", "dspark.evaluation.run_eval",
+               "dspark.export.__main__")),
+    ("serving", ("dspark.serving", "dspark.pretrained", "dspark.warm_start")),
+    ("entry points", ("dspark.serve_check", "dspark.produce_features")),
+)
+# The imports that still run up a floor, each one side of a two-way dependency (issue 49, item 3). The list only
+# shrinks: a new upward import fails below, and so does an entry here that no longer exists.
+KNOWN_UPWARD = {
+    ("dspark.data.vllm_features", "dspark.serving.engine"),  # the vLLM feature producer is a vLLM client
+    ("dspark.data.vllm_features", "dspark.serving.vllm_target_view"),
+    ("dspark.training.run", "dspark.warm_start"),  # a run's draft.init_from reads a trained draft (pretrained)
+}
+
+
+def floor_of(module: str) -> int | None:
+    best = None  # (floor, prefix length)
+    for i, (_, prefixes) in enumerate(FLOORS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    return None if best is None else best[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {(a, b) for a, deps in graph.items() for b in deps
+            if floor_of(a) is not None and floor_of(b) is not None and floor_of(b) > floor_of(a)}
+
+
+def test_every_module_has_a_floor():
+    assert sorted(m for m in module_graph() if m != "dspark" and floor_of(m) is None) == []
+
+
+def test_no_import_runs_up_a_floor():
+    up = upward_imports(module_graph())
+    new = sorted(up - KNOWN_UPWARD)
+    assert not new, "imports that run up a floor (docs/design.md, 'The layers'): " + ", ".join(
+        f"{a} ({FLOORS[floor_of(a)][0]}) -> {b} ({FLOORS[floor_of(b)][0]})" for a, b in new)
+    assert sorted(KNOWN_UPWARD - up) == [], "gone: remove them from KNOWN_UPWARD"
+
+
+def test_the_floor_check_sees_an_upward_import():
+    graph = {"dspark.models.x": {"dspark.ops.y", "dspark.training.z"}, "dspark.training.run": {"dspark.training.w"}}
+    assert upward_imports(graph) == {("dspark.models.x", "dspark.training.z")}
+    assert floor_of("dspark.training.run") > floor_of("dspark.training.objectives") > floor_of("dspark.schema")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.data.held_out import held_out_count
 from dspark.errors import ConfigError
 from dspark.targets.head_only import HeadOnlyTarget
 from dspark.targets.source import local_model_folder, target_folder
@@ -388,7 +389,6 @@ def prepare_feature_cache(run, target, dataset, rows=None):
 def _build_line(run, dataset, rows, path: Path) -> str:
     """What a build is about to compute, in one line: the whole set, or (`rows`) the rows a short run reads."""
     from dspark.data.feature_cache import row_tokens
-    from dspark.training.data_module import held_out_count
 
     n = len(dataset)
     if rows is None:

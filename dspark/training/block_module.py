@@ -6,14 +6,14 @@ dspark.models.block_draft): the training forward and the inference path build th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from dspark.errors import ConfigError
 from dspark.models.block_draft import block_attention_mask, packed_block_attention_mask
 from dspark.models.contract import optional
+from dspark.objective_keys import BlockKeys
 from dspark.targets.hf_target import FrozenTarget
 from dspark.training.blocks import Blocks, build_blocks
 from dspark.training.module import DraftLightningModule, OptimConfig, is_distributed
@@ -40,17 +40,6 @@ class DraftOutputs:
     final: torch.Tensor  # [B, S, H]
 
 
-@dataclass
-class BlockKeys:
-    """The block objective's train.* keys (their defaults: configs/config.yaml)."""
-
-    decay_gamma: float = field(metadata={"doc": "position weight w_k = exp(-k / decay_gamma)",
-                                         "check": lambda v: None if v > 0 else "must be > 0"})
-    loss_weights: dict[str, float] = field(metadata={"doc": "{ce, l1, conf} loss weights"})
-    fused_loss: bool = field(metadata={"doc": "losses from hidden rows, no [N, V] logits (false: the materialised "
-                                              "reference)"})
-
-
 class BlockDraftModule(DraftLightningModule):
     KEYS = BlockKeys
     TRAIN_LOGGED = ("loss", "ce", "l1", "conf", "tau_prob")
@@ -64,16 +53,6 @@ class BlockDraftModule(DraftLightningModule):
         # the block mask as its rule (PackedBlockMask: each block scores only the keys it sees); False: the dense
         # [B, A*Lb, S + A*Lb] bool mask (the reference; benchmarks/bench_step.py compares the two)
         self.packed_attention_mask = True
-
-    @staticmethod
-    def check_keys(train) -> None:
-        """The values BlockKeys' types do not say: loss weights {ce, l1, conf}, >= 0, not all 0."""
-        weights = dict(train["loss_weights"])
-        unknown = sorted(set(weights) - {"ce", "l1", "conf"})
-        if unknown:
-            raise ConfigError(f"train.loss_weights: unknown keys {unknown} (ce, l1, conf)")
-        if not (all(v >= 0 for v in weights.values()) and sum(weights.values()) > 0):
-            raise ConfigError(f"train.loss_weights: weights must be >= 0 and not all 0, got {weights}")
 
     @classmethod
     def from_config(cls, keys: BlockKeys, draft, target: FrozenTarget, optim: OptimConfig) -> "BlockDraftModule":

@@ -10,7 +10,8 @@ from dspark.models import registry
 from dspark.ops.backend import set_ops_backend
 from dspark.schema import RunConfig, run_config, typed
 from dspark.targets.hf_target import FrozenTarget
-from dspark.training.data_module import ChatDataModule, held_out_count
+from dspark.data.held_out import held_out_count
+from dspark.training.data_module import ChatDataModule
 from dspark.training.data_plan import cached_rows
 from dspark.training.module import OptimConfig
 from dspark.training.modules import MODULES

@@ -19,24 +19,6 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from dspark.training.blocks import sample_anchors
 
 
-AUTO_HELD_OUT_MAX = 64  # data.val_examples=auto: a tenth of the conversations, at most this, at least 1
-
-
-def held_out_count(setting: int | str, n: int) -> int:
-    """data.val_examples for `n` usable conversations -> how many are held out (the last ones); ConfigError, one
-    line, when the data cannot be split (fewer than 2) or an explicit count leaves nothing to train on."""
-    from dspark.errors import ConfigError
-
-    if n < 2:
-        raise ConfigError(f"data: {n} usable conversation(s): training needs at least 2 (one held out for validation)")
-    if setting == "auto":
-        return max(1, min(AUTO_HELD_OUT_MAX, n // 10))
-    if not isinstance(setting, int) or not 1 <= setting < n:
-        raise ConfigError(f"data.val_examples: {setting!r} cannot be held out of {n} usable conversations (the rest "
-                          f"train): use 1 to {n - 1}, or auto (a tenth, at most {AUTO_HELD_OUT_MAX})")
-    return setting
-
-
 def _seed_for(*parts: int) -> int:
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)

@@ -58,7 +58,8 @@ def cached_rows(run, dataset) -> list[int] | None:
     is keyed by them (their fingerprint), so a later run that reads other rows builds its own and never takes this
     one for complete; a complete cache of the whole set is read by every run (dspark.data.feature_cache_build)."""
     from dspark.data.feature_cache_build import cache_wanted, stream_wanted
-    from dspark.training.data_module import ResumableBatchSampler, held_out_count
+    from dspark.data.held_out import held_out_count
+    from dspark.training.data_module import ResumableBatchSampler
 
     data = run.data
     if not cache_wanted(data) or stream_wanted(data) or str(data.feature_cache) != "auto":

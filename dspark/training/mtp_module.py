@@ -5,28 +5,18 @@ the DSpark module's definitions (every position an anchor, steps as draft positi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from dspark.errors import ConfigError
 from dspark.models.contract import optional
+from dspark.objective_keys import MTPKeys
 from dspark.ops.lm_head import lm_head_logits
 from dspark.targets.hf_target import FrozenTarget
 from dspark.training.module import DraftLightningModule, OptimConfig, is_distributed
 from dspark.training.mtp_objectives import MTPLossWeights, mtp_losses, recursive_forward
 
 _VAL_MEANS = ("loss", "ce", "kl", "tau_prob")  # + ce_k / kl_k: means over the rows scored at step 0
-
-
-@dataclass
-class MTPKeys:
-    """The MTP objective's train.* keys (their defaults: configs/config.yaml)."""
-
-    mtp_beta: float = field(metadata={"doc": "step k weight beta^k / sum_j beta^j",
-                                      "check": lambda v: None if v > 0 else "must be > 0"})
-    mtp_loss_weights: dict[str, float] = field(metadata={"doc": "{ce, kl}: CE vs the true token, KL to the target"})
 
 
 class MTPDraftModule(DraftLightningModule):
@@ -37,16 +27,6 @@ class MTPDraftModule(DraftLightningModule):
                  loss_weights: MTPLossWeights = MTPLossWeights(), optim: OptimConfig = OptimConfig()):
         super().__init__(draft, target, optim)
         self.num_steps, self.beta, self.mtp_weights = int(draft.config.num_steps), float(beta), loss_weights
-
-    @staticmethod
-    def check_keys(train) -> None:
-        """The values MTPKeys' types do not say: loss weights {ce, kl}, >= 0, not both 0."""
-        raw = dict(train["mtp_loss_weights"])
-        unknown = sorted(set(raw) - {"ce", "kl"})
-        if unknown:
-            raise ConfigError(f"train.mtp_loss_weights: unknown keys {unknown} (ce, kl)")
-        if not (all(v >= 0 for v in raw.values()) and sum(raw.values()) > 0):
-            raise ConfigError(f"train.mtp_loss_weights: weights must be >= 0 and not both 0, got {raw}")
 
     @classmethod
     def from_config(cls, keys: MTPKeys, draft, target: FrozenTarget, optim: OptimConfig) -> "MTPDraftModule":

@@ -404,7 +404,7 @@ def choose_held_out(val_examples: int | str, n: int) -> int:
     """data.val_examples as the number of held-out conversations of the `n` usable ones (auto: a tenth, at most
     64; a resumed run has its checkpoint's count by now, run_training), said in one line when auto holds out fewer
     than 64."""
-    from dspark.training.data_module import AUTO_HELD_OUT_MAX, held_out_count
+    from dspark.data.held_out import AUTO_HELD_OUT_MAX, held_out_count
 
     count = held_out_count(val_examples, n)
     if val_examples == "auto" and count < AUTO_HELD_OUT_MAX and is_launcher_process():

@@ -1,15 +1,19 @@
-"""The tiny-target builders' shared steps (dspark.targets.tiny_train), on the shipped tiny_v4 model.
+"""The tiny-target builders' shared steps (scripts/tiny_train.py, beside the builders), on the shipped tiny_v4 model.
 
 The builders themselves take 10+ minutes; these check the shared pieces they call, fast."""
 
 import argparse
 import json
 import random
+import sys
 
 import pytest
 import torch
 
-from dspark.targets.tiny_train import (
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))  # the builders import it as their sibling
+from tiny_train import (  # noqa: E402
     add_build_args,
     build_info,
     build_log,
@@ -20,7 +24,7 @@ from dspark.targets.tiny_train import (
     save_reload_sample,
     train_heldout_windows,
 )
-from dspark.targets.tiny_v4 import load_tiny_v4
+from dspark.targets.tiny_v4 import load_tiny_v4  # noqa: E402
 
 
 def test_add_build_args_defaults_and_overrides(tmp_path):

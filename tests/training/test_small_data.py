@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, TINY_RUN, compose
 from dspark import factory
 from dspark.errors import ConfigError
-from dspark.training.data_module import held_out_count
+from dspark.data.held_out import held_out_count
 
 
 def _sharegpt_lines(path, n: int) -> None:
