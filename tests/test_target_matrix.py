@@ -1,14 +1,26 @@
-"""Bring your own target (issue 50): the dense drafts (DFlash: draft=dflash_smollm2, DSpark: draft=dspark_smollm2) on
-tiny seeded random targets of the common dense architectures, built here from transformers' own config classes (no
-download), each saved with the tiny Llama's tokenizer (it has a chat template) and read with `target=hf target.path=`.
+"""Bring your own target (issue 50): the dense drafts (DFlash: experiment=dflash_smollm2, DSpark: dspark_smollm2,
+DFlash2: dflash2_smollm2, EAGLE-3: eagle3_smollm2) on tiny seeded random targets of the common architectures, built
+here from transformers' own config classes (no download), each saved with the tiny Llama's tokenizer (it has a chat
+template) and read with `target=hf target.path=`.
 
 Per target: the features the draft reads (FrozenTarget.features) equal the model's own output_hidden_states at batch 1
-and, row by row on the valid positions, at batch 8 with left and with right padding; each family trains 2 steps through
-train.py's entry, its greedy speculative output (eval.py) equals the target's plain greedy output, checked again
-against transformers' own generate(), and it exports (vLLM's config: the draft's own full rotary); an oracle draft
-(drafts the model's own greedy tokens, one wrong every other round) checks batched KV-cached verification with full,
-partial and no acceptance against the model's own greedy decoding. Gemma 2 / Gemma 3 (embedding scale, final soft-capping) are refused in one line
-before any model loads. README.md "Targets checked" holds the table.
+and, row by row on the valid positions, at batch 8 with left and with right padding (GPT-NeoX included: its decoder is
+`.gpt_neox`, found through transformers' base_model, dspark.targets.hf_target.decoder_base); an oracle draft (drafts
+the model's own greedy tokens, one wrong every other round) checks batched KV-cached verification with full, partial
+and no acceptance against the model's own greedy decoding. Per target vLLM 0.33.0 can serve the drafts against, each
+family trains 2 steps through train.py's entry, its greedy speculative output (eval.py) equals the target's plain
+greedy output, checked again against transformers' own generate(), and it exports with its exporter (`python -m
+dspark.export dense | dflash2 | eagle3`; vLLM's config: the draft's own full rotary) and verifies. Refused in one line
+before any model loads (a config.json and a tokenizer, no weights): Gemma 2 / Gemma 3 (embedding scale, final
+soft-capping), and the targets vLLM 0.33.0 cannot serve these drafts against (dspark.models.vllm_targets, vLLM
+file:line there): StableLM, Mixtral and Qwen2-MoE (vLLM's own classes lack SupportsEagle3: the aux hidden states are
+never recorded), GPT-NeoX (vLLM cannot share its `.embed_in` embedding with the draft). README.md "Targets checked"
+holds the table.
+
+The matrix fails when a rule goes (checked by hand once, then restored): with decoder_base reduced to `.model` / the
+model itself (no base_model), the gpt_neox features and verify cells fail (TypeError: cannot find decoder layers); with
+"stablelm" taken out of vllm_targets.UNSERVED, its refusal cell fails (no ConfigError: the run goes on to load the
+weightless folder, FileNotFoundError).
 """
 from __future__ import annotations
 
@@ -37,8 +49,15 @@ TARGETS = {
     "phi3": ("Phi3Config", dict(), "fused qkv / gate-up"),
     "olmo2": ("Olmo2Config", dict(tie_word_embeddings=True), "post-norms, q/k norm, tied"),
     "stablelm": ("StableLmConfig", dict(partial_rotary_factor=0.25), "partial rotary 0.25, LayerNorm"),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+                  "mixture of experts: 4 experts, top-2, every layer"),
+    "gpt_neox": ("GPTNeoXConfig", dict(num_key_value_heads=4, rotary_pct=0.25),
+                 "decoder at .gpt_neox, parallel residual, partial rotary 0.25, embeddings at .gpt_neox.embed_in"),
 }
 REFUSED = {"gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
+# refused by vLLM 0.33.0's rules (dspark.models.vllm_targets.UNSERVED): name -> (config class, keys, what the line names)
+UNSERVED = {"stablelm": ("StableLmConfig", {}, "SupportsEagle3"), "mixtral": ("MixtralConfig", {}, "SupportsEagle3"),
+            "qwen2_moe": ("Qwen2MoeConfig", {}, "SupportsEagle3"), "gpt_neox": ("GPTNeoXConfig", {}, "embed_in")}
 
 
 def tiny_config(cls_name: str, tokenizer, **keys):
@@ -78,7 +97,7 @@ def load(folder):
 # ---- (c) the features the draft reads = the model's own hidden states ------------------------------------------------
 def reference(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One unpadded row [S] -> (the taps' outputs [S, n*H] from output_hidden_states, the final hidden [S, H])."""
-    out = model.model(input_ids=ids[None], output_hidden_states=True)
+    out = model.base_model(input_ids=ids[None], output_hidden_states=True)
     taps = torch.cat([out.hidden_states[i + 1][0] for i in TAPS], dim=-1)  # hidden_states[i + 1]: layer i's output
     return taps, out.last_hidden_state[0]
 
@@ -129,6 +148,13 @@ def test_the_targets_have_the_traits_they_stand_for(targets):
     llama3 = load(targets["llama3"])
     assert llama3.model.config.rope_parameters["rope_type"] == "llama3"
     assert llama3.lm_head_weight.data_ptr() != llama3.embed_weight.data_ptr()
+    moe = load(targets["qwen3_moe"]).model
+    assert moe.model.layers[0].mlp.gate.weight.shape[0] == 4 and moe.config.num_experts_per_tok == 2
+    neox = load(targets["gpt_neox"])
+    assert not hasattr(neox.model, "model") and neox.layers is neox.model.gpt_neox.layers  # not at .model.layers
+    assert neox.model.gpt_neox.rotary_emb.inv_freq.numel() * 2 == 16 // 4
+    assert neox.embed_weight.data_ptr() == neox.model.gpt_neox.embed_in.weight.data_ptr()
+    assert neox.lm_head_weight.data_ptr() == neox.model.lm_head.weight.data_ptr() != neox.embed_weight.data_ptr()
 
 
 # ---- (b) verify with accepted drafts: batched, KV-cached, partial acceptance, = the model's own greedy ----------------
@@ -178,19 +204,24 @@ def test_batched_verify_with_accepted_drafts_equals_the_models_greedy(targets, n
 
 
 # ---- (a) + (b) trains 2 steps, greedy speculative output = the target's ---------------------------------------------
-FAMILIES = {"dflash": ["experiment=dflash_smollm2"],
-            "dspark": ["experiment=dspark_smollm2", "draft.markov_rank=8"]}
-CELLS = [(t, f) for t in TARGETS for f in FAMILIES]
+BLOCK = ["draft.num_layers=1", "draft.block_size=4", f"draft.mask_token_id={MASK_ID}"]
+# family -> (its overrides, vLLM's speculative_config method, its `python -m dspark.export` command); EAGLE-3 takes no
+# block keys (its drafts per step are num_steps), DFlash2 no reduced vocabulary
+FAMILIES = {"dflash": (["experiment=dflash_smollm2", *BLOCK, "draft.draft_vocab_size=null"], "dflash", "dense"),
+            "dspark": (["experiment=dspark_smollm2", *BLOCK, "draft.markov_rank=8", "draft.draft_vocab_size=null"],
+                       "dspark", "dense"),
+            "dflash2": (["experiment=dflash2_smollm2", *BLOCK, "draft.selector_rank=8"], "dflash", "dflash2"),
+            "eagle3": (["experiment=eagle3_smollm2", "draft.draft_vocab_size=null"], "eagle3", "eagle3")}
+CELLS = [(t, f) for t in TARGETS if t not in UNSERVED for f in FAMILIES]
 
 
 def train_overrides(folder, family: str, run_dir) -> list[str]:
-    return FAMILIES[family] + [
+    return FAMILIES[family][0] + [
         "target=hf", f"target.path={folder}", "target.dtype=float32", "data=sharegpt_tiny", "data.limit=40",
         "data.val_examples=4", "data.max_length=64", "train.batch_size=2", "train.val_batch_size=4",
         "train.num_anchors=2", "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.precision=32-true",
-        "trainer.enable_progress_bar=false", "validate_at_start=false", "draft.num_layers=1", "draft.block_size=4",
-        f"draft.mask_token_id={MASK_ID}", f"draft.target_layer_ids=[{','.join(map(str, TAPS))}]",
-        "draft.draft_vocab_size=null", f"run_dir={run_dir}"]
+        "trainer.enable_progress_bar=false", "validate_at_start=false",
+        f"draft.target_layer_ids=[{','.join(map(str, TAPS))}]", f"run_dir={run_dir}"]
 
 
 def hf_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
@@ -217,7 +248,7 @@ def test_trains_and_decodes_losslessly(targets, tmp_path, name, family):
                                    "num_prompts=2", "max_new_tokens=16", "sps_context=16", "plots=false",
                                    "confidence=false", "adaptive_verification=false"))["gsm8k"]
     assert report["greedy_outputs_equal_target"] == f"{report['num_requests']}/{report['num_requests']}"
-    assert report["vllm_settings"]["method"] == family
+    assert report["vllm_settings"]["method"] == FAMILIES[family][1]
     target = load(targets[name])
     for sample in report["samples"]:
         assert sample["output"] == hf_greedy(target.model, target.tokenizer, sample["prompt"], 16), sample
@@ -225,26 +256,48 @@ def test_trains_and_decodes_losslessly(targets, tmp_path, name, family):
     from dspark.export.verify import verify_folder
 
     out = tmp_path / "export"  # vLLM's draft config: the draft's own full rotary, whatever the target's
-    assert export_main(["dense", "--run-dir", str(run), "--out", str(out), "--dtype", "float32"]) == 0
+    assert export_main([FAMILIES[family][2], "--run-dir", str(run), "--out", str(out), "--dtype", "float32"]) == 0
     assert verify_folder(out).ok and "partial_rotary_factor" not in (out / "config.json").read_text()
 
 
 # ---- refused: one line before any model loads ------------------------------------------------------------------------
-@pytest.mark.parametrize("name", list(REFUSED))
-def test_gemma_is_refused_in_one_line_before_loading(tmp_path, name, monkeypatch):
+def config_only(folder, cls_name: str, **keys):
+    """A target folder with a config.json and the tiny tokenizer, no weights: a refusal must come before any load."""
     from transformers import AutoTokenizer
 
+    folder.mkdir()
+    tiny_config(cls_name, AutoTokenizer.from_pretrained(TOKENIZER), **keys).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TOKENIZER / name, folder)
+    return folder
+
+
+def refusal(folder, family: str, run_dir) -> str:
     from dspark.training.run import run_training
 
-    folder = tmp_path / name
-    folder.mkdir()
-    tiny_config(REFUSED[name], AutoTokenizer.from_pretrained(TOKENIZER), head_dim=16).save_pretrained(folder)
-    shutil.copy(TOKENIZER / "tokenizer.json", folder)  # a config and a tokenizer, no weights: nothing may load
-    shutil.copy(TOKENIZER / "tokenizer_config.json", folder)
-    shutil.copy(TOKENIZER / "chat_template.jinja", folder)
     with pytest.raises(ConfigError) as err:
-        run_training(compose(train_overrides(folder, "dflash", tmp_path / "run")))
+        run_training(compose(train_overrides(folder, family, run_dir)))
     line = str(err.value)
-    assert "\n" not in line and "sqrt(hidden_size)" in line and name[:6] in line, line
-    if name == "gemma2":
-        assert "final_logit_softcapping=30" in line
+    assert "\n" not in line and line.startswith("draft.kind:"), line
+    return line
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_gemma_is_refused_in_one_line_before_loading(tmp_path, name):
+    folder = config_only(tmp_path / name, REFUSED[name], head_dim=16)
+    for family in FAMILIES:
+        line = refusal(folder, family, tmp_path / family)
+        assert "sqrt(hidden_size)" in line and name[:6] in line, line
+        if name == "gemma2":
+            assert "final_logit_softcapping=30" in line
+
+
+@pytest.mark.parametrize("name", list(UNSERVED))
+def test_a_target_vllm_cannot_serve_the_drafts_against_is_refused_in_one_line_before_loading(tmp_path, name):
+    """vLLM 0.33.0's rules (dspark.models.vllm_targets): the line names the architecture, vLLM's file:line and what to
+    choose instead, for every family."""
+    cls, keys, rule = UNSERVED[name]
+    folder = config_only(tmp_path / name, cls, **{**dict(TARGETS.get(name, (cls, {}, ""))[1]), **keys})
+    for family in FAMILIES:
+        line = refusal(folder, family, tmp_path / family)
+        assert f"against a {name} target" in line and rule in line and ".py:" in line and "choose a target" in line, line

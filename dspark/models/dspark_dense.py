@@ -31,6 +31,7 @@ from dspark.models.common import DraftConfig, FieldError, SharedTargetWeights, c
 from dspark.models.draft_vocab import DraftVocab
 from dspark.models.heads import ConfidenceHead, build_markov_head
 from dspark.models.registry import register
+from dspark.models.vllm_targets import refuse_unserved_target
 from dspark.ops.attention import masked_attention
 from dspark.ops.norms import RMSNorm
 from dspark.ops.rope import ROPE_TYPES, RotaryEmbedding, apply_rope
@@ -57,8 +58,10 @@ class DenseLayerSizes(DraftConfig):
     @staticmethod
     def sizes_of(hf) -> dict:
         """These fields from a dense HF config (Llama, Qwen2/3, SmolLM2, ...); a target whose logits or embeddings the
-        shared head / embedding would misread is refused (refuse_unshareable_target)."""
+        shared head / embedding would misread is refused (refuse_unshareable_target), and so is one vLLM cannot serve
+        these drafts against (dspark.models.vllm_targets: every dense family reads the same aux hidden states)."""
         refuse_unshareable_target(hf)
+        refuse_unserved_target(hf)
         heads = int(hf.num_attention_heads)
         return dict(
             hidden_size=int(hf.hidden_size), vocab_size=int(hf.vocab_size), num_attention_heads=heads,

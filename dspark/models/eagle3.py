@@ -39,10 +39,6 @@ from dspark.ops.attention import masked_attention
 from dspark.ops.norms import RMSNorm
 from dspark.ops.rope import ROPE_TYPES, RotaryEmbedding
 
-# target model_type -> the vLLM 0.33.0 class that captures EAGLE-3's aux hidden states (SupportsEagle3)
-EAGLE3_TARGETS = {"llama": "model_executor/models/llama.py:464", "qwen2": "model_executor/models/qwen2.py:458",
-                  "qwen3": "model_executor/models/qwen3.py:280", "granite": "model_executor/models/granite.py"}
-
 
 @dataclass(kw_only=True)
 class Eagle3Config(DenseLayerSizes):
@@ -95,11 +91,12 @@ class Eagle3Config(DenseLayerSizes):
     @classmethod
     def from_target_config(cls, hf, **draft_keys) -> "Eagle3Config":
         """The draft layer's sizes and RoPE are the target's (vLLM builds the draft from its config.json, which the
-        export writes from these); refuses a target vLLM 0.33.0 cannot tap for EAGLE-3 (EAGLE3_TARGETS)."""
-        model_type = getattr(hf, "model_type", None)
-        if model_type not in EAGLE3_TARGETS:
-            raise FieldError("kind", f"eagle3 needs a target vLLM 0.33.0 taps for EAGLE-3 (model_type one of "
-                                     f"{sorted(EAGLE3_TARGETS)}: SupportsEagle3), got {model_type!r}")
+        export writes from these); refuses a DeepSeek-V4 target (its layers' hc copies are no single stream) and,
+        through sizes_of, a target vLLM 0.33.0 cannot serve an EAGLE-3 draft against (dspark.models.vllm_targets:
+        the same SupportsEagle3 / shared-embedding rules as DFlash's)."""
+        if getattr(hf, "hc_mult", 0):
+            raise FieldError("kind", f"eagle3 needs a dense target: {getattr(hf, 'model_type', None)!r} layers output "
+                                     "hc_mult copies; use dspark_v4 or dsv4_mtp for DeepSeek-V4")
         n = int(hf.num_hidden_layers)
         # vLLM's default taps (2, N // 2, N - 3) (models/interfaces.py:1751-1772) as layer-output ids
         base = dict(cls.sizes_of(hf), target_layer_ids=sorted({max(i - 1, 0) for i in (2, n // 2, n - 3)}))
@@ -226,4 +223,4 @@ class Eagle3Draft(ChainDraft, DraftVocab, SharedTargetWeights, nn.Module):
         return self.scatter_to_target(self.draft_logits(hidden_out))
 
 
-__all__ = ["EAGLE3_TARGETS", "Eagle3Config", "Eagle3Draft", "Eagle3Layer"]
+__all__ = ["Eagle3Config", "Eagle3Draft", "Eagle3Layer"]

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from dspark.targets.checkpoint import HeadOnlyUnsupported, TargetCheckpoint, meta_model
-from dspark.targets.hf_target import FrozenTarget, load_target_tokenizer, resolve_target_source
+from dspark.targets.hf_target import FrozenTarget, decoder_base, load_target_tokenizer, resolve_target_source
 from dspark.targets.source import local_model_folder
 
 
@@ -49,7 +49,7 @@ class HeadOnlyTarget(FrozenTarget):
         self._cache_identity = cache_identity
         self._head_modules = head_modules
         self.init_modules = dict(init_modules or {})  # read for draft.init_from_target: {name: module}
-        for module in {id(m): m for m in (model, getattr(model, "model", model))}.values():
+        for module in {id(m): m for m in (model, decoder_base(model))}.values():
             module.register_forward_pre_hook(self._refuse)
 
     @property
@@ -141,8 +141,9 @@ def _materialise(model: nn.Module, modules: list[nn.Module], ckpt: TargetCheckpo
 
 def _head_modules(model: nn.Module) -> list[nn.Module]:
     """The input embedding, the LM head and the final norm (one module when the head is tied to the embedding)."""
-    base = getattr(model, "model", model)
-    heads = [m for m in (model.get_input_embeddings(), model.get_output_embeddings(), getattr(base, "norm", None))
+    base = decoder_base(model)
+    final_norm = getattr(base, "norm", None) or getattr(base, "final_layer_norm", None)  # GPT-NeoX: final_layer_norm
+    heads = [m for m in (model.get_input_embeddings(), model.get_output_embeddings(), final_norm)
              if isinstance(m, nn.Module)]
     return list({id(m): m for m in heads}.values())
 

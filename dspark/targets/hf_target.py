@@ -52,12 +52,20 @@ def _cache_kwarg(base: nn.Module) -> str:
                     "version is not supported for KV-cached decoding (tested: 5.24)")
 
 
+def decoder_base(model: nn.Module) -> nn.Module:
+    """The decoder stack under a causal LM, the module whose forward gives the final (normed) hidden as
+    `last_hidden_state` and holds the decoder layers as `.layers`: transformers' `base_model` (the attribute its
+    `base_model_prefix` names: `.model` for Llama-style models, `.gpt_neox` for GPT-NeoX), else `.model`, else the
+    model itself (a bare decoder). TypeError when none of them holds a ModuleList `.layers`."""
+    for base in (getattr(model, "base_model", None), getattr(model, "model", None), model):
+        if isinstance(base, nn.Module) and isinstance(getattr(base, "layers", None), nn.ModuleList):
+            return base
+    raise TypeError(f"{type(model).__name__}: cannot find decoder layers at .{getattr(model, 'base_model_prefix', '')}"
+                    ".layers, .model.layers or .layers")
+
+
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    base = getattr(model, "model", model)
-    layers = getattr(base, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"{type(model).__name__}: cannot find decoder layers at .model.layers")
-    return layers
+    return decoder_base(model).layers
 
 
 FP16_SMALLEST_NORMAL = 2.0 ** -14  # FrozenTarget.fingerprint: below it a float16 load loses bf16 bits
@@ -184,7 +192,7 @@ class FrozenTarget:
                 lambda _m, _inp, out: captured.__setitem__("pre_head", out[0] if isinstance(out, tuple) else out)
             ))
         try:
-            base = getattr(self.model, "model", self.model)
+            base = decoder_base(self.model)
             kwargs = {} if cache is None else {_cache_kwarg(base): cache}
             out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        use_cache=cache is not None, **kwargs)

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig
+from transformers import LlamaConfig, MistralConfig, MixtralConfig
 
 from conftest import assert_same_argmax, tiny_v4_config
 from dspark.errors import ConfigError
-from dspark.models.eagle3 import EAGLE3_TARGETS, Eagle3Config, Eagle3Draft
+from dspark.models.eagle3 import Eagle3Config, Eagle3Draft
 from dspark.models.mtp_common import ChainCache, chain_propose, teacher_forced_chain
 from dspark.models.registry import build_config
 from dspark.targets.hf_target import TargetFeatures
@@ -382,12 +382,19 @@ def _refusal(grp, hf) -> str:
     return msg
 
 
-@pytest.mark.parametrize("hf", [tiny_v4_config(), MistralConfig(vocab_size=V, hidden_size=H, num_hidden_layers=6)],
-                         ids=["deepseek_v4", "mistral"])
-def test_a_target_vllm_does_not_tap_is_refused(hf):
-    assert hf.model_type not in EAGLE3_TARGETS
+@pytest.mark.parametrize("hf, why", [(tiny_v4_config(), "hc_mult copies"),
+                                     (MixtralConfig(vocab_size=V, hidden_size=H, num_hidden_layers=6), "SupportsEagle3")],
+                         ids=["deepseek_v4", "mixtral"])
+def test_a_target_vllm_does_not_tap_is_refused(hf, why):
     msg = _refusal(group(target_layer_ids=[0]), hf)
-    assert msg.startswith("draft.kind:") and repr(hf.model_type) in msg and "SupportsEagle3" in msg
+    assert msg.startswith("draft.kind:") and hf.model_type in msg and why in msg
+
+
+def test_a_target_whose_vllm_class_inherits_the_taps_is_accepted():
+    """vLLM's MistralForCausalLM is a LlamaForCausalLM (model_executor/models/mistral.py:236): SupportsEagle3."""
+    hf = MistralConfig(vocab_size=V, hidden_size=H, num_hidden_layers=6, num_attention_heads=NH,
+                       num_key_value_heads=NKV, head_dim=HD, intermediate_size=INTER)
+    assert build_config(group(target_layer_ids=[0, 2]), hf).target_layer_ids == [0, 2]
 
 
 @pytest.mark.parametrize("grp, key, why", [
