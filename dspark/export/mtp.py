@@ -17,7 +17,8 @@ from typing import ClassVar
 import torch
 
 from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, check_if_sealed, load_into, sealed, write_tensors
-from dspark.export.adapter import SAFETENSORS_DTYPES, ServingAdapter, adapters, dtype_name, read_json
+from dspark.export.adapter import SAFETENSORS_DTYPES, ServingAdapter, adapters, dtype_name
+from dspark.export.marker import Marker
 from dspark.io import atomic_write_json
 from dspark.models import registry
 
@@ -43,10 +44,15 @@ def num_mtp_layers(c: dict, *keys: str) -> int:
     return n
 
 
+def mtp_marker(fmt: str) -> Marker:
+    """An MTP format's folder: mtp_config.json with dspark_format `fmt`."""
+    return Marker(CONFIG_NAME, "dspark_format", (fmt,))
+
+
 class MTPAdapter(ServingAdapter):
     """An MTP family's sidecar / merged format. A family sets `kind`, `format` (mtp_config.json's dspark_format),
-    `target_model_type`, and implements the names (to_serving / from_serving), `family_json` (its target-config keys),
-    `served_config`, `expected`, `serving_problems` and `is_draft_tensor`."""
+    `markers` (mtp_marker(format)), `target_model_type`, and implements the names (to_serving / from_serving),
+    `family_json` (its target-config keys), `served_config`, `expected`, `serving_problems` and `is_draft_tensor`."""
 
     target_model_type: ClassVar[str]
     cli = "mtp"
@@ -67,20 +73,13 @@ class MTPAdapter(ServingAdapter):
                             "fused")
 
     @classmethod
-    def run_cli(cls, target, draft, cfg, args, dtype: torch.dtype, max_shard_bytes: int) -> None:
-        if args.merge_into is not None:
-            merge_mtp_into_target(draft, args.merge_into, args.out, dtype=dtype, layer_names=args.layer_names,
-                                  split_experts=args.split_experts, overwrite=args.overwrite)
-        else:
-            export_mtp(draft, args.out, dtype=dtype, max_shard_bytes=max_shard_bytes, layer_names=args.layer_names,
-                       split_experts=args.split_experts, overwrite=args.overwrite)
+    def cli_writer(cls, target, draft, args):
+        writer = export_mtp if args.merge_into is None else merge_mtp_into_target
+        return writer, {"layer_names": args.layer_names, "split_experts": args.split_experts}
 
     @classmethod
-    def read(cls, folder: Path) -> dict | None:
+    def served_folder_config(cls, folder: Path, c: dict) -> dict:
         """mtp_config.json of this format; a merged folder's target config.json keys win (vLLM reads them)."""
-        c = read_json(folder / CONFIG_NAME)
-        if c is None or c.get("dspark_format") != cls.format:
-            return None
         if c.get("mtp_merged") is True and (folder / "config.json").is_file():
             served = json.loads((folder / "config.json").read_text())
             c = {**c, **{k: v for k, v in served.items() if k not in ("torch_dtype", "dtype")}}

@@ -22,6 +22,7 @@ import torch
 from dspark.export.adapter import SAFETENSORS_DTYPES, Expected, serving_adapter
 from dspark.export.dense import (DenseVariantAdapter, dense_config_json, dense_config_problems, dense_expected,
                                  dense_tensors, variant_config_from_config)
+from dspark.export.marker import vllm_arch_marker
 from dspark.models.xpress import XPressConfig, XPressDraft
 
 XPRESS_ARCH = "Qwen3XPressModel"
@@ -101,6 +102,7 @@ class XPressAdapter(DenseVariantAdapter):
     cli_help = "export a training run's XPress draft as a vLLM Qwen3XPressModel folder (vLLM >= 0.33, GPU)"
     vllm_cpu_note = CPU_NOTE
     archs = (XPRESS_ARCH, "DFlashQwen3XPressModel")
+    markers = (vllm_arch_marker(*archs),)
     config_fn = staticmethod(xpress_config_json)
     from_config_fn = staticmethod(xpress_config_from_config)
     expected_fn = staticmethod(xpress_expected)
