@@ -24,7 +24,14 @@ TINY_RUN = [
 def _dataset_cache(tmp_path_factory):
     """One tokenized-dataset cache per test session (never the user's ~/.cache)."""
     if "DSPARK_CACHE" not in os.environ:
-        os.environ["DSPARK_CACHE"] = str(tmp_path_factory.mktemp("dspark_cache"))
+        cache = tmp_path_factory.mktemp("dspark_cache")
+        os.environ["DSPARK_CACHE"] = str(cache)
+        # the C++ CPU kernels (dspark.ops.cpu_kernels) are built once per test run, not once per xdist worker: their
+        # build folder is shared by the workers (torch's build takes a lock; the name is per kernel version)
+        base = tmp_path_factory.getbasetemp()
+        shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "torch_extensions"
+        shared.mkdir(exist_ok=True)
+        (cache / "torch_extensions").symlink_to(shared, target_is_directory=True)
     yield
 
 
