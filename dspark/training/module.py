@@ -262,6 +262,10 @@ class DraftLightningModule(L.LightningModule):
         fused = bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
         opt = torch.optim.AdamW(params, lr=self.optim.lr, weight_decay=self.optim.weight_decay,
                                 betas=tuple(self.optim.betas), fused=fused)
+        # A fused AdamW says it can take a GradScaler's scale inside its step; Lightning's mixed-precision plugin then
+        # refuses gradient clipping (it would clip still-scaled gradients). The scaler unscales before the step
+        # instead (its path for every other optimizer; bf16 uses no scaler at all), so clipping stays correct.
+        opt._step_supports_amp_scaling = False
         o = self.optim  # read at every step: a resume sets its schedule (on_load_checkpoint) before the first
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: o.lr_schedule().multiplier(s))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -57,3 +57,23 @@ def test_target_dtype_auto_is_resolved_once_where_the_config_is_typed(monkeypatc
     assert run.target.dtype == want
     monkeypatch.setattr(cpu.torch.cuda, "is_available", lambda: True)
     assert TargetKeys(kind="hf", path="x", dtype="auto").dtype == "bfloat16"
+
+
+def test_bf16_mixed_trains_with_gradient_clipping_and_the_fused_optimizer(tmp_path):
+    """bf16-mixed (what trainer.precision=auto picks on bf16 CPUs and GPUs) with the default gradient clipping and
+    the fused AdamW (dspark.training.module): Lightning's mixed-precision plugin refuses clipping for an optimizer
+    that says it unscales inside its step, so the run must get through its steps with finite losses."""
+    import json
+    import math
+
+    from conftest import TINY_RUN, compose
+
+    from dspark.training.run import run_training
+
+    run = tmp_path / "run"
+    cfg = compose(TINY_RUN + [f"run_dir={run}", "trainer.precision=bf16-mixed", "trainer.gradient_clip_val=0.5",
+                              "trainer.max_steps=2", "trainer.val_check_interval=2"])
+    assert run_training(cfg)["global_step"] == 2
+    metrics = json.loads((run / "metrics.json").read_text())
+    losses = [v for k, v in metrics["final"].items() if k.endswith("loss")]
+    assert losses and all(math.isfinite(v) for v in losses), metrics
