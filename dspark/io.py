@@ -72,9 +72,26 @@ def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: Path, metada
     """Writes the tensors atomically and returns the file's bytes (for a checksum without a re-read)."""
     from safetensors.torch import save
 
-    data = save(tensors, metadata=metadata)
+    data = canonical_header(save(tensors, metadata=metadata))
     atomic_write_bytes(Path(path), data)
     return data
+
+
+def canonical_header(data: bytes) -> bytes:
+    """safetensors bytes with the header's ``__metadata__`` keys in sorted order. safetensors writes that map in hash
+    order, so the same tensors and metadata gave different bytes from call to call once the map held two keys (an
+    export's checksums changed with nothing changed). The header is rewritten at its own length (padded with spaces,
+    as safetensors pads it), so every tensor offset stays valid; a header that would not fit is left as it was."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    meta = header.get("__metadata__")
+    if not isinstance(meta, dict) or len(meta) < 2:
+        return data
+    header["__metadata__"] = dict(sorted(meta.items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > size:
+        return data
+    return data[:8] + text + b" " * (size - len(text)) + data[8 + size:]
 
 
 def remove_stale_tmp(folder: Path, older_than_s: float | None = None) -> list[Path]:
