@@ -305,6 +305,12 @@ def _rows_column(rows, lo: int, hi: int, column: str) -> list[list[int]]:
     return [list(rows[i][column]) for i in range(lo, hi)]
 
 
+def shard_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """A shard's examples (positions in it) in batches of `batch_size`, shortest first (ties in order)."""
+    order = sorted(range(len(lengths)), key=lambda j: (lengths[j], j))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
 def _rows_input_ids(rows, lo: int, hi: int) -> list[list[int]]:
     import datasets
 
@@ -346,21 +352,24 @@ def row_tokens(rows) -> int:
 
 def _shard_tensors(target: FrozenTarget, rows, lo: int, hi: int, batch_size: int,
                    dtype: torch.dtype, clock: BuildClock | None = None) -> dict[str, torch.Tensor]:
-    """Features of examples [lo, hi), one padded batch at a time, cut back to each example's length."""
+    """Features of examples [lo, hi), one padded batch at a time, cut back to each example's length. The batches
+    take the shard's examples shortest first (:func:`shard_batches`): padding costs the forward's GEMMs and its
+    attention, and rows of similar lengths pad little."""
     tok = target.tokenizer
     pad_id = int(tok.pad_token_id) if tok is not None and tok.pad_token_id is not None else 0
     out: dict[str, torch.Tensor] = {}
-    for b0 in range(lo, hi, batch_size):
-        seqs = _rows_input_ids(rows, b0, min(hi, b0 + batch_size))
+    shard = _rows_input_ids(rows, lo, hi)
+    for batch in shard_batches([len(s) for s in shard], batch_size):
+        seqs = [shard[j] for j in batch]
         if any(len(s) == 0 for s in seqs):
-            raise ValueError(f"feature cache: an example in rows [{b0}, {b0 + len(seqs)}) has no input_ids")
+            raise ValueError(f"feature cache: an example in rows [{lo}, {hi}) has no input_ids")
         t0 = time.perf_counter()
         ids, am = _pad(seqs, pad_id, target.device)  # [B, S]
         feats = target.features(ids, am)  # aux [B, S, n*H], final [B, S, H]
         if clock is not None:
             clock.batch_done(sum(len(s) for s in seqs), time.perf_counter() - t0)
         for j, s in enumerate(seqs):
-            n, idx = len(s), b0 + j
+            n, idx = len(s), lo + batch[j]
             # copy=True: every example gets its own storage (safetensors refuses shared tensors)
             out[f"{idx}.aux"] = feats.aux[j, :n].detach().to("cpu", dtype, copy=True).contiguous()  # [S_i, n*H]
             out[f"{idx}.final"] = feats.final[j, :n].detach().to("cpu", dtype, copy=True).contiguous()  # [S_i, H]

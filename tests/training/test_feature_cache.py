@@ -60,8 +60,8 @@ def test_float32_cache_is_exactly_the_target_features(target, tmp_path):
     cache = FeatureCache(path)
     assert len(cache) == len(rows) and cache.meta["num_shards"] == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == [META_NAME] + [shard_name(k) for k in range(3)]
-    # the builder's batches (per shard, batch_size 2): the same padded forward gives identical numbers
-    for batch in ([0, 1], [2], [3, 4], [5], [6]):
+    # the builder's batches (per shard, batch_size 2, shortest first): the same padded forward gives identical numbers
+    for batch in ([2, 0], [1], [5, 4], [3], [6]):
         seqs = [rows[i]["input_ids"] for i in batch]
         S = max(map(len, seqs))
         ids = torch.tensor([s + [0] * (S - len(s)) for s in seqs])  # [B, S]
@@ -280,3 +280,11 @@ def test_explicit_cache_dir_of_another_dataset_is_refused(tmp_path):
         run_training(compose(common + [f"run_dir={tmp_path / 'b'}", "data.limit=150"]))
     with pytest.raises(ConfigError, match=r"data\.feature_cache_dtype"):
         run_training(compose(common + [f"run_dir={tmp_path / 'c'}", "data.feature_cache_dtype=float16"]))
+
+
+def test_a_shards_batches_take_its_examples_shortest_first():
+    from dspark.data.feature_cache import shard_batches
+
+    assert shard_batches([5, 9, 3], 2) == [[2, 0], [1]]
+    assert shard_batches([4, 4, 1, 4], 3) == [[2, 0, 1], [3]]  # ties keep their order
+    assert shard_batches([7], 8) == [[0]] and shard_batches([], 2) == []
