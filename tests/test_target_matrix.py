@@ -57,7 +57,8 @@ TARGETS = {
 REFUSED = {"gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
 # refused by vLLM 0.33.0's rules (dspark.models.vllm_targets.UNSERVED): name -> (config class, keys, what the line names)
 UNSERVED = {"stablelm": ("StableLmConfig", {}, "SupportsEagle3"), "mixtral": ("MixtralConfig", {}, "SupportsEagle3"),
-            "qwen2_moe": ("Qwen2MoeConfig", {}, "SupportsEagle3"), "gpt_neox": ("GPTNeoXConfig", {}, "embed_in")}
+            "qwen2_moe": ("Qwen2MoeConfig", {}, "SupportsEagle3"), "gpt_neox": ("GPTNeoXConfig", {}, "embed_in"),
+            "mistral": ("MistralConfig", {}, "sliding_window 8")}  # every layer slides: vLLM windows the draft too
 
 
 def tiny_config(cls_name: str, tokenizer, **keys):

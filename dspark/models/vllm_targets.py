@@ -12,8 +12,16 @@ rules (paths under the wheel's vllm/, `bash scripts/fetch_vllm_src.sh`):
     model's `embed_tokens` or `embedding` (v1/worker/gpu/spec_decode/eagle/utils.py:45-51); without it the draft
     cannot load (:63-69 raise "needs the target input embedding").
 
+  * a target whose layers all slide (a `sliding_window` and no `layer_types`, or every layer "sliding_attention")
+    gives vLLM a model-level window (engine/arg_utils.py:2288-2294), which every attention layer without a window
+    of its own takes (model_executor/layers/attention/attention.py:265-271): the draft's layers too, while the
+    draft trained here attends to the whole context. Served, the target's outputs stay right and the draft proposes
+    from other attention than it trained with (tests/serving/test_vllm_target_matrix.py saw Mistral's accepted
+    counts differ from eval.py's, by hand).
+
 UNSERVED holds the architectures the project's target matrix (tests/test_target_matrix.py) met that break a rule;
-refuse_unserved_target refuses them in one line from the target's config.json, before any model loads.
+refuse_unserved_target refuses them, and all-sliding targets, in one line from the target's config.json, before any
+model loads.
 """
 from __future__ import annotations
 
@@ -31,12 +39,31 @@ UNSERVED = {
                  "whose inner GPTNeoXModel keeps the input embedding at .embed_in, not .embed_tokens or .embedding: "
                  "the draft cannot share it (v1/worker/gpu/spec_decode/eagle/utils.py:49-51, :63-69 raise)"),
 }
-SERVED_EXAMPLES = "llama, qwen2, qwen3, qwen3_moe, mistral, phi3, granite, olmo2"
+SERVED_EXAMPLES = "llama, qwen2, qwen3, qwen3_moe, mistral without a sliding window, phi3, granite, olmo2"
+
+
+def all_layers_slide(hf) -> int | None:
+    """The window vLLM gives every attention layer of this target (engine/arg_utils.py:2288-2294), or None."""
+    window = getattr(hf, "sliding_window", None)
+    layer_types = getattr(hf, "layer_types", None)
+    if window is None or not (layer_types is None or all(t == "sliding_attention" for t in layer_types)):
+        return None
+    return int(window)
 
 
 def refuse_unserved_target(hf) -> None:
-    """FieldError (draft.kind, one line: the architecture, vLLM's rule, what to do) for a target in UNSERVED."""
+    """FieldError (draft.kind, one line: the architecture, vLLM's rule, what to do) for a target in UNSERVED or one
+    whose layers all slide."""
     kind = str(getattr(hf, "model_type", "") or "")
+    window = all_layers_slide(hf)
+    if window is not None:
+        raise FieldError("kind", f"vLLM would serve a DFlash / DSpark / DFlash2 / EAGLE-3 draft against a {kind} "
+                                 f"target whose layers all slide with its sliding_window {window} on the draft's own "
+                                 "attention "
+                                 "layers too (vLLM 0.33.0 engine/arg_utils.py:2288-2294 sets a model-level window when "
+                                 "every layer slides; model_executor/layers/attention/attention.py:265-271 gives it to "
+                                 "every layer without its own), while the draft trains attending to the whole context; "
+                                 "choose a target whose config.json has sliding_window null (e.g. Mistral-7B v0.2+)")
     if kind in UNSERVED:
         raise FieldError("kind", f"vLLM cannot serve a DFlash / DSpark / DFlash2 / EAGLE-3 draft against a {kind} "
                                  f"target: {UNSERVED[kind]}; "
