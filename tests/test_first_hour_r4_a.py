@@ -119,8 +119,14 @@ def _args(draft, cmd: str, tmp_path: Path, **more) -> argparse.Namespace:
     return argparse.Namespace(run_dir=tmp_path / "run", cmd=cmd, out=tmp_path / "out", merge_into=None, **more)
 
 
+def next_step(args, draft) -> str:
+    """The export CLI's last line for this draft (its family's primary adapter, as dspark.export.__main__ prints it)."""
+    from dspark.export.adapter import primary_adapter
+
+    return primary_adapter(type(draft).family_kind).next_step(args, draft)
+
+
 def test_the_export_next_step_on_a_cpu_machine_names_the_gpu_for_what_vllm_cpu_cannot_serve(tmp_path, monkeypatch):
-    from dspark.export.__main__ import next_step
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     xpress = _draft("xpress", num_layers=1, block_size=4, mask_token_id=4, target_layer_ids=[0, 2], xpress_rank=16,
