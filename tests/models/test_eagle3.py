@@ -383,17 +383,21 @@ def _refusal(grp, hf) -> str:
 
 
 @pytest.mark.parametrize("hf, why", [(tiny_v4_config(), "hc_mult copies"),
-                                     (MixtralConfig(vocab_size=V, hidden_size=H, num_hidden_layers=6), "SupportsEagle3")],
-                         ids=["deepseek_v4", "mixtral"])
+                                     (MixtralConfig(vocab_size=V, hidden_size=H, num_hidden_layers=6), "SupportsEagle3"),
+                                     # transformers' default Mistral (v0.1): every layer slides, window 4096
+                                     (MistralConfig(vocab_size=V, hidden_size=H, num_hidden_layers=6),
+                                      "sliding_window 4096")],
+                         ids=["deepseek_v4", "mixtral", "mistral-sliding"])
 def test_a_target_vllm_does_not_tap_is_refused(hf, why):
     msg = _refusal(group(target_layer_ids=[0]), hf)
     assert msg.startswith("draft.kind:") and hf.model_type in msg and why in msg
 
 
 def test_a_target_whose_vllm_class_inherits_the_taps_is_accepted():
-    """vLLM's MistralForCausalLM is a LlamaForCausalLM (model_executor/models/mistral.py:236): SupportsEagle3."""
+    """vLLM's MistralForCausalLM is a LlamaForCausalLM (model_executor/models/mistral.py:236): SupportsEagle3 (a
+    Mistral without a sliding window, as 7B v0.2 and later; a windowed one is refused above)."""
     hf = MistralConfig(vocab_size=V, hidden_size=H, num_hidden_layers=6, num_attention_heads=NH,
-                       num_key_value_heads=NKV, head_dim=HD, intermediate_size=INTER)
+                       num_key_value_heads=NKV, head_dim=HD, intermediate_size=INTER, sliding_window=None)
     assert build_config(group(target_layer_ids=[0, 2]), hf).target_layer_ids == [0, 2]
 
 
