@@ -38,6 +38,15 @@ static inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
 }
 static inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
+// s[t] <- exp(s[t] - max s) over one row of scores; returns 1 / their sum (softmax = s * the return value)
+static inline float exp_shifted(float* s, int64_t len) {
+  float mx = s[0];
+  for (int64_t t = 1; t < len; ++t) mx = s[t] > mx ? s[t] : mx;
+  float sum = 0.f;
+  for (int64_t t = 0; t < len; ++t) { s[t] = std::exp(s[t] - mx); sum += s[t]; }
+  return 1.f / sum;
+}
+
 #if defined(__AVX512F__)
 // AVX-512 path (head size a multiple of 16): keys and values are read once per block of 16 positions, converted to
 // float32 into an L1 buffer, and used by every query head of the group; the 16 dot products of a block are summed
@@ -99,11 +108,7 @@ static void run_avx512(const T* q, const T* kc, const T* vc, const int64_t* pos,
       }
       for (int64_t j = 0; j < g; ++j) {
         float* sj = s.data() + j * len;
-        float mx = sj[0];
-        for (int64_t t = 1; t < len; ++t) mx = sj[t] > mx ? sj[t] : mx;
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) { sj[t] = std::exp(sj[t] - mx); sum += sj[t]; }
-        const float inv = 1.f / sum;
+        const float inv = exp_shifted(sj, len);
         for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -174,11 +179,7 @@ static void run_bf16_dot(const at::BFloat16* q, const at::BFloat16* kc, const at
       }
       for (int64_t j = 0; j < g; ++j) {  // softmax in float32, then rounded to bf16 (nearest even)
         float* sj = s.data() + j * len;
-        float mx = sj[0];
-        for (int64_t t = 1; t < len; ++t) mx = sj[t] > mx ? sj[t] : mx;
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) { sj[t] = std::exp(sj[t] - mx); sum += sj[t]; }
-        const float inv = 1.f / sum;
+        const float inv = exp_shifted(sj, len);
         uint16_t* pj = pb.data() + j * padded;
         int64_t t = 0;
         for (; t + 16 <= len; t += 16)
@@ -273,11 +274,7 @@ static void run(const T* q, const T* kc, const T* vc, const int64_t* pos, const 
           for (int64_t d = 0; d < hd; ++d) dot += qj[d] * kt[d];
           sj[t] = dot;
         }
-        float mx = sj[0];
-        for (int64_t t = 1; t < len; ++t) mx = sj[t] > mx ? sj[t] : mx;
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) { sj[t] = std::exp(sj[t] - mx); sum += sj[t]; }
-        const float inv = 1.f / sum;
+        const float inv = exp_shifted(sj, len);
         for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
       }
       vf.resize(len * hd);
@@ -343,7 +340,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor 
 
 def _load():
     """The compiled kernel module, or None (no compiler: the reference runs)."""
-    return load_cpu_kernel("dspark_decode_attention_v6", _SOURCE, ["decode_attention"], "torch ops (slower)")
+    return load_cpu_kernel("dspark_decode_attention_v7", _SOURCE, ["decode_attention"], "torch ops (slower)")
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
