@@ -42,3 +42,20 @@ def test_too_few_records_is_refused(tmp_path):
         mixer.mix(sg, rg, 13)
     mixer.main([str(sg), str(rg), str(tmp_path / "m.jsonl"), "12"])
     assert ids((tmp_path / "m.jsonl").read_text(encoding="utf-8").split("\n")[:-1])[:4] == ["s0", "s1", "s2", "r0"]
+
+
+def test_a_share_other_than_a_quarter_interleaves_evenly_and_keeps_the_prefix(tmp_path):
+    sg, rg = tmp_path / "sg.jsonl", tmp_path / "rg.jsonl"
+    write(sg, "s", 14)
+    write(rg, "r", 16)
+    share = mixer.Fraction(27, 50)
+    thirty = mixer.mix(sg, rg, 30, share)
+    order = ids(thirty)
+    assert sum(i.startswith("r") for i in order) == 16 and len(set(order)) == 30  # floor(30 * 27/50) = 16
+    for k in range(1, 31):  # every prefix holds floor(k s) reasoning-gym records: never a run of one source
+        assert sum(i.startswith("r") for i in order[:k]) == (k * 27) // 50
+    assert mixer.mix(sg, rg, 15, share) == thirty[:15]
+    # the default share is the 3:1 of the earlier mixes, record for record
+    assert mixer.mix(sg, rg, 8) == mixer.mix(sg, rg, 8, mixer.Fraction(1, 4))
+    with pytest.raises(SystemExit, match="not within"):
+        mixer.mix(sg, rg, 8, mixer.Fraction(3, 2))
