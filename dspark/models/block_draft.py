@@ -13,7 +13,8 @@ It is the training forward (dspark.training.block_module builds the same blocks 
 the Markov head runs step by step on the draft's own samples instead of the ground truth (`forced_tokens` feeds
 given tokens instead: teacher forcing). A draft without a Markov head (DFlash) samples each position from U_k.
 The layout, the mask token and the attention window are the draft's config (`layout`, `mask_token_id`,
-`sliding_window`): nothing travels down the call.
+`sliding_window` with its `window_rule`, dspark.ops.attention.WINDOW_RULES: "block" sees W context keys before the
+anchor from every slot, "query" is vLLM's per-query non-causal window): nothing travels down the call.
 
 Draft-side context cache (eval; `new_cache()` -> BlockContextCache, one per request, kept by the decoding loop):
 vLLM's DSpark / DFlash speculators store the context KV of every verified position once
@@ -23,8 +24,8 @@ and :283) and the block of the next round attends to it. Checked: tests/models/t
 every round, a stale cache fails), tests/serving/test_vllm_parity.py (eval.py with the cache == vLLM step by step). With caches, a round computes
 `combine` + `context_kv` only for the positions verified since the last round (x0 and the accepted drafts of the
 previous round) and keeps the rest: the cache holds the context KV of positions [max(a - W, 0), a) (W =
-`sliding_window`; all of 0..a-1 without a window), exactly the keys the uncached mask lets the block see, so the
-block attends to the same keys. Rejected drafts never enter it (only committed positions are context), so there is
+`sliding_window`, rule "block"; [max(a - W + 1, 0), a) under rule "query"; all of 0..a-1 without a window), exactly
+the keys the uncached mask lets the block see, so the block attends to the same keys. Rejected drafts never enter it (only committed positions are context), so there is
 nothing to roll back after a rejection; a cache that is ahead of the request or holds other tokens is truncated to
 the longest common prefix of token ids (rows depend only on positions 0..p), and recomputed where it lacks rows.
 
@@ -44,7 +45,7 @@ import torch
 from dspark.models.common import field_error
 from dspark.models.heads import MARKOV_HEAD_KINDS
 from dspark.models.proposal import Proposal, sample_from_logits
-from dspark.ops.attention import PackedBlockMask
+from dspark.ops.attention import PackedBlockMask, check_window
 
 LAYOUTS = ("anchor", "mask")
 
@@ -76,38 +77,49 @@ def block_layout(layout: str, num_drafts: int) -> tuple[int, int]:
 
 
 def block_attention_mask(
-    anchors: torch.Tensor, block_len: int, context_len: int, window: int | None
+    anchors: torch.Tensor, block_len: int, context_len: int, window: int | None, rule: str = "block"
 ) -> torch.Tensor:
     """Which keys each packed block query may attend to.
 
     anchors: [B, A]. Keys are the `context_len` context positions followed by the A*block_len block
-    slots in query order. A query of block b sees context keys j with max(a_b - W, 0) <= j < a_b
-    (no lower bound when window is None) and every slot of its own block (bidirectional), nothing else.
+    slots in query order; slot i of block b sits at position a_b + i. Rule "block": a query of block b sees context
+    keys j with max(a_b - W, 0) <= j < a_b (no lower bound when window is None) and every slot of its own block
+    (bidirectional), nothing else. Rule "query" (vLLM's non-causal window, dspark.ops.attention): slot i sees the
+    context keys j < a_b with a_b + i - j < W and the own-block slots i' with |i - i'| < W.
     Returns bool [B, A*block_len, context_len + A*block_len].
     """
-    if window is not None and window <= 0:
-        raise ValueError(f"window must be positive or None, got {window}")
+    check_window(window, rule)
     B, A = anchors.shape
     T = A * block_len
     dev = anchors.device
+    slot = torch.arange(T, device=dev) % block_len  # [T]
     a = anchors.repeat_interleave(block_len, dim=1).unsqueeze(-1)  # [B, T, 1]
     j = torch.arange(context_len, device=dev)  # [S]
     ctx = j < a
     if window is not None:
-        ctx &= j >= a - window
+        ctx &= j >= (a - window if rule == "block" else a + slot.unsqueeze(-1) - window + 1)
     blk_of = torch.arange(T, device=dev) // block_len  # [T]
-    own = (blk_of.unsqueeze(1) == blk_of.unsqueeze(0)).expand(B, T, T)  # [B, T, T]
-    return torch.cat([ctx, own], dim=-1)
+    own = blk_of.unsqueeze(1) == blk_of.unsqueeze(0)  # [T, T]
+    if window is not None and rule == "query":
+        own &= (slot.unsqueeze(1) - slot.unsqueeze(0)).abs() < window
+    return torch.cat([ctx, own.expand(B, T, T)], dim=-1)
 
 
 def packed_block_attention_mask(
-    anchors: torch.Tensor, block_len: int, context_len: int, window: int | None
+    anchors: torch.Tensor, block_len: int, context_len: int, window: int | None, rule: str = "block"
 ) -> PackedBlockMask:
     """block_attention_mask's rule without its dense [B, A*block_len, context_len + A*block_len] tensor: a
     dspark.ops.attention.PackedBlockMask (same shape, `.dense()` is block_attention_mask's result), which
     masked_attention computes block group by block group over only the keys each block sees. The training forward
     uses it (its cost grows with anchors x context seen, not with the dense mask)."""
-    return PackedBlockMask(anchors, int(block_len), int(context_len), window)
+    return PackedBlockMask(anchors, int(block_len), int(context_len), window, rule)
+
+
+def context_start(anchor: int, window: int | None, rule: str) -> int:
+    """The first context position any slot of a block at `anchor` sees (0 without a window)."""
+    if window is None:
+        return 0
+    return max(anchor - (window if rule == "block" else window - 1), 0)
 
 
 def _check_context(aux: torch.Tensor, anchor_pos: int, num_drafts: int) -> None:
@@ -197,7 +209,7 @@ class BlockDraft:
         """Bring every cache to the context of its request: rows of positions [lo_i, a_i), lo_i = max(a_i - W, 0)
         (0 without a window). Reused rows are kept, the others are projected in ONE combine + context_kv over the
         new positions of every request (packed along the positions). -> lo_i per request."""
-        window = self.config.sliding_window
+        window, rule = self.config.sliding_window, self.config.window_rule
         dim = self.context_seq_dim
         plans, aux_parts, pos_parts = [], [], []
         for f, t, c in zip(feats, tokens, caches):
@@ -205,7 +217,7 @@ class BlockDraft:
             if a < 1 or f.aux.shape[1] < a:
                 raise ValueError(f"propose_batch: x0 at position {a} needs context features of positions 0..{a - 1}, "
                                  f"got {f.aux.shape[1]}")
-            lo = max(a - window, 0) if window is not None else 0
+            lo = context_start(a, window, rule)
             hi = c.reusable(t, a)  # cached rows of positions < hi are this request's
             reuse = c.ctx is not None and c.start <= lo < hi  # the cache holds rows lo..hi-1
             first = hi if reuse else lo  # first position to project
@@ -258,8 +270,15 @@ class BlockDraft:
         anchors = torch.tensor([t.numel() - 1 for t in tokens], dtype=torch.long, device=dev).unsqueeze(1)  # [B, 1]
         block_ids, block_pos, block_len, pred_offset = self._block_inputs(anchors, [int(t[-1]) for t in tokens], g)
         valid = torch.arange(width, device=dev) < torch.tensor(lens, device=dev).unsqueeze(1)  # [B, S] cached rows
-        mask = torch.cat([valid.unsqueeze(1).expand(bsz, block_len, width),
-                          torch.ones(bsz, block_len, block_len, dtype=torch.bool, device=dev)], dim=-1)  # [B, L, S+L]
+        ctx_mask = valid.unsqueeze(1).expand(bsz, block_len, width)  # [B, L, S]
+        own = torch.ones(block_len, block_len, dtype=torch.bool, device=dev)  # [L, L]
+        window = self.config.sliding_window
+        if window is not None and self.config.window_rule == "query":  # slot i: positions > a + i - W, |i - i'| < W
+            slot = torch.arange(block_len, device=dev)
+            row_pos = torch.tensor([c.start for c in caches], device=dev).unsqueeze(1) + torch.arange(width, device=dev)
+            ctx_mask = ctx_mask & (row_pos.unsqueeze(1) > (anchors + slot).unsqueeze(-1) - window)  # [B, L, S]
+            own = (slot.unsqueeze(1) - slot.unsqueeze(0)).abs() < window
+        mask = torch.cat([ctx_mask, own.expand(bsz, block_len, block_len)], dim=-1)  # [B, L, S+L]
         h_all = self.backbone(block_ids, block_pos, ctx, mask)  # [B, L, H]
         return self._draft_block(h_all, pred_offset, block_ids[:, 0], temperature, gens, None)
 
@@ -293,7 +312,7 @@ class BlockDraft:
         ctx = self.context_kv(main_x, torch.arange(width, device=dev).expand(bsz, width))
         anchors = torch.tensor(lens, dtype=torch.long, device=dev).unsqueeze(1)  # [B, 1] = a_i
         block_ids, block_pos, block_len, pred_offset = self._block_inputs(anchors, anchor_tokens, g)
-        mask = block_attention_mask(anchors, block_len, width, cfg.sliding_window)  # [B, L, A + L]
+        mask = block_attention_mask(anchors, block_len, width, cfg.sliding_window, cfg.window_rule)  # [B, L, A + L]
         h_all = self.backbone(block_ids, block_pos, ctx, mask)  # [B, L, H]
         return self._draft_block(h_all, pred_offset, block_ids[:, 0], temperature, gens, forced_tokens)
 
@@ -369,5 +388,5 @@ def propose(draft: BlockDraft, target_feats_aux: torch.Tensor, anchor_token: int
                                 forced_tokens=None if forced_tokens is None else forced_tokens.view(1, g))[0]
 
 
-__all__ = ["LAYOUTS", "BlockContextCache", "BlockDraft", "block_attention_mask", "block_layout",
+__all__ = ["LAYOUTS", "BlockContextCache", "BlockDraft", "block_attention_mask", "block_layout", "context_start",
            "packed_block_attention_mask", "propose"]

