@@ -14,7 +14,7 @@ from conftest import tiny_v4_config
 from transformers import DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from dspark.evaluation.speculative import speculative_generate_batch, target_generate
-from dspark.models.block_draft import BlockContextCache
+from dspark.models.block_draft import BlockContextCache, context_start
 from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
 from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft
 from dspark.models.dsv4_mtp import DSV4MTPConfig, DSV4MTPDraft
@@ -75,7 +75,20 @@ def dense_dspark_windowed():
     return draft
 
 
-BLOCK_DRAFTS = {"dspark_v4": v4_block, "dflash": dflash, "dense_windowed": dense_dspark_windowed}
+def dflash_query_window(window: int = 5):
+    """DFlash with vLLM's per-query window (window_rule "query", what a target whose layers all slide gives it): the
+    mask row of position a + 1 sees the context from a + 2 - W (W = 5: position 5 at a = 8, as the stale-cache test
+    needs); tests/ops/test_query_window.py runs the rounds with W = 2, shorter than the block."""
+    torch.manual_seed(4)
+    draft = DSparkDenseDraft(DSparkDenseConfig.from_target_config(
+        _llama_config(), num_layers=2, block_size=3, mask_token_id=MASK_LLAMA, target_layer_ids=[0, 1],
+        markov_rank=0, layout="mask", sliding_window=window, window_rule="query")).eval()
+    _share(draft, V_LLAMA, 32)
+    return draft
+
+
+BLOCK_DRAFTS = {"dspark_v4": v4_block, "dflash": dflash, "dense_windowed": dense_dspark_windowed,
+                "dflash_query_window": dflash_query_window}
 
 
 def _aux_width(draft) -> int:
@@ -157,7 +170,7 @@ def _run_rounds(draft, feats_of):
         assert_same(cached, ref)
         assert_same(*_propose_both(draft, fs, seqs, [caches[i] for i in live], g, 1.0, seed=50 + r))
         if isinstance(caches[0], BlockContextCache):  # one combine over the new positions of every request
-            lo = [max(a[i] - window, 0) if window else 0 for i in live]
+            lo = [context_start(a[i], window, getattr(draft.config, "window_rule", "block")) for i in live]
             expect = sum(a[i] - lo_i if last[i] is None else min(last[i], a[i] - lo_i) for i, lo_i in zip(live, lo))
             assert counted.rows == [expect]
             assert [caches[i].start for i in live] == lo and [caches[i].rows for i in live] == [
@@ -215,6 +228,7 @@ ROLLBACK_ROWS = {
     "dspark_v4": [[5], [5], [4], [5]],  # W = 5: at 12 the cache [15, 20) lacks 7..14 -> recompute [7, 12); ...
     "dflash": [[20], [], [4], [6]],  # no window: 0..11 reused at 12; 0..7 reused at 14 (tokens differ at 8)
     "dense_windowed": [[4], [4], [4], [4]],  # W = 4: always [a-4, a), partly recomputed after rollbacks
+    "dflash_query_window": [[4], [4], [4], [4]],  # W = 5, rule "query": always [a-4, a)
 }
 
 
@@ -237,7 +251,7 @@ def test_block_cache_rolls_back_to_the_common_prefix(kind):
         with _RowCounter(draft, "combine") as counted:
             cached = draft.propose_batch([f.prefix(a)], [t[: a + 1]], caches=[cache], **kw)
         assert_same(cached, draft.propose_batch([f.prefix(a)], [t[: a + 1]], **kw))
-        lo = max(a - window, 0) if window else 0
+        lo = context_start(a, window, draft.config.window_rule)
         assert (cache.start, cache.end) == (lo, a) and torch.equal(cache.ids, t[:a])
         assert counted.rows == rows, (a, counted.rows)
 

@@ -102,3 +102,15 @@ def test_context_start_and_bad_rules():
         PackedBlockMask(ANCHORS, K, S, 3, "causal")
     with pytest.raises(ValueError, match="window rule"):
         block_attention_mask(ANCHORS, K, S, 3, "per-block")
+
+
+def test_eval_cache_rounds_with_a_window_shorter_than_the_block():
+    """eval's cached block path (BlockContextCache: rows [a - W + 1, a), the per-slot mask) = the uncached
+    propose_blocks over decoding rounds with rejections, W = 2 < the 1 + 3 block: its own slots are windowed."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+    from test_draft_cache import _block_feats, _run_rounds, dflash_query_window
+
+    _run_rounds(dflash_query_window(2), _block_feats)
