@@ -18,8 +18,16 @@ rules vLLM 0.33.0 applies. Facts checked against the vLLM 0.33.0 wheel (docs/CON
 - vLLM's Qwen3DSparkModel implements only the vanilla Markov head (markov_w1/w2, qwen3_dspark.py:48-93) and
   the draft layers attend to the whole context (no layer_types written: transformers' Qwen3Config makes them
   full attention, and vLLM runs a layer non-causally unless it is sliding_attention, qwen3_dflash.py:62-81):
-  a gated / rnn Markov head or a sliding_window draft is refused for the vLLM format (for_vllm=False or the
-  speculators format write it anyway, listing the reasons under `dspark_not_for_vllm`).
+  a gated / rnn Markov head or a sliding_window draft with the "block" window rule is refused for the vLLM format
+  (for_vllm=False or the speculators format write it anyway, listing the reasons under `dspark_not_for_vllm`).
+- a draft trained against a target whose layers all slide (window_rule "query", dspark.models.vllm_targets): vLLM
+  gives its layers the target's model-level window anyway (engine/arg_utils.py:2288-2294, model_executor/layers/
+  attention/attention.py:265-271); the export also writes it as the draft's own, dflash_config.use_swa true and
+  swa_window_size W, which qwen3_dflash.py:140-156 turns into each layer's window (no layer_types written:
+  transformers' Qwen3Config makes them all "full_attention", so use_swa applies to every layer and the block stays
+  non-causal, :62-73). A non-causal layer's window is |q - k| < W (v1/attention/backends/flash_attn.py:1082-1087,
+  :586-597), the rule the draft trained with. The speculators format has no key for it (algos.py:91-126 builds
+  dflash_config from mask_token_id / target_layer_ids / sample_from_anchor / causal only): refused there.
 - speculators format (vllm/transformers_utils/configs/speculators/algos.py update_dspark/update_dflash,
   speculators' DSparkSpeculatorConfig): top-level speculators_model_type, transformer_layer_config (the
   Qwen3 layer sizes), speculators_config (proposal_methods[0].speculative_tokens, verifier), and
@@ -75,6 +83,14 @@ def _layer_config(cfg: DSparkDenseConfig, dtype: torch.dtype) -> dict:
             "torch_dtype": dtype_name(dtype)}
 
 
+def _swa_keys(cfg: DSparkDenseConfig) -> dict:
+    """dflash_config's window keys of a "query"-rule draft (module docstring; qwen3_dflash.py:140-156): use_swa and
+    swa_window_size; none for a full-attention draft."""
+    if cfg.sliding_window is None or cfg.window_rule != "query":
+        return {}
+    return {"use_swa": True, "swa_window_size": int(cfg.sliding_window)}
+
+
 def dense_config_json(cfg: DSparkDenseConfig, dtype: torch.dtype = torch.bfloat16,
                       num_target_layers: int | None = None) -> dict:
     """vLLM's own draft config (architectures Qwen3DSparkModel / DFlashDraftModel); sample_from_anchor = the
@@ -90,6 +106,7 @@ def dense_config_json(cfg: DSparkDenseConfig, dtype: torch.dtype = torch.bfloat1
             "target_layer_ids": list(cfg.target_layer_ids),
             "mask_token_id": cfg.mask_token_id,
             "block_size": cfg.block_size,
+            **_swa_keys(cfg),
         },
         "markov_rank": cfg.markov_rank,
         "markov_head_type": cfg.markov_head_type if is_dspark else None,
@@ -107,6 +124,11 @@ def speculators_config_json(cfg: DSparkDenseConfig, dtype: torch.dtype = torch.b
     """speculators-format config ("dspark" for DSpark drafts, "dflash" for DFlash drafts)."""
     is_dspark = cfg.markov_rank > 0
     _check_layout(cfg)
+    if _swa_keys(cfg):
+        raise ValueError(f"the speculators format has no key for the draft's sliding_window {cfg.sliding_window} "
+                         "(vLLM's update_dflash builds dflash_config from mask_token_id, target_layer_ids, "
+                         "sample_from_anchor and causal only: transformers_utils/configs/speculators/algos.py:91-126); "
+                         "export this draft in the vLLM format (--format vllm)")
     algo = "dspark" if is_dspark else "dflash"
     out = {
         "speculators_model_type": algo,
@@ -148,10 +170,11 @@ def dense_serving_problems(cfg: DSparkDenseConfig) -> list[str]:
     """Why vLLM 0.33.0 would serve this dense draft differently from how it was trained (empty: as trained);
     each line names the draft config key."""
     out = draft_markov_problems(cfg.markov_head_type) if cfg.markov_rank > 0 else []
-    if cfg.sliding_window is not None:
-        out.append(f"sliding_window {cfg.sliding_window}: vLLM's Qwen3 DFlash / DSpark draft layers attend to the "
-                   "whole context (full attention unless layer_types says sliding_attention, which also makes the "
-                   "block causal: qwen3_dflash.py:62-81, 96-158)")
+    if cfg.sliding_window is not None and cfg.window_rule != "query":
+        out.append(f"sliding_window {cfg.sliding_window} (window_rule {cfg.window_rule!r}: each block sees the "
+                   "window before its anchor): vLLM windows a non-causal DFlash / DSpark layer per query, |q - k| < W "
+                   "(dflash_config.use_swa: qwen3_dflash.py:140-156; v1/attention/backends/flash_attn.py:1082-1087, "
+                   ":586-597), and layer_types sliding_attention also makes the block causal (qwen3_dflash.py:62-81)")
     return out
 
 
@@ -231,6 +254,19 @@ def read_dense_config(folder) -> dict:
         raise ValueError(f"{folder}/config.json: {err}") from err
 
 
+def _swa_of(c: dict) -> dict:
+    """The draft's window from a folder config: dflash_config.use_swa with swa_window_size (else the top-level
+    sliding_window, qwen3_dflash.py:146-149) -> the "query" rule vLLM applies to the non-causal block."""
+    dflash = c.get("dflash_config") or {}
+    if not dflash.get("use_swa"):
+        return {}
+    window = dflash.get("swa_window_size", c.get("sliding_window"))
+    if window is None:
+        raise ValueError("config.json: dflash_config.use_swa without swa_window_size or sliding_window (vLLM raises, "
+                         "qwen3_dflash.py:150-154)")
+    return {"sliding_window": int(window), "window_rule": "query"}
+
+
 def dense_config_from_config(c: dict) -> DSparkDenseConfig:
     """The draft config of a dense folder's config (vLLM key names), to build a draft to import into; the layout
     is sample_from_anchor's (vLLM's default: anchor for DSpark)."""
@@ -249,7 +285,7 @@ def dense_config_from_config(c: dict) -> DSparkDenseConfig:
         markov_head_type=c.get("markov_head_type") or "vanilla",
         confidence_head=bool(c.get("enable_confidence_head", False)) if rank else True,  # unused without Markov
         draft_vocab_size=vd if vd < vocab else None,
-        layout="anchor" if c.get("sample_from_anchor", rank > 0) else "mask")
+        layout="anchor" if c.get("sample_from_anchor", rank > 0) else "mask", **_swa_of(c))
     if rank and cfg.confidence_head and not c.get("confidence_head_with_markov", False):
         raise ValueError("config.json: a confidence head without the Markov feature (confidence_head_with_markov "
                          "false) has no counterpart in the dense draft")

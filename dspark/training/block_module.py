@@ -111,7 +111,8 @@ class BlockDraftModule(DraftLightningModule):
         main_x = draft.combine(feats.aux)  # [B, S, H]
         ctx = draft.context_kv(main_x, torch.arange(S, device=ids.device).expand(B, S))
         build_mask = packed_block_attention_mask if self.packed_attention_mask else block_attention_mask
-        mask = build_mask(batch["anchors"], Lb, S, cfg.sliding_window)  # [B, A*Lb, S + A*Lb] (packed: its rule)
+        # [B, A*Lb, S + A*Lb] (packed: its rule), with the draft's window rule
+        mask = build_mask(batch["anchors"], Lb, S, cfg.sliding_window, cfg.window_rule)
         h = draft.backbone(blocks.input_ids.flatten(1), blocks.positions.flatten(1), ctx, mask)  # [B, A*Lb, H]
         return h.view(B, A, Lb, -1), blocks, feats.final
 

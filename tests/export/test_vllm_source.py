@@ -310,3 +310,33 @@ def test_vllm_033_parses_the_tiny_v4_config_with_transformers_deepseek_v4_config
     with pytest.raises(Exception, match="validate_layer_type"):  # ('sparse', 'dense') is not V4's vocabulary
         DeepseekV4Config(**{**{k: v for k, v in tiny.items() if k != "model_type"},
                             "mlp_layer_types": ["sparse"] * tiny["num_hidden_layers"]})
+
+
+def test_a_query_window_draft_export_is_windowed_non_causally_by_vllm(tmp_path):
+    """A dense draft trained against an all-sliding target (window_rule "query", W = 8) exports dflash_config.use_swa /
+    swa_window_size: vLLM's own _resolve_layer_attention, on the config as transformers' Qwen3Config reads it (its
+    layer_types filled with "full_attention"), gives every layer the window 8, non-causal; flash-attn's
+    _maybe_symmetrize_window then makes it (7, 7), i.e. |q - k| < 8: the rule the draft trained with."""
+    from transformers import Qwen3Config
+
+    from dspark.export.dense import dense_config_from_config, dense_config_json
+    from dspark.models.dspark_dense import DSparkDenseConfig
+
+    cfg = DSparkDenseConfig(hidden_size=32, vocab_size=40, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                            intermediate_size=64, num_layers=2, block_size=3, mask_token_id=1, target_layer_ids=[0],
+                            sliding_window=8, window_rule="query").validate()
+    c = dense_config_json(cfg, num_target_layers=2)
+    hf = Qwen3Config(**{k: v for k, v in c.items() if k != "architectures"})
+    assert hf.layer_types == ["full_attention"] * 2 and hf.dflash_config["use_swa"] is True
+    ns = vllm_functions("vllm/model_executor/models/qwen3_dflash.py", "_resolve_layer_attention",
+                        "_dflash_layer_causal", "_SLIDING_ATTENTION",
+                        get_current_vllm_config=lambda: SimpleNamespace(use_v2_model_runner=True))
+    assert [ns["_resolve_layer_attention"](hf, i) for i in range(2)] == [(8, False), (8, False)]
+    import torch
+
+    fa = vllm_functions("vllm/v1/attention/backends/flash_attn.py", "_maybe_symmetrize_window", torch=torch)
+    assert fa["_maybe_symmetrize_window"]((8 - 1, 0), False) == (7, 7)  # the layer's (W - 1, 0), non-causal
+    back = dense_config_from_config(c)  # an import rebuilds the same window and rule
+    assert (back.sliding_window, back.window_rule) == (8, "query")
+    full = dense_config_json(DSparkDenseConfig(**{**cfg.__dict__, "sliding_window": None}), num_target_layers=2)
+    assert "use_swa" not in full["dflash_config"]  # a full-attention draft's export is unchanged
