@@ -14,8 +14,10 @@ dspark.export dense | dflash2 | eagle3`; vLLM's config: the draft's own full rot
 before any model loads (a config.json and a tokenizer, no weights): Gemma 2 / Gemma 3 (embedding scale, final
 soft-capping), and the targets vLLM 0.33.0 cannot serve these drafts against (dspark.models.vllm_targets, vLLM
 file:line there): StableLM, Mixtral and Qwen2-MoE (vLLM's own classes lack SupportsEagle3: the aux hidden states are
-never recorded), GPT-NeoX (vLLM cannot share its `.embed_in` embedding with the draft). README.md "Targets checked"
-holds the table.
+never recorded), GPT-NeoX (vLLM cannot share its `.embed_in` embedding with the draft). Mistral's layers all slide
+(window 8): vLLM gives the draft's layers that window too, so every family trains and drafts with it (DFlash / DSpark /
+DFlash2: the "query" rule |q - k| < W of a non-causal layer; EAGLE-3: the causal q - W < k <= q), taken from the
+target's config. README.md "Targets checked" holds the table.
 
 The matrix fails when a rule goes (checked by hand once, then restored): with decoder_base reduced to `.model` / the
 model itself (no base_model), the gpt_neox features and verify cells fail (TypeError: cannot find decoder layers); with
@@ -57,8 +59,7 @@ TARGETS = {
 REFUSED = {"gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
 # refused by vLLM 0.33.0's rules (dspark.models.vllm_targets.UNSERVED): name -> (config class, keys, what the line names)
 UNSERVED = {"stablelm": ("StableLmConfig", {}, "SupportsEagle3"), "mixtral": ("MixtralConfig", {}, "SupportsEagle3"),
-            "qwen2_moe": ("Qwen2MoeConfig", {}, "SupportsEagle3"), "gpt_neox": ("GPTNeoXConfig", {}, "embed_in"),
-            "mistral": ("MistralConfig", {}, "sliding_window 8")}  # every layer slides: vLLM windows the draft too
+            "qwen2_moe": ("Qwen2MoeConfig", {}, "SupportsEagle3"), "gpt_neox": ("GPTNeoXConfig", {}, "embed_in")}
 
 
 def tiny_config(cls_name: str, tokenizer, **keys):
@@ -250,6 +251,8 @@ def test_trains_and_decodes_losslessly(targets, tmp_path, name, family):
                                    "confidence=false", "adaptive_verification=false"))["gsm8k"]
     assert report["greedy_outputs_equal_target"] == f"{report['num_requests']}/{report['num_requests']}"
     assert report["vllm_settings"]["method"] == FAMILIES[family][1]
+    if name == "mistral":  # every layer slides: the draft trained and drafts with the window vLLM gives it
+        assert report["window"] == 8, report["window"]
     target = load(targets[name])
     for sample in report["samples"]:
         assert sample["output"] == hf_greedy(target.model, target.tokenizer, sample["prompt"], 16), sample
@@ -259,6 +262,13 @@ def test_trains_and_decodes_losslessly(targets, tmp_path, name, family):
     out = tmp_path / "export"  # vLLM's draft config: the draft's own full rotary, whatever the target's
     assert export_main([FAMILIES[family][2], "--run-dir", str(run), "--out", str(out), "--dtype", "float32"]) == 0
     assert verify_folder(out).ok and "partial_rotary_factor" not in (out / "config.json").read_text()
+    if name == "mistral":
+        exported = json.loads((out / "config.json").read_text())
+        if FAMILIES[family][2] == "eagle3":
+            assert exported["sliding_window"] == 8 and "layer_types" not in exported
+        else:  # the non-causal block's own window (qwen3_dflash.py:140-156)
+            assert {k: exported["dflash_config"][k] for k in ("use_swa", "swa_window_size")} == {
+                "use_swa": True, "swa_window_size": 8}
 
 
 # ---- refused: one line before any model loads ------------------------------------------------------------------------
