@@ -383,22 +383,23 @@ def _refusal(grp, hf) -> str:
 
 
 @pytest.mark.parametrize("hf, why", [(tiny_v4_config(), "hc_mult copies"),
-                                     (MixtralConfig(vocab_size=V, hidden_size=H, num_hidden_layers=6), "SupportsEagle3"),
-                                     # transformers' default Mistral (v0.1): every layer slides, window 4096
-                                     (MistralConfig(vocab_size=V, hidden_size=H, num_hidden_layers=6),
-                                      "sliding_window 4096")],
-                         ids=["deepseek_v4", "mixtral", "mistral-sliding"])
+                                     (MixtralConfig(vocab_size=V, hidden_size=H, num_hidden_layers=6), "SupportsEagle3")],
+                         ids=["deepseek_v4", "mixtral"])
 def test_a_target_vllm_does_not_tap_is_refused(hf, why):
     msg = _refusal(group(target_layer_ids=[0]), hf)
     assert msg.startswith("draft.kind:") and hf.model_type in msg and why in msg
 
 
 def test_a_target_whose_vllm_class_inherits_the_taps_is_accepted():
-    """vLLM's MistralForCausalLM is a LlamaForCausalLM (model_executor/models/mistral.py:236): SupportsEagle3 (a
-    Mistral without a sliding window, as 7B v0.2 and later; a windowed one is refused above)."""
-    hf = MistralConfig(vocab_size=V, hidden_size=H, num_hidden_layers=6, num_attention_heads=NH,
-                       num_key_value_heads=NKV, head_dim=HD, intermediate_size=INTER, sliding_window=None)
-    assert build_config(group(target_layer_ids=[0, 2]), hf).target_layer_ids == [0, 2]
+    """vLLM's MistralForCausalLM is a LlamaForCausalLM (model_executor/models/mistral.py:236): SupportsEagle3. Without
+    a sliding window (7B v0.2 and later) the draft attends to its whole cache; with one (transformers' default, v0.1:
+    every layer slides, 4096) vLLM gives the draft's layer that window too, so the draft takes it (one info line)."""
+    keys = dict(vocab_size=V, hidden_size=H, num_hidden_layers=6, num_attention_heads=NH, num_key_value_heads=NKV,
+                head_dim=HD, intermediate_size=INTER)
+    cfg = build_config(group(target_layer_ids=[0, 2]), MistralConfig(**keys, sliding_window=None))
+    assert cfg.target_layer_ids == [0, 2] and cfg.sliding_window is None
+    draft = Eagle3Draft(build_config(group(target_layer_ids=[0, 2]), MistralConfig(**keys)))
+    assert draft.config.sliding_window == 4096 and draft.attention_window == 4096
 
 
 @pytest.mark.parametrize("grp, key, why", [
