@@ -25,9 +25,16 @@ Sizes: TARGETS' head_dim 16 is below vLLM's CPU attention's smallest (v1/attenti
 targets here have 2 heads of 32 (hidden 64 as there, 1 KV head) and initializer_range 0.05 (SERVE_SIZES); every other
 key of TARGETS (the trait each target stands for) is unchanged.
 
-Not served (nothing asserted here; tests/test_target_matrix.py checks their refusal): UNSERVED. Mistral with its
-sliding window is among them: served, vLLM gave the window to the draft's attention too and the accepted counts
-differed from eval.py's (outputs equal), so the project now refuses all-sliding targets.
+Not served (nothing asserted here; tests/test_target_matrix.py checks their refusal): UNSERVED.
+
+Mistral (every layer slides, window 8, shorter than the prompts): vLLM gives the model-level window to the draft's
+attention layers too (engine/arg_utils.py:2249-2254, model_executor/layers/attention/attention.py:266-271 of 0.32.0),
+so the drafts train and draft with it, taken from the target's config (dspark.models.vllm_targets.served_window):
+the DFlash block under vLLM's non-causal rule |q - k| < W (window_rule "query", dspark.ops.attention), EAGLE-3's
+causal layer under q - W < k <= q. Checked by hand once, then restored: with the DFlash draft trained and drafting
+under DeepSeek-V4's per-block rule instead (window_rule "block": every slot sees the 8 context keys before the anchor;
+exported with the same use_swa window), mistral x dflash failed (steps_equal 1/4 on chat); with the EAGLE-3 draft given
+no window (the whole context, as before), mistral x eagle3 failed (steps_equal 0/4 on chat); outputs equal in both.
 
 The check fails on a broken export (checked by hand once, then restored; kept for qwen2 as
 test_a_broken_export_fails_the_check): with the served config's target layer ids shifted by one
@@ -79,17 +86,14 @@ SERVED = {
              "embed_tokens",
     "qwen3_moe": "registry.py:197 Qwen3MoeForCausalLM; model_executor/models/qwen3_moe.py:543-548 implements "
                  "SupportsEagle3",
+    "mistral": "registry.py:173 MistralForCausalLM; model_executor/models/mistral.py:236 subclasses LlamaForCausalLM "
+               "(SupportsEagle3); every layer slides: the draft's layers get the window too (module docstring)",
 }
 UNSERVED = {
     "stablelm": "registry.py:205 StablelmForCausalLM; model_executor/models/stablelm.py:271 implements only "
                 "SupportsPP, not SupportsEagle3 (gpu_model_runner.py:5234-5238 raises)",
     "gpt_neox": "registry.py:716 the Transformers backend, whose inner HF GPTNeoXModel keeps its input embedding at "
                 "embed_in, neither embed_tokens nor embedding (llm_base_proposer.py:1426-1433 raises)",
-    "mistral": "registry.py:173 MistralForCausalLM (mistral.py:236, a LlamaForCausalLM: SupportsEagle3), but every "
-               "layer slides (sliding_window 8): vLLM gives the window to the draft's attention layers too "
-               "(engine/arg_utils.py:2249-2254, model_executor/layers/attention/attention.py:265-273); served by "
-               "hand, its outputs equalled eval.py's and its accepted counts did not, so the project refuses it "
-               "(dspark.models.vllm_targets)",
 }
 METHODS = ("dflash", "eagle3")  # test_target_matrix.FAMILIES keys of the families served as these vLLM methods
 CELLS = [(name, method) for name in SERVED for method in METHODS]
@@ -243,6 +247,9 @@ def test_vllm_serves_the_draft_against_the_target_like_eval_py(matrix, name, met
         for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos"):
             assert vl[k] == ev[k], (bench, k)
         assert rep["al_rel_diff"] == 0.0 and rep["vllm_counters_consistent"] and rep["parity"]
+    if name == "mistral":  # the drafts took the target's window (the export records it)
+        assert config.get("sliding_window") == 8 if method == "eagle3" else (
+            config["dflash_config"].get("swa_window_size") == 8), config
     assert max(als) > 1.02, f"too few accepted drafts for the comparison to mean much: AL {als}"
 
 
