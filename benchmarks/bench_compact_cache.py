@@ -76,7 +76,7 @@ def main() -> None:
     src = out / "cache_plain_f32"
     t0 = time.perf_counter()
     if args.producer == "vllm":
-        from dspark.data.vllm_features import build_feature_cache_vllm
+        from dspark.serving.vllm_features import build_feature_cache_vllm
 
         build_feature_cache_vllm(target_dir, layers, rows, src, target_dtype="float32", dtype=torch.float32,
                                  threads=2)

@@ -38,7 +38,7 @@ def main() -> None:
     import datasets
 
     from dspark.data.feature_cache import FeatureCache, build_feature_cache
-    from dspark.data.vllm_features import build_feature_cache_vllm
+    from dspark.serving.vllm_features import build_feature_cache_vllm
     from dspark.targets.hf_target import load_hf_target
 
     torch.set_num_threads(args.threads)

@@ -57,7 +57,9 @@ def build(cfg, overrides: list[str]):
     from dspark.errors import ConfigError
     from dspark.preflight import check_training_config
     from dspark.schema import run_config
+    from dspark.targets.source import target_folder
     from dspark.training.build import build_datamodule, build_module
+    from dspark.training.cache_plan import feature_cache_plan
     from dspark.training.draft_vocab import install_draft_vocab
 
     check_training_config(cfg, overrides)
@@ -66,10 +68,11 @@ def build(cfg, overrides: list[str]):
         raise ConfigError("bench_step_flops: data.feature_stream=true is not measured here; build the cache first")
     L.seed_everything(run.seed, workers=True, verbose=False)
     torch.set_float32_matmul_precision("high")
-    dataset = rows_before_target(run, factory.build_dataset)
-    target = factory.build_target(run.target, run.draft, target_loading(run, dataset))
+    dataset = rows_before_target(run.data, target_folder(run.target), factory.build_dataset)
+    plan = feature_cache_plan(run)
+    target = factory.build_target(run.target, run.draft, target_loading(plan, run.draft, dataset))
     draft = factory.build_draft(run.draft, target)
-    datamodule = build_datamodule(run, target.tokenizer, dataset=dataset, target=target)
+    datamodule = build_datamodule(run, target.tokenizer, dataset=dataset, target=target, plan=plan)
     install_draft_vocab(draft, datamodule.train_rows, target.tokenizer)
     module = build_module(run, draft, target)
     device = _device(cfg)

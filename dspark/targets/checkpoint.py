@@ -3,7 +3,7 @@ memory-mapped), the same tensors seen through the model's state-dict names as tr
 (TargetCheckpoint: renamings and the stacking / concatenating / transposing converters), and the target identity
 computed from those reads (checkpoint_identity, equal to dspark.data.feature_cache.target_identity of the loaded
 model). Read by the head-only target (dspark.targets.head_only) and the vLLM feature producer
-(dspark.data.vllm_features); it imports neither."""
+(dspark.serving.vllm_features); it imports neither."""
 from __future__ import annotations
 
 import hashlib

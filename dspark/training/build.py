@@ -5,30 +5,36 @@ from __future__ import annotations
 
 from dspark import factory
 from dspark.data import feature_stream
-from dspark.data.feature_cache_build import cache_wanted, prepare_feature_cache, stream_wanted
+from dspark.data.cache_plan import FeatureCachePlan, cache_wanted, stream_wanted
+from dspark.data.feature_cache_build import prepare_feature_cache
+from dspark.data.held_out import held_out_count
 from dspark.models import registry
 from dspark.ops.backend import set_ops_backend
 from dspark.schema import RunConfig, run_config, typed
 from dspark.targets.hf_target import FrozenTarget
-from dspark.data.held_out import held_out_count
+from dspark.training.cache_plan import feature_cache_plan
 from dspark.training.data_module import ChatDataModule
 from dspark.training.data_plan import cached_rows
 from dspark.training.module import OptimConfig
 from dspark.training.modules import MODULES
 
 
-def build_datamodule(run: RunConfig, tokenizer, dataset=None, target: FrozenTarget | None = None) -> ChatDataModule:
+def build_datamodule(run: RunConfig, tokenizer, dataset=None, target: FrozenTarget | None = None,
+                     plan: FeatureCachePlan | None = None) -> ChatDataModule:
     """Train/val DataModule; with data.feature_cache set, builds (or reuses) the offline feature cache for `target`
-    first (dspark.data.feature_cache_build; a short run's holds only the rows it reads, data_plan.cached_rows), and
-    the batches then carry the cached features; with data.feature_stream
-    the cache is read while a child process writes it (dspark.data.feature_stream) and the first pass over the data
-    follows the order the shards are written in."""
+    first (dspark.data.feature_cache_build, from the run's `plan`: training.cache_plan.feature_cache_plan, made here
+    when not given; a short run's holds only the rows it reads, data_plan.cached_rows), and the batches then carry
+    the cached features; with data.feature_stream the cache is read while a child process writes it
+    (dspark.data.feature_stream, told the run config as it is now) and the first pass over the data follows the
+    order the shards are written in."""
     run = run_config(run)
     data, train, trainer = run.data, run.train, run.trainer
     if cache_wanted(data) and target is None:
         raise ValueError("build_datamodule: data.feature_cache needs the target (pass target=)")
     dataset = dataset if dataset is not None else factory.build_dataset(data, tokenizer)
-    features = prepare_feature_cache(run, target, dataset, cached_rows(run, dataset))  # a short run: its rows only
+    plan = plan if plan is not None else feature_cache_plan(run)
+    features = prepare_feature_cache(plan, target, dataset, cached_rows(run, dataset),  # a short run: its rows only
+                                     child_config=run.values() if stream_wanted(data) else None)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     val = held_out_count(data.val_examples, len(dataset))  # auto -> its count (run.choose_held_out says it)
     # streamed: the first pass follows the producer's shards (whether or not the cache is complete by now)

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from dspark.data.cache_plan import cache_wanted, stream_wanted
+from dspark.data.held_out import held_out_count
+from dspark.training.data_module import ResumableBatchSampler
+
 TINY_TRAIN_ROWS = 100  # fewer training conversations than this: one warning line (tiny_data_warning)
 
 
@@ -57,10 +61,6 @@ def cached_rows(run, dataset) -> list[int] | None:
     cache folder (it holds one cache) and for a stream (its producer writes the whole set). The cache of these rows
     is keyed by them (their fingerprint), so a later run that reads other rows builds its own and never takes this
     one for complete; a complete cache of the whole set is read by every run (dspark.data.feature_cache_build)."""
-    from dspark.data.feature_cache_build import cache_wanted, stream_wanted
-    from dspark.data.held_out import held_out_count
-    from dspark.training.data_module import ResumableBatchSampler
-
     data = run.data
     if not cache_wanted(data) or stream_wanted(data) or str(data.feature_cache) != "auto":
         return None

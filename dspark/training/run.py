@@ -16,20 +16,28 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from dspark import factory
 from dspark.data.feature_cache_build import rows_before_target, target_loading
 from dspark.data.feature_stream import producer_scope
+from dspark.data.held_out import AUTO_HELD_OUT_MAX, held_out_count
 from dspark.errors import ConfigError, require
-from dspark.integrity import MANIFEST_NAME, check_file, check_manifest, remove_checked, write_checked
+from dspark.integrity import MANIFEST_NAME, check_file, check_manifest, remove_checked, sidecar_path, write_checked
 from dspark.io import atomic_write_json
+from dspark.preflight import check_training_config, command_line_overrides
 from dspark.schema import RunConfig, TargetKeys
+from dspark.targets.health import degenerate_warning
+from dspark.targets.source import target_folder
 from dspark.training import draft_dir
 from dspark.training.build import build_datamodule, build_module
+from dspark.training.cache_plan import feature_cache_plan
 from dspark.training.callbacks import Throughput
 from dspark.training.curves import write_curves
 from dspark.training.data_plan import cached_rows, tiny_data_warning
 from dspark.training.draft_vocab import install_draft_vocab
 from dspark.training.rank_loss import rank_lost_error
-from dspark.training.resume import SHARDED_META
+from dspark.training.resume import (OVERRIDABLE, SHARDED_META, ResumeRefused, checkpoint_config, checkpoint_schedule,
+                                    compare_on_resume, planned_steps, under)
 from dspark.training.run_dir import claim_run_dir, is_launcher_process
+from dspark.training.schedule import extension_line, resumed_schedule, saved_schedule
 from dspark.training.sharding import gathered_draft_state
+from dspark.warm_start import init_from
 from dspark.training.trainer import make_trainer
 
 log = logging.getLogger("dspark.train")
@@ -223,8 +231,6 @@ def link_same_step_checkpoints(trainer: L.Trainer) -> list[Path]:
     Returns the names linked."""
     if not trainer.is_global_zero or not isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
         return []
-    from dspark.integrity import sidecar_path
-
     linked = []
     step = int(trainer.global_step)
     for last in {Path(cb.last_model_path) for cb in trainer.checkpoint_callbacks if cb.last_model_path}:
@@ -268,8 +274,6 @@ def resume_command(experiment_name: str, run_dir: Path) -> str:
     resume=last."""
     import shlex
 
-    from dspark.preflight import command_line_overrides
-
     keep = [o for o in command_line_overrides() if o.split("=", 1)[0].lstrip("+~") not in ("run_dir", "resume")]
     if not any(o.startswith("experiment=") for o in keep):
         if (Path(__file__).resolve().parents[2] / "configs" / "experiment" / f"{experiment_name}.yaml").is_file():
@@ -281,8 +285,6 @@ def final_report(summary: dict, run_dir: Path, seconds: float, pictures: list[Pa
                  resume: str | None = None, tokenizer=None) -> str:
     """The run's last console lines: where the outputs are and what the held-out result was, in words (with a
     warning when the target is degenerate: dspark.targets.health)."""
-    from dspark.targets.health import degenerate_warning
-
     final, step0 = summary.get("final", {}), summary.get("step0", {})
     lines = [f"dspark: training finished at step {summary.get('global_step')} in {seconds:.0f} s."]
     tau = final.get("val/tau_prob")
@@ -312,8 +314,6 @@ def run_training(cfg, callbacks: tuple[Callback, ...] = ()) -> dict:
     draft is written right after fit, before anything that could still fail (target fingerprint, metrics), and
     `resume=last` on a finished run only redoes those end-of-run steps. `cfg`: Hydra's DictConfig, checked
     (dspark.preflight) and typed (dspark.schema.RunConfig) here, once; everything below reads the typed sections."""
-    from dspark.preflight import check_training_config
-
     run, resolved_draft = check_training_config(cfg)
     run_dir = Path(run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -336,11 +336,6 @@ def check_resumed_config(run: RunConfig, resolved_draft: dict | None, ckpt: Path
     how far the resumed run goes, the checkpoint's run config). A refused config names the command this run was last
     started with (run_dir/resume.json), when it has one: a resume that forgot the experiment or an override is one
     line."""
-    from dspark.preflight import command_line_overrides
-    from dspark.training.resume import (OVERRIDABLE, ResumeRefused, checkpoint_config, checkpoint_schedule,
-                                        compare_on_resume, planned_steps, under)
-    from dspark.training.schedule import extension_line, resumed_schedule, saved_schedule
-
     then, step = checkpoint_config(ckpt)
     now = {**run.values(), "draft": resolved_draft or run.draft}
     if now["data"].get("val_examples") == "auto":  # auto keeps the run's own split (choose_held_out)
@@ -381,20 +376,20 @@ def _train(run: RunConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> d
     torch.set_float32_matmul_precision("high")
     # the rows come first (tokenizer only): the held-out split is checked against them before any model loads, and
     # with data.feature_cache a complete cache (a hit) loads only the target's head
-    dataset = rows_before_target(run, factory.build_dataset)
+    dataset = rows_before_target(run.data, target_folder(run.target), factory.build_dataset)
     run.data.val_examples = choose_held_out(run.data.val_examples, len(dataset))
     tiny = tiny_data_warning(run, len(dataset) - run.data.val_examples, run.data.val_examples)
     if tiny and is_launcher_process():
         print_and_log(tiny)
-    target = factory.build_target(run.target, run.draft, target_loading(run, dataset, cached_rows(run, dataset)))
+    plan = feature_cache_plan(run)  # data.feature_cache: decided once, read by the target's loading and the build
+    target = factory.build_target(run.target, run.draft,
+                                  target_loading(plan, run.draft, dataset, cached_rows(run, dataset)))
     draft = factory.build_draft(run.draft, target)
     if run.draft.get("init_from") and ckpt_path is None:  # a warm start (a resumed run restores its checkpoint)
-        from dspark.warm_start import init_from
-
         init_from(draft, str(run.draft["init_from"]), target,  # a draft of another target: refused unless asked
                   any_target=bool(run.draft.get("init_from_any_target", False)))
     run.draft = factory.resolved_group(draft, run.draft)  # draft_config.json, hyper_parameters, a stream's producer
-    datamodule = build_datamodule(run, target.tokenizer, dataset=dataset, target=target)
+    datamodule = build_datamodule(run, target.tokenizer, dataset=dataset, target=target, plan=plan)
     install_draft_vocab(draft, datamodule.train_rows, target.tokenizer)  # draft.arch.draft_vocab_size
     with producer_scope(datamodule.features):  # data.feature_stream: its producer finishes (or stops on an error)
         return _fit(run, run_dir, ckpt_path, callbacks, target, draft, datamodule, t0)
@@ -404,8 +399,6 @@ def choose_held_out(val_examples: int | str, n: int) -> int:
     """data.val_examples as the number of held-out conversations of the `n` usable ones (auto: a tenth, at most
     64; a resumed run has its checkpoint's count by now, run_training), said in one line when auto holds out fewer
     than 64."""
-    from dspark.data.held_out import AUTO_HELD_OUT_MAX, held_out_count
-
     count = held_out_count(val_examples, n)
     if val_examples == "auto" and count < AUTO_HELD_OUT_MAX and is_launcher_process():
         print_and_log(f"data.val_examples=auto: {count} of {n} usable conversations held out for validation (a "

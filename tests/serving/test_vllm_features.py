@@ -1,4 +1,4 @@
-"""Target features from vLLM (data.feature_producer=vllm, dspark/data/vllm_features.py) equal FrozenTarget's.
+"""Target features from vLLM (data.feature_producer=vllm, dspark/serving/vllm_features.py) equal FrozenTarget's.
 
 Without vLLM: the identity computed from the checkpoint equals the loaded target's, the id mapping / final norm
 reproduce FrozenTarget from transformers' own hidden states, DeepSeek-V4 is refused naming why, a missing vLLM is one
@@ -95,7 +95,7 @@ def test_id_mapping_and_final_norm_rebuild_frozen_target_from_vllm_layout(tiny):
     i = num_layers); mapping the taps through vllm_aux_ids and applying FinalNorm gives FrozenTarget's features."""
     from transformers import AutoModelForCausalLM
 
-    from dspark.data.vllm_features import FinalNorm, vllm_aux_ids
+    from dspark.serving.vllm_features import FinalNorm, vllm_aux_ids
     from dspark.targets.hf_target import FrozenTarget
 
     model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
@@ -124,8 +124,8 @@ def test_id_mapping_and_final_norm_rebuild_frozen_target_from_vllm_layout(tiny):
 
 
 def test_deepseek_v4_is_refused_naming_why(tmp_path, monkeypatch):
-    """The tiny target's sizes / dtype are not what vLLM's V4 kernels take (tests/data/test_vllm_v4_features.py)."""
-    from dspark.data.vllm_features import ALLOW_UNVERIFIED_ENV, build_feature_cache_vllm
+    """The tiny target's sizes / dtype are not what vLLM's V4 kernels take (tests/serving/test_vllm_v4_features.py)."""
+    from dspark.serving.vllm_features import ALLOW_UNVERIFIED_ENV, build_feature_cache_vllm
     from dspark.targets.tiny_v4 import TINY_V4_DIR
 
     monkeypatch.delenv(ALLOW_UNVERIFIED_ENV, raising=False)
@@ -135,7 +135,7 @@ def test_deepseek_v4_is_refused_naming_why(tmp_path, monkeypatch):
 
 
 def test_unverified_architecture_is_refused(tiny, tmp_path):
-    from dspark.data.vllm_features import build_feature_cache_vllm
+    from dspark.serving.vllm_features import build_feature_cache_vllm
 
     other = tmp_path / "gemma_like"
     shutil.copytree(tiny, other)
@@ -146,7 +146,7 @@ def test_unverified_architecture_is_refused(tiny, tmp_path):
 
 
 def test_missing_vllm_is_one_clear_error(tiny, tmp_path):
-    from dspark.data.vllm_features import build_feature_cache_vllm
+    from dspark.serving.vllm_features import build_feature_cache_vllm
     from dspark.serving.engine import VLLMUnavailable
 
     with pytest.raises(VLLMUnavailable, match=r"does not exist: install it with `bash scripts/setup_vllm.sh`"):
@@ -161,7 +161,7 @@ def test_vllm_states_equal_frozen_target_taps_and_off_by_one_fails(tiny, tmp_pat
     norm(id num_layers)) is within float32 kernel noise of FrozenTarget; the tap read at id L is not."""
     from safetensors.torch import load_file
 
-    from dspark.data.vllm_features import FinalNorm, vllm_aux_ids
+    from dspark.serving.vllm_features import FinalNorm, vllm_aux_ids
     from dspark.serving.engine import VLLMWorker
     from dspark.targets.hf_target import load_hf_target
 
@@ -272,7 +272,7 @@ def test_streamed_training_with_the_real_vllm_producer(tiny, tmp_path, monkeypat
     run_training(cfg, callbacks=(kind,))
     assert kind.kinds == [HeadOnlyTarget] and sorted(train_losses(tmp_path / "run")) == [0, 1, 2]
     streamed = FeatureCache(tmp_path / "fc")
-    rows = rows_before_target(run_config(cfg), build_dataset)
+    rows = rows_before_target(run_config(cfg).data, str(tiny), build_dataset)
     taps = [int(i) for i in cfg.draft.target_layer_ids]
     offline = FeatureCache(build_feature_cache(load_hf_target(str(tiny), taps, "float32"), rows, tmp_path / "hf",
                                                dtype=torch.float32))
@@ -330,12 +330,12 @@ class FakeExtractWorker:
 
 
 def test_vllm_producer_shards_resume_and_reuse(tiny, tmp_path, monkeypatch):
-    import dspark.serving.engine as engine
+    import dspark.serving.vllm_features as vllm_features
     from dspark.data.feature_cache import FeatureCache, build_feature_cache, shard_name
-    from dspark.data.vllm_features import build_feature_cache_vllm
+    from dspark.serving.vllm_features import build_feature_cache_vllm
     from dspark.targets.hf_target import load_hf_target
 
-    monkeypatch.setattr(engine, "VLLMWorker", FakeExtractWorker)
+    monkeypatch.setattr(vllm_features, "VLLMWorker", FakeExtractWorker)
     rows = _rows(lengths=(5, 30, 17, 64, 9, 12, 3))
     kw = dict(dtype=torch.float32, shard_size=3, batch_size=2)
     ref = FeatureCache(build_feature_cache(load_hf_target(str(tiny), LAYERS, "float32"), rows, tmp_path / "hf", **kw))
@@ -374,22 +374,24 @@ def test_vllm_producer_shards_resume_and_reuse(tiny, tmp_path, monkeypatch):
 def test_cache_built_as_its_own_job_is_the_one_training_reuses(tiny, tmp_path, monkeypatch):
     """scripts/build_feature_cache.py's function (no target loaded) writes the cache under the key train.py computes
     for data.feature_cache=auto, so the training run reuses it without starting vLLM again."""
-    import dspark.serving.engine as engine
+    import dspark.serving.vllm_features as vllm_features
     from test_feature_cache import NoTargetForward
 
     from dspark.data.feature_cache import FeatureCache
     from dspark.data.feature_cache_build import build_feature_cache_offline
     from dspark.factory import build_dataset
+    from dspark.training.cache_plan import feature_cache_plan
     from dspark.training.run import run_training
 
-    monkeypatch.setattr(engine, "VLLMWorker", FakeExtractWorker)
+    monkeypatch.setattr(vllm_features, "VLLMWorker", FakeExtractWorker)
     FakeExtractWorker.started = 0
     cfg = _train_cfg(tiny, tmp_path / "run", "auto", "vllm", "/nonexistent/python")
-    path = build_feature_cache_offline(run_config(cfg), build_dataset)
+    run = run_config(cfg)
+    path = build_feature_cache_offline(feature_cache_plan(run), run.data, build_dataset)
     assert FakeExtractWorker.started == 1 and FeatureCache(path).meta["producer"] == "vllm"
     run_training(_train_cfg(tiny, tmp_path / "run", "auto", "vllm", "/nonexistent/python"),
                  callbacks=(NoTargetForward(),))
     assert FakeExtractWorker.started == 1  # reused: the same key, found where training looks
     with pytest.raises(ValueError, match="feature_producer"):
-        build_feature_cache_offline(run_config(_train_cfg(tiny, tmp_path / "run2", "auto", "hf", "/nonexistent/python")),
-                                    build_dataset)
+        hf = run_config(_train_cfg(tiny, tmp_path / "run2", "auto", "hf", "/nonexistent/python"))
+        build_feature_cache_offline(feature_cache_plan(hf), hf.data, build_dataset)
