@@ -28,6 +28,7 @@ KINDS = ("dflash", "dspark", "dspark_v4", "dsv4_mtp", "hyv4_mtp", "eagle3", "xpr
 # experiment + target group + eval target override per non-dense kind; short runs (CPU minutes)
 _RUNS = {"dspark_v4": ("dspark_v4", "tiny_v4"), "dsv4_mtp": ("dsv4_mtp", "tiny_v4"), "hyv4_mtp": ("hyv4_mtp", "tiny_hy_v4"),
          "eagle3": ("eagle3_tiny", "tiny_llama"), "xpress": ("xpress_tiny", "tiny_llama")}  # xpress: vLLM >= 0.33, GPU
+_DENSE_EXTRA = {"dspark": ("draft.markov_rank=16",)}  # the dense DSpark draft's Markov head on the tiny target
 _SHORT = ["data.limit=400", "data.val_examples=16", "data.max_length=192", "train.batch_size=8",
           "train.val_batch_size=8", "trainer.val_check_interval=1000", "callbacks.last_checkpoint.every_n_train_steps=1000",
           "trainer.enable_progress_bar=false", "validate_at_start=false"]
@@ -48,7 +49,8 @@ def train(kind: str, out: Path, steps: int, tiny: dict) -> tuple[Path, list[str]
     run = out / f"run_{kind}"
     if kind in ("dflash", "dspark"):
         if not (run / "draft" / "dspark_manifest.json").is_file():
-            train_dense_run(tiny["target"], tiny["data"], run, dspark=kind == "dspark", steps=steps)
+            train_dense_run(tiny["target"], tiny["data"], run, experiment=f"{kind}_smollm2", steps=steps,
+                            extra=_DENSE_EXTRA.get(kind, ()))
         return run, ["target=hf", f"target.path={tiny['target']}", "target.dtype=float32"]
     experiment, target = _RUNS[kind]
     if not (run / "draft" / "dspark_manifest.json").is_file():

@@ -28,8 +28,17 @@ def runs_root() -> Path:
     return Path(env).expanduser().resolve() if env else repo_root() / "runs"
 
 
-def newest_run(experiment: str = "dspark_v4", root: str | Path | None = None) -> Path:
-    """The most recently finished run (metrics.json written last) of `experiment` under the runs folder."""
+def default_experiment() -> str:
+    """The experiment `python train.py` runs without an override: configs/config.yaml's experiment_name."""
+    from omegaconf import OmegaConf
+
+    return str(OmegaConf.load(repo_root() / "configs" / "config.yaml").experiment_name)
+
+
+def newest_run(experiment: str | None = None, root: str | Path | None = None) -> Path:
+    """The most recently finished run (metrics.json written last) of `experiment` (default: default_experiment())
+    under the runs folder."""
+    experiment = experiment or default_experiment()
     parent = Path(root) if root is not None else runs_root()
     done = sorted((parent / experiment).glob("*/metrics.json"), key=lambda f: f.stat().st_mtime)
     if not done:

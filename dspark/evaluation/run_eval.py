@@ -387,18 +387,19 @@ def _validate(cfg: EvalKeys) -> None:
             f"use one of {REJECTION_SAMPLE_METHODS}")
 
 
+# the keys of a report's vllm_settings every family has; any other key is a family's own option (vllm_options)
+VLLM_SETTINGS_KEYS = ("method", "num_speculative_tokens", "draft_sample_method", "note", "rejection_sample_method")
+
+
 def vllm_settings(draft, g: int, draft_sample_method: str) -> dict:
-    """The vLLM 0.33.0 speculative_config these numbers correspond to (same drafts, same acceptance rule)."""
+    """The vLLM 0.33.0 speculative_config these numbers correspond to (same drafts, same acceptance rule): the family's
+    vllm_method, its own options (vllm_options) and its note on vLLM's default num_speculative_tokens."""
+    from dspark.models.contract import optional
     from dspark.models.registry import vllm_options
 
-    method = draft.config.vllm_method  # mtp: target_dependent_ar MTP speculator (v1/worker/gpu/spec_decode/mtp/)
-    out = {"method": method, "num_speculative_tokens": g, "draft_sample_method": draft_sample_method,
-           **vllm_options(draft.config)}
-    if method == "mtp":
-        out["note"] = ("vLLM's default num_speculative_tokens for MTP is num_nextn_predict_layers "
-                       "(config/speculative.py:1600-1606); pass it explicitly to match")
-    else:
-        out["note"] = "vLLM's default num_speculative_tokens for DSpark is dspark_block_size / block_size"
+    out = {"method": draft.config.vllm_method, "num_speculative_tokens": g,
+           "draft_sample_method": draft_sample_method, **vllm_options(draft.config)}
+    out["note"] = optional(draft.config, "VLLM_TOKENS_NOTE")
     return out
 
 
@@ -697,7 +698,7 @@ def format_summary(reports: dict[str, dict], out_dir: Path, pictures: list[tuple
     if v:
         lines.append(f"vLLM equivalent: speculative_config method={v['method']} num_speculative_tokens="
                      f"{v['num_speculative_tokens']} draft_sample_method={v['draft_sample_method']}"
-                     + "".join(f" {k}={v[k]}" for k in ("xpress_topc",) if k in v)
+                     + "".join(f" {k}={v[k]}" for k in v if k not in VLLM_SETTINGS_KEYS)
                      + (f" rejection_sample_method={v['rejection_sample_method']}"
                         if v.get("rejection_sample_method", "standard") != "standard" else ""))
     lines += [f"picture: {path} ({what})" for path, what in pictures]

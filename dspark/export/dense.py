@@ -431,6 +431,9 @@ class DenseAdapter(ServingAdapter):
     cli_default_target = "smollm2"
     vllm_cpu_note = None  # DFlash: served on CPU, parity step by step (tests/serving/test_vllm_parity.py)
     markers = (vllm_arch_marker(DSPARK_ARCH, DFLASH_ARCH),)
+    confidence_034 = ("vllm/model_executor/models/qwen3_dspark.py:220-232 of 0.34.0 builds it (enable_confidence_head, "
+                      "default false), load_weights drops its names only when there is no head (:355-356); 0.33.0 "
+                      "also dropped a head without weights (qwen3_dspark.py:366-368)")
 
     @classmethod
     def cpu_refusal(cls, draft) -> str | None:

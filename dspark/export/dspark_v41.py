@@ -261,15 +261,15 @@ def v41_expected(config: dict) -> Expected:
     qc = c.get("quantization_config")
     if qc:
         v4._quantised_expected(exp, qc, c.get("expert_dtype") or qc.get("expert_dtype") or "fp4")
-    exp.update(v41_optional(config))  # required: vLLM 0.34.0 serves a random head without it (CONFIDENCE_034)
+    exp.update(v41_optional(config))  # required: vLLM 0.34.0 serves a random head without it (confidence_034)
     return exp
 
 
 def v41_optional(config: dict) -> Expected:
     """The confidence head: built when enable_confidence_head (default true; dspark.py:147-152). vLLM 0.33.0 dropped a
     head the checkpoint had no weights for (:485-486), 0.34.0 serves it randomly initialised
-    (dflash_rules.CONFIDENCE_034), so v41_expected requires it; DSparkConfidenceHead(H + r -> 1, bias=False, float32,
-    qwen3_dspark.py:164-183)."""
+    (V41DSparkAdapter.confidence_034), so v41_expected requires it; DSparkConfidenceHead(H + r -> 1, bias=False,
+    float32, qwen3_dspark.py:164-183)."""
     c = flat_config(config)
     if c.get("enable_confidence_head", True) is False:
         return {}
@@ -324,6 +324,9 @@ class V41DSparkAdapter(ServingAdapter):
     cli_help = ("export a training run's draft as a DeepSeek-V4.1 mtp.* sidecar (or merged into a V4.1 target "
                 "checkpoint)")
     cli_default_target = "tiny_v41"
+    confidence_034 = ("vllm/models/deepseek_v41/nvidia/dspark.py:161-166 of 0.34.0 builds it (enable_confidence_head, "
+                      "default true), _remap_dspark_name drops its names only when there is no head (:543-544); 0.33.0 "
+                      "also dropped a head without weights (dspark.py:485-486)")
     add_cli_args = v4.V4DSparkAdapter.add_cli_args  # the same options: --merge-into, --quant, --not-for-vllm
     # the sidecar (v41_config_json's dspark_format), or a DeepSeek-V4.1 target config.json carrying the dspark keys
     markers = (Marker(CONFIG_NAME, "dspark_format", (FORMAT,)),

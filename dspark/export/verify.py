@@ -143,7 +143,7 @@ def _verify_layout(folder: Path) -> Report:
     report.notes += adapter.notes(config)
     present_optional = {k: v for k, v in optional.items() if k in found and k not in expected}
     report = _compare(report, {**expected, **present_optional}, found)
-    report.problems += missing_confidence_lines(adapter.kind, expected, found)  # vLLM 0.34.0 would serve a random head
+    report.problems += missing_confidence_lines(adapter.confidence_034, expected, found)  # 0.34.0: a random head
     if "d2t" in found and not report.problems:  # names and shapes right: the reduced-vocabulary map's values
         report.problems += _vocab_map_problems(folder, config)
     return report

@@ -73,6 +73,11 @@ OPTIONAL: dict[str, Any] = {
     "TAPS_BELOW_LAST": None,  # why the family cannot tap the target's last layer (ids then stop one below)
     "NOT_SERVED": None,  # why a record naming no serving module has no export (required then)
     "vllm_options": lambda: {},  # () -> the family's own speculative_config options (XPress's xpress_topc)
+    # what eval says about vLLM's default num_speculative_tokens for the family's vllm_method
+    "VLLM_TOKENS_NOTE": "vLLM's default num_speculative_tokens for DSpark is dspark_block_size / block_size",
+    # dspark.training.flops counts the training step from the config's sizes (else replayed); read from the config
+    # class itself, not inherited (a family on another's config with layers of its own is replayed)
+    "FLOPS_COUNTED": False,
     # draft
     "init_from_target": None,  # (hf_model): start from the target's layers (draft.init_from_target)
     "init_reads": None,  # (config, hf_model) -> the target modules init_from_target reads (head-only targets)

@@ -81,6 +81,7 @@ class DSparkDenseConfig(DenseLayerSizes):
                                              "draft_vocab_size", "final_norm_init")
     DRAFTS_KEY: ClassVar[str] = "block_size"  # the group key of the drafts per verify step
     DEFAULT_TARGET: ClassVar[str | None] = None  # target kind (configs/target) when a run records none
+    FLOPS_COUNTED: ClassVar[bool] = True  # dspark.training.flops counts this class's step (not a subclass's)
 
     num_layers: int = 1
     block_size: int

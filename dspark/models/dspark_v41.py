@@ -29,32 +29,7 @@ from torch import nn
 from dspark.models.common import FieldError
 from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft, DSparkV4Layer
 from dspark.models.registry import register
-from dspark.ops.mhc import CollapseFn, HcSettings, _ops, _tokens, hc_mixes, hc_post
-
-
-# ------------------------------------------------------------------------------------------------
-# Delayed mHC pre
-# ------------------------------------------------------------------------------------------------
-def hc_pre_delayed(
-    x: torch.Tensor, carried_pre: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    settings: HcSettings,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """V4.1's mHC pre: x [..., hc, H], carried_pre [..., hc] fp32 or None ->
-    (collapsed [..., H] = sum_j carried_pre_j x_j, or x[..., 0, :] when None; post [..., hc]; comb [..., hc, hc];
-    pre [..., hc], this sublayer's pre-mix for the next one). The mixes are V4's (dspark.ops.mhc: hc_pre)."""
-    lead, hc = x.shape[:-2], settings.mult
-    xt, pre, post, comb = hc_mixes(x, fn, base, scale, settings)
-    if carried_pre is None:
-        y = xt[:, 0]  # the identity pre-mix selects stream 0 (kernels/mhc/torch.py:40-44)
-    else:
-        y = CollapseFn.apply(xt, _tokens(carried_pre, 1).to(pre.dtype), _ops(x, None))  # [T, H]
-    return y.reshape(*lead, -1), post.view(*lead, hc), comb.view(*lead, hc, hc), pre.view(*lead, hc)
-
-
-def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """vLLM's hc_collapse (kernels/mhc/triton.py:108): x [..., hc, H], pre [..., hc] -> sum_j pre_j x_j [..., H]."""
-    lead = x.shape[:-2]
-    return CollapseFn.apply(_tokens(x, 2), _tokens(pre, 1), _ops(x, None)).view(*lead, -1)
+from dspark.ops.mhc import HcSettings, hc_collapse, hc_post, hc_pre_delayed
 
 
 # ------------------------------------------------------------------------------------------------
@@ -151,5 +126,4 @@ class DSparkV41Draft(DSparkV4Draft):
         return target_layer_names(hf_causal_lm, last_layer_ids(n_target, cfg.num_layers))
 
 
-__all__ = ["DSparkV41Config", "DSparkV41Draft", "DSparkV41Layer", "hc_collapse", "hc_pre_delayed",
-           "served_layer_ids"]
+__all__ = ["DSparkV41Config", "DSparkV41Draft", "DSparkV41Layer", "served_layer_ids"]

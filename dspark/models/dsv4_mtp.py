@@ -37,7 +37,7 @@ from dspark.models.dspark_v4 import (
     _reset_hc,
     cast_compute_weights,
 )
-from dspark.models.mtp_common import ChainDraft
+from dspark.models.mtp_common import MTP_TOKENS_NOTE, ChainDraft
 from dspark.models.registry import register
 from dspark.ops.mhc import hc_head
 from dspark.ops.norms import RMSNorm
@@ -56,6 +56,7 @@ class DSV4MTPConfig(V4BlockSizes):
     DRAFTS_KEY: ClassVar[str] = "num_steps"
     DEFAULT_TARGET: ClassVar[str | None] = "tiny_v4"  # target kind (configs/target) when a run records none
     vllm_method: ClassVar[str] = "mtp"  # vLLM's target_dependent_ar MTP speculator
+    VLLM_TOKENS_NOTE: ClassVar[str] = MTP_TOKENS_NOTE  # vLLM's default num_speculative_tokens for it
 
     kind: str = "dsv4_mtp"
     num_layers: int = 1  # MTP layers (mtp.0 ... mtp.{n-1}); step k uses layer k % num_layers

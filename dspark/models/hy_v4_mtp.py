@@ -37,7 +37,7 @@ from torch import nn
 
 from dspark.models import hy_v4_names
 from dspark.models.common import DraftConfig, FieldError, SharedTargetWeights, field_error, raw_config_json
-from dspark.models.mtp_common import ChainDraft
+from dspark.models.mtp_common import MTP_TOKENS_NOTE, ChainDraft
 from dspark.models.registry import register
 from dspark.ops.lm_head import lm_head_logits, vllm_head_fp32
 from dspark.ops.norms import RMSNorm
@@ -55,6 +55,7 @@ class HYV4MTPConfig(DraftConfig):
     DRAFTS_KEY: ClassVar[str] = "num_steps"
     DEFAULT_TARGET: ClassVar[str | None] = "tiny_hy_v4"  # target kind (configs/target) when a run records none
     vllm_method: ClassVar[str] = "mtp"  # vLLM's target_dependent_ar MTP speculator
+    VLLM_TOKENS_NOTE: ClassVar[str] = MTP_TOKENS_NOTE  # vLLM's default num_speculative_tokens for it
 
     kind: str = "hyv4_mtp"
     num_layers: int = 1  # MTP layers (model.mtp_layers.0 .. n-1); step k uses layer k % num_layers

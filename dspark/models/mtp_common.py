@@ -35,6 +35,10 @@ from torch import nn
 
 from dspark.models.proposal import Proposal, RequestProposer, sample_from_logits
 
+# the config member VLLM_TOKENS_NOTE (dspark.models.contract.OPTIONAL) of the families vLLM serves as method "mtp"
+MTP_TOKENS_NOTE = ("vLLM's default num_speculative_tokens for MTP is num_nextn_predict_layers "
+                   "(config/speculative.py:1600-1606); pass it explicitly to match")
+
 
 def check_chain(draft: nn.Module, num_steps: int, where: str) -> None:
     """vLLM serves >= 2 MTP layers with >= 2 drafts through its multi-module speculator, not this recursion."""
@@ -202,6 +206,5 @@ class ChainDraft(RequestProposer):
                              cache=cache)
 
 
-__all__ = ["ChainCache", "ChainDraft", "chain_propose", "teacher_forced_chain", "check_chain", "concat_kv", "take_kv",
-           "slice_kv",
-           "visible"]
+__all__ = ["MTP_TOKENS_NOTE", "ChainCache", "ChainDraft", "chain_propose", "teacher_forced_chain", "check_chain",
+           "concat_kv", "take_kv", "slice_kv", "visible"]

@@ -14,7 +14,8 @@ streams once more with its own (fn, base, scale) and no post/comb.
 Everything here is computed in float32, as the reference does; the collapsed / mixed activations are
 cast back to the input dtype, the mixing weights (post, comb) are returned in float32.
 
-`hc_pre`, `hc_post`, `hc_head` (the names the drafts call) are built from three memory-bound pieces with
+`hc_pre`, `hc_post`, `hc_head` (the names the drafts call), and V4.1's `hc_pre_delayed` / `hc_collapse` (the V4.1
+target's and draft's, docs/v41.md) are built from three memory-bound pieces with
 explicit forward/backward, each an autograd.Function over an implementation table (torch here, tilelang
 kernels in dspark.ops.kernels.mhc_tl), picked by dspark.ops.backend:
     mix      x [T, K] -> (x @ fn^T) * rsqrt(mean(x^2) + eps)   [T, M]   (K = hc*H, M = mix outputs)
@@ -249,7 +250,7 @@ def hc_mixes(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The three mixes of an mHC sublayer: x [..., hc, H] -> (x as tokens [T, hc, H], pre [T, hc], post [T, hc],
     comb [T, hc, hc]) in the accumulation dtype (hc_post_alpha 2.0: vLLM deepseek_v4 model.py:376). hc_pre collapses
-    with this sublayer's pre; V4.1's delayed pre (dspark.models.dspark_v41) with the previous sublayer's."""
+    with this sublayer's pre; V4.1's delayed pre (hc_pre_delayed) with the previous sublayer's."""
     hc, eps = settings.mult, settings.eps
     if x.shape[-2] != hc:
         raise ValueError(f"hc_pre: expected {hc} streams on axis -2, got shape {tuple(x.shape)}")
@@ -274,6 +275,31 @@ def hc_pre(
     xt, pre, post, comb = hc_mixes(x, fn, base, scale, settings, backend=backend)
     y = CollapseFn.apply(xt, pre, _ops(x, backend))  # [T, H]
     return y.view(*lead, -1), post.view(*lead, hc), comb.view(*lead, hc, hc)
+
+
+def hc_pre_delayed(
+    x: torch.Tensor, carried_pre: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    settings: HcSettings,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """V4.1's "delayed" mHC pre (vLLM 0.33.0 vllm/models/deepseek_v41/nvidia/model.py:522-524; the reference
+    kernels/mhc/torch.py:6-45), read by the V4.1 target (dspark.targets.v41) and the V4.1 draft alike:
+    x [..., hc, H], carried_pre [..., hc] fp32 or None -> (collapsed [..., H] = sum_j carried_pre_j x_j, or
+    x[..., 0, :] when None; post [..., hc]; comb [..., hc, hc]; pre [..., hc], this sublayer's pre-mix for the next
+    one). The mixes are V4's (hc_mixes)."""
+    lead, hc = x.shape[:-2], settings.mult
+    xt, pre, post, comb = hc_mixes(x, fn, base, scale, settings)
+    if carried_pre is None:
+        y = xt[:, 0]  # the identity pre-mix selects stream 0 (kernels/mhc/torch.py:40-44)
+    else:
+        y = CollapseFn.apply(xt, _tokens(carried_pre, 1).to(pre.dtype), _ops(x, None))  # [T, H]
+    return y.reshape(*lead, -1), post.view(*lead, hc), comb.view(*lead, hc, hc), pre.view(*lead, hc)
+
+
+def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """vLLM's hc_collapse (kernels/mhc/triton.py:108): x [..., hc, H], pre [..., hc] -> sum_j pre_j x_j [..., H]
+    (V4.1's final hidden: the last stream collapsed with the last FFN's pre-mix, no hc_head)."""
+    lead = x.shape[:-2]
+    return CollapseFn.apply(_tokens(x, 2), _tokens(pre, 1), _ops(x, None)).view(*lead, -1)
 
 
 def hc_post(

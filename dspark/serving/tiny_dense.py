@@ -5,8 +5,9 @@ greedy answers are repetitive, so a draft trained for ~150 steps on them accepts
 something (AL ~1.5-1.8 at gamma 4), and its next-token distribution is flat, which the sampled (T=1) checks rely on
 (probabilistic and greedy drafting then accept very differently); the experiments' target=tiny_llama is the shipped
 one trained on text (`dspark.targets.tiny_llama.build_tiny_llama` copies it). `regenerate_answers`: ShareGPT first
-user turns answered greedily by the target (the project's regeneration loop). `train_dense_run`: train.py's code on those answers (DFlash or
-dense DSpark), returning the run dir. `write_benchmarks`: two small eval.py-style benchmark files.
+user turns answered greedily by the target (the project's regeneration loop). `train_dense_run`: train.py's code on
+those answers (a dense family's experiment, e.g. DFlash or dense DSpark), returning the run dir. `write_benchmarks`:
+two small eval.py-style benchmark files.
 """
 from __future__ import annotations
 
@@ -69,17 +70,18 @@ def regenerate_answers(target: Path, out: Path, limit: int = 160, max_new_tokens
     return Path(out)
 
 
-def train_dense_run(target: Path, data: Path, run_dir: Path, *, dspark: bool = False, gamma: int = 4,
-                    steps: int = 150, extra: tuple[str, ...] = ()) -> Path:
-    """A DFlash (default) or dense DSpark draft trained by the project against the tiny target (`extra`: more
-    train.py overrides)."""
+def train_dense_run(target: Path, data: Path, run_dir: Path, *, experiment: str, gamma: int = 4, steps: int = 150,
+                    extra: tuple[str, ...] = ()) -> Path:
+    """A dense draft trained by the project against the tiny target: `experiment` a dense family's SmolLM2 preset
+    (configs/experiment: dflash_smollm2, dspark_smollm2, ...) with the tiny target's settings; `extra`: more train.py
+    overrides (after these), e.g. the draft's own sizes."""
     from hydra import compose, initialize_config_dir
 
     from dspark.training.run import run_training
 
     configs = Path(__file__).resolve().parents[2] / "configs"
     overrides = [
-        f"experiment={'dspark' if dspark else 'dflash'}_smollm2", "target=hf", f"target.path={target}",
+        f"experiment={experiment}", "target=hf", f"target.path={target}",
         "target.dtype=float32", f"data.path={data}", "data.feature_cache=null", "data.max_length=192",
         "data.val_examples=8", "data.min_loss_tokens=8", "draft.num_layers=1", f"draft.block_size={gamma}",
         f"draft.mask_token_id={MASK_ID}", f"draft.target_layer_ids=[{LAYERS[0]},{LAYERS[1]}]",
@@ -89,8 +91,6 @@ def train_dense_run(target: Path, data: Path, run_dir: Path, *, dspark: bool = F
         # the tiny target's whole vocabulary, float32, 16 anchors: not the SmolLM2 experiments' 10x-recipe settings
         "draft.draft_vocab_size=null", "trainer.precision=32-true", "train.num_anchors=16",
         f"run_dir={run_dir}"]
-    if dspark:
-        overrides.append("draft.markov_rank=16")
     overrides += list(extra)
     with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
         run_training(compose(config_name="config", overrides=overrides))

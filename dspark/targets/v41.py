@@ -18,8 +18,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV4Config, DeepseekV4ForCausalLM
 
-from dspark.models.dspark_v41 import hc_collapse, hc_pre_delayed
-from dspark.ops.mhc import HcSettings
+from dspark.ops.mhc import HcSettings, hc_collapse, hc_pre_delayed
 
 
 class _Carry:

@@ -1,6 +1,6 @@
-"""FLOPs of one training step of a dense block draft (DSpark / DFlash: draft kind `dspark_dense`, trained by
-dspark.training.block_module.BlockDraftModule), counted from the draft's config and the batch's shapes; and the
-GEMM peak a step's FLOP rate is compared with (MFU).
+"""FLOPs of one training step of a dense block draft (DSpark / DFlash: a family whose config declares FLOPS_COUNTED,
+trained by dspark.training.block_module.BlockDraftModule), counted from the draft's config and the batch's shapes;
+and the GEMM peak a step's FLOP rate is compared with (MFU).
 
 What is counted: every matrix product the step runs, forward and backward, as 2*m*n*k. Nothing else: norms, RoPE,
 softmax, the loss's exp / sums / signs, gathers, the embedding lookups and their backward are elementwise or
@@ -207,12 +207,13 @@ def attention_work(anchors: torch.Tensor, block_len: int, context_len: int, wind
 
 
 def is_dense_block_module(module) -> bool:
-    """Whether step_shapes can count this LightningModule's step: a BlockDraftModule training a `dspark_dense`
-    draft (not the V4 or DFlash2 families, whose layers differ; not the MTP objective)."""
-    from dspark.models.dspark_dense import DSparkDenseConfig
+    """Whether step_shapes can count this LightningModule's step: a BlockDraftModule training a draft whose config
+    class declares FLOPS_COUNTED itself (the dense block draft's layers). Not inherited: a family built on that config
+    with layers of its own (DFlash2, XPress) is counted by replay until its own class says otherwise."""
     from dspark.training.block_module import BlockDraftModule
 
-    return isinstance(module, BlockDraftModule) and type(getattr(module.draft, "config", None)) is DSparkDenseConfig
+    config = getattr(module.draft, "config", None)
+    return isinstance(module, BlockDraftModule) and bool(vars(type(config)).get("FLOPS_COUNTED", False))
 
 
 def step_shapes(module, batch: dict[str, torch.Tensor]) -> StepShapes:

@@ -67,7 +67,7 @@ def test_notebook_paths_resolve_against_the_checkout(tmp_path, monkeypatch):
     import os
     import time
 
-    from dspark.evaluation.compare import eval_runs, newest_run, repo_root, runs_root
+    from dspark.evaluation.compare import default_experiment, eval_runs, newest_run, repo_root, runs_root
 
     monkeypatch.chdir(REPO / "notebooks")  # where Jupyter starts the kernel
     monkeypatch.delenv("DSPARK_RUNS", raising=False)
@@ -85,4 +85,5 @@ def test_notebook_paths_resolve_against_the_checkout(tmp_path, monkeypatch):
         os.utime(tmp_path / "dspark_v4" / stamp / "metrics.json", (t, t))
     (tmp_path / "dspark_v4" / "unfinished").mkdir()
     assert newest_run("dspark_v4") == tmp_path / "dspark_v4" / "20200101-000000"
+    assert default_experiment() == "dspark_v4" and newest_run() == newest_run("dspark_v4")  # train.py's default
     assert set(eval_runs()) == {"dspark_v4/20300101-000000", "dspark_v4/20200101-000000"}

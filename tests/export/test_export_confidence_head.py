@@ -1,7 +1,7 @@
 """Every DSpark export path writes `enable_confidence_head` exactly when it writes the confidence head's tensors.
 
 vLLM 0.33.0 dropped a confidence head the checkpoint had no weights for; 0.34.0 keeps it randomly initialised and ranks
-the draft slots of adaptive verification by it (dspark.export.dflash_rules.CONFIDENCE_034, docs/serving.md). So the
+the draft slots of adaptive verification by it (each format's adapter's confidence_034, docs/serving.md). So the
 flag, as vLLM reads it (dense: default false; DeepSeek-V4 / V4.1: default true), must be on <=> confidence_head.*
 tensors are in the folder; the exporters write the key explicitly. A folder mutated to the flag on without the tensors
 fails `python -m dspark.export verify`, citing the 0.34.0 file:line of its layout; flag off with the tensors fails too.
@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO, reseal
-from dspark.export.dflash_rules import CONFIDENCE_034
+from dspark.export.adapter import primary_adapter
 from dspark.export.verify import _headers, verify_folder
 from test_export import _dense_cfg, _randomise, _v4_draft
 from test_export_dense import _reduced
@@ -153,7 +153,7 @@ def test_the_flag_is_written_exactly_with_the_head(tmp_path, path, capsys):
         _drop_confidence(folder)
         status, out = _verify_cli_in_process(folder, capsys)
         assert status == 1 and "enable_confidence_head is on but the folder has no" in out, out
-        assert CONFIDENCE_034[kind].split(" of 0.34.0")[0] in out and "vLLM 0.34.0 serves the randomly" in out, out
+        assert primary_adapter(kind).confidence_034.split(" of 0.34.0")[0] in out and "vLLM 0.34.0 serves the randomly" in out, out
         _set_flag(folder, config_name, False)  # flag off without tensors: what the exporters write for no head
         assert verify_folder(folder).ok, verify_folder(folder).problems
     else:  # tensors without the flag are not loaded (no parameter); the flag without tensors is the 0.34 hazard

@@ -272,10 +272,12 @@ def test_v4_dspark_keeps_a_confidence_head_without_weights(kind):
 
 
 def test_the_verifiers_confidence_citations_hold_in_034():
-    """dflash_rules.CONFIDENCE_034 (what `verify` prints) cites 0.34.0 lines that hold what it says."""
-    from dspark.export.dflash_rules import CONFIDENCE_034
+    """Each serving adapter's confidence_034 (what `verify` prints) cites 0.34.0 lines that hold what it says."""
+    from dspark.export.adapter import adapters
 
-    for kind, text in CONFIDENCE_034.items():
+    cited = {a.confidence_034 for a in adapters() if a.confidence_034}
+    assert len(cited) == 3, cited  # the dense, DeepSeek-V4 and V4.1 DSpark layouts
+    for text in sorted(cited):
         rel, rest = re.match(r"(vllm/\S+\.py):(\S+) of 0\.34\.0", text).groups()
         a, b = (int(x) for x in rest.split("-"))
         pin(REAL, rel, a, b, "enable_confidence_head")

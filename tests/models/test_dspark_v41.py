@@ -10,8 +10,8 @@ from conftest import FP32_CROSS_SHAPE_ATOL, tiny_v4_config
 
 from dspark.models.common import FieldError
 from dspark.models.dspark_v4 import DSparkV4Draft
-from dspark.models.dspark_v41 import DSparkV41Config, DSparkV41Draft, hc_pre_delayed, served_layer_ids
-from dspark.ops.mhc import HcSettings
+from dspark.models.dspark_v41 import DSparkV41Config, DSparkV41Draft, served_layer_ids
+from dspark.ops.mhc import HcSettings, hc_pre_delayed
 
 EPS, NORM_EPS, ITERS = 1e-6, 1e-6, 20
 

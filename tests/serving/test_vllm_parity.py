@@ -44,7 +44,7 @@ def served(tiny_target):
     from dspark.serving.tiny_dense import train_dense_run
 
     root, target, data, bench, python = tiny_target
-    run = train_dense_run(target, data, root / "run", gamma=GAMMA)
+    run = train_dense_run(target, data, root / "run", experiment="dflash_smollm2", gamma=GAMMA)
     return root, target, run, bench, python
 
 
@@ -129,7 +129,7 @@ def test_a_draft_trained_with_a_reduced_vocabulary_serves_like_eval_py(served):
     from dspark.serving.tiny_dense import train_dense_run
 
     root, target = served[0], served[1]
-    run = train_dense_run(target, root / "regen.jsonl", root / "run_reduced", gamma=GAMMA,
+    run = train_dense_run(target, root / "regen.jsonl", root / "run_reduced", experiment="dflash_smollm2", gamma=GAMMA,
                           extra=("draft.draft_vocab_size=768",))
     summary = run_serve_check(_cfg(served, f"run_dir={run}", f"out={root / 'check_reduced'}", "vllm_plain=false"))
     folder = Path(summary["export"])
