@@ -66,12 +66,12 @@ class DFlash2Config(DSparkDenseConfig):
         if self.layout != "mask":
             raise bad("layout", f"must be 'mask' (vLLM's DFlash speculator runs only the 1+N mask block), got "
                                 f"{self.layout!r}")
-        if self.draft_vocab_size not in (None, self.vocab_size):
         if self.window_rule == "query" and self.sliding_window is not None and self.block_size + 1 > self.sliding_window:
             raise bad("sliding_window", f"{self.sliding_window} is shorter than the 1 + {self.block_size} block: the "
                                         "block's slots would not all see each other, and the backbone reads the "
                                         "convolution's block length from the mask; use block_size <= "
                                         f"{self.sliding_window - 1}")
+        if self.draft_vocab_size not in (None, self.vocab_size):
             raise bad("draft_vocab_size", "must be null: vLLM's DFlash2 takes the candidates' ids from the draft LM "
                                           "head without the d2t map and indexes its [vocab_size] codebooks with them "
                                           "(qwen3_dflash2.py:299-307, 408-413)")

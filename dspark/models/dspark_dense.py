@@ -92,11 +92,11 @@ class DSparkDenseConfig(DenseLayerSizes):
     confidence_head: bool = True
     draft_vocab_size: int | None = None  # None / == vocab_size: full vocabulary (no d2t)
     sliding_window: int | None = None  # DeepSpec dense drafts see the whole context
-    initializer_range: float = 0.02
     # how the window bounds the block (dspark.ops.attention.WINDOW_RULES): "block" (every slot sees the
     # sliding_window context keys before the anchor) or "query" (vLLM's non-causal window |q - k| < W, which
     # from_target_config sets with the window of a target whose layers all slide: vLLM gives it to the draft too)
     window_rule: str = "block"
+    initializer_range: float = 0.02
     # the final norm's starting weight: the draft's logits are lm_head(w * h / rms(h)), so w sets their spread at step
     # 0 (1.0: logit std 7.7 on SmolLM2, twice the target's 3.6, held-out CE 56; benchmarks/README.md "Step-0 CE")
     final_norm_init: float = 1.0
@@ -135,9 +135,9 @@ class DSparkDenseConfig(DenseLayerSizes):
             raise bad("final_norm_init", f"must be > 0, got {self.final_norm_init}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise bad("sliding_window", f"must be >= 1 or null, got {self.sliding_window}")
-        rp = self.rope_parameters
         if self.window_rule not in WINDOW_RULES:
             raise bad("window_rule", f"must be one of {WINDOW_RULES}, got {self.window_rule!r}")
+        rp = self.rope_parameters
         if not isinstance(rp, dict) or "rope_theta" not in rp or any(isinstance(v, dict) for v in rp.values()):
             raise bad("rope_parameters", f"must be one flat transformers rope dict with rope_theta, got {rp!r}")
         if rp.get("rope_type", "default") not in ROPE_TYPES:
@@ -156,10 +156,10 @@ class DSparkDenseConfig(DenseLayerSizes):
             raise FieldError("kind", "dspark_dense needs a dense target; use dspark_v4 for DeepSeek-V4")
         base = cls.sizes_of(hf)
         base.update(draft_keys)
-        return config_from_dict(cls, base).validate()
         window = served_window(hf, draft_keys.get("sliding_window"), f"the {cls.__name__} block")
         if window is not None:
             base.update(sliding_window=window, window_rule="query")
+        return config_from_dict(cls, base).validate()
 
 
 def target_rope_parameters(hf) -> dict:
