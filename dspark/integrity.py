@@ -19,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from dspark import io as dspark_io  # atomic_write_bytes looked up per call: tests/test_faults.py fills the disk there
 from dspark.errors import IntegrityError
 from dspark.io import atomic_write_json
 
@@ -74,14 +75,12 @@ def _sidecar_digests(path: Path) -> list[dict]:
 
 def write_checked(path: Path, data: bytes | memoryview) -> None:
     """Atomically replaces `path` with `data` and keeps `<path>.sha256.json` valid at every moment."""
-    from dspark.io import atomic_write_bytes
-
     path = Path(path)
     new = digest_bytes(data)
     old = _sidecar_digests(path)[:1] if path.is_file() else []
     atomic_write_json(sidecar_path(path), {"file": path.name, "accept": [new, *old]})
     try:
-        atomic_write_bytes(path, data)
+        dspark_io.atomic_write_bytes(path, data)
     except BaseException:  # the file is unchanged (or absent): so is what its sidecar accepts
         if old:
             atomic_write_json(sidecar_path(path), {"file": path.name, "accept": old})

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dspark.io import atomic_write_bytes
+
 
 def pyplot():
     """matplotlib.pyplot on the Agg backend; ImportError saying how to install it."""
@@ -21,8 +23,6 @@ def save_png(fig, path: Path, dpi: int = 120) -> Path:
     """The figure as a PNG at `path`, rendered in memory and written atomically (dspark.io): a process killed while
     saving leaves the previous file or none, never a 0-byte or half-written PNG."""
     import io
-
-    from dspark.io import atomic_write_bytes
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)

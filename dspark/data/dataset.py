@@ -23,6 +23,7 @@ from pathlib import Path
 import datasets
 
 from dspark.data.chat import ChatTemplateError, render_with_loss_mask
+from dspark.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -160,8 +161,6 @@ def cached_chat_dataset(
     ds = build_chat_dataset(records_fn(), tokenizer, max_length, min_loss_tokens,
                             chat_template_kwargs=chat_template_kwargs, stats=stats)
     if len(ds) == 0:  # never cached: a later run with the same key would silently train on nothing
-        from dspark.errors import ConfigError
-
         raise ConfigError(f"data: {source_name.split(':')[0]} yielded 0 usable conversations ({stats.records} read, "
                           f"{stats.dropped_few_loss_tokens} with fewer than {min_loss_tokens} answer tokens within "
                           f"data.max_length={max_length}, {stats.dropped_render_errors} that the chat template could "

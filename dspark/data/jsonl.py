@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dspark.errors import UserError
+from dspark.errors import ConfigError, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -161,8 +161,6 @@ def looks_like_sharegpt(path: str | os.PathLike) -> bool:
 def require_usable_records(path: str | os.PathLike, strict: bool) -> None:
     """ConfigError (one line) unless the file yields at least one conversation: how many lines were skipped, the
     first reason, and data.source=sharegpt when the lines are ShareGPT records. Reads up to the first usable line."""
-    from dspark.errors import ConfigError
-
     stats = JsonlStats()
     if next(iter_jsonl_records(path, strict=strict, stats=stats, warn=False), None) is not None:
         return

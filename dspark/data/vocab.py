@@ -17,6 +17,8 @@ from typing import Iterable
 
 import torch
 
+from dspark.data.chat import render_with_loss_mask
+
 
 def count_tokens(rows: Iterable[dict], vocab_size: int, tokenizer=None, max_length: int | None = None) -> torch.Tensor:
     """[V] long: how often each id occurs as a trained token in `rows` (see module docstring)."""
@@ -33,8 +35,6 @@ def count_tokens(rows: Iterable[dict], vocab_size: int, tokenizer=None, max_leng
         elif "messages" in row:
             if tokenizer is None:
                 raise ValueError(f"row {i} is a conversation (messages): a tokenizer is needed to count tokens")
-            from dspark.data.chat import render_with_loss_mask
-
             all_ids, mask = render_with_loss_mask(row["messages"], tokenizer, max_length)
             ids = torch.tensor([t for t, m in zip(all_ids, mask) if m], dtype=torch.long)
         else:

@@ -29,6 +29,7 @@ from torch import nn
 from dspark.models.common import FieldError
 from dspark.models.dspark_v4 import DSparkV4Config, DSparkV4Draft, DSparkV4Layer
 from dspark.models.registry import register
+from dspark.models.v4_names import init_draft_layers_from_target, last_layer_ids, target_layer_names
 from dspark.ops.mhc import HcSettings, hc_collapse, hc_post, hc_pre_delayed
 
 
@@ -112,16 +113,12 @@ class DSparkV41Draft(DSparkV4Draft):
     def init_from_target(self, hf_causal_lm: nn.Module) -> list[int]:
         """Copy the target's last num_layers decoder layers into the draft layers (V4's rule; the draft MoE width
         must then be the target's)."""
-        from dspark.models.v4_names import init_draft_layers_from_target
-
         return init_draft_layers_from_target(self, hf_causal_lm)
 
     @staticmethod
     def init_reads(cfg: DSparkV41Config, hf_causal_lm: nn.Module) -> list[str]:
         """The target modules init_from_target copies: its last cfg.num_layers decoder layers (whole: the layer's
         state_dict is read), e.g. ["model.layers.3"] for one draft layer (registry.init_reads)."""
-        from dspark.models.v4_names import last_layer_ids, target_layer_names
-
         n_target = len(getattr(hf_causal_lm, "model", hf_causal_lm).layers)
         return target_layer_names(hf_causal_lm, last_layer_ids(n_target, cfg.num_layers))
 

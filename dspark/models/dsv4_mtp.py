@@ -39,6 +39,7 @@ from dspark.models.dspark_v4 import (
 )
 from dspark.models.mtp_common import MTP_TOKENS_NOTE, ChainDraft
 from dspark.models.registry import register
+from dspark.models.v4_names import load_hf_layer_into
 from dspark.ops.mhc import hc_head
 from dspark.ops.norms import RMSNorm
 
@@ -179,8 +180,6 @@ class DSV4MTPDraft(ChainDraft, SharedTargetWeights, nn.Module):
         """Start every MTP layer from the target: its last decoder layer into the block (compressor / indexer
         tensors dropped, see v4_names), its hc_head into hc_head_*, its final norm into norm. enorm / hnorm /
         e_proj / h_proj keep their init."""
-        from dspark.models.v4_names import load_hf_layer_into
-
         base = getattr(hf_model, "model", hf_model)
         head = base.hc_head
         for layer in self.layers:

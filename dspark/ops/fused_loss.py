@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from dspark.ops import backend as _backend
 from dspark.ops import loss_rows_cpu
+from dspark.ops.kernels.fused_loss_tl import lm_loss_tilelang
 from dspark.ops.lm_loss_io import LMLossParts, check_inputs
 
 DEFAULT_CHUNK_ROWS = 256  # rows per chunk: big enough that the LM-head GEMMs stay efficient on CPU
@@ -231,8 +232,6 @@ def _lm_loss_chunks_cpu(x, y, w, latent, w2, labels, coef_ce, coef_l1, chunk_row
 
 def _impl(backend_name: str):
     if backend_name == "tilelang":
-        from dspark.ops.kernels.fused_loss_tl import lm_loss_tilelang
-
         return lm_loss_tilelang
     return lm_loss_reference
 

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from dspark.ops.backend import resolve
+
 
 @dataclass(frozen=True)
 class HcSettings:
@@ -186,8 +188,6 @@ TORCH_OPS = {"mix_fwd": mix_fwd_torch, "mix_bwd": mix_bwd_torch, "collapse_fwd":
 
 
 def _ops(x: torch.Tensor, backend: str | None) -> dict:
-    from dspark.ops.backend import resolve
-
     if resolve(x, backend) == "tilelang":
         from dspark.ops.kernels.mhc_tl import TILELANG_OPS
 

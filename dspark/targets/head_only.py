@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from dspark.targets.checkpoint import HeadOnlyUnsupported, TargetCheckpoint, meta_model
+from dspark.targets.checkpoint import HeadOnlyUnsupported, TargetCheckpoint, checkpoint_identity, meta_model
 from dspark.targets.hf_target import FrozenTarget, decoder_base, load_target_tokenizer, resolve_target_source
 from dspark.targets.source import local_model_folder
 
@@ -56,8 +56,6 @@ class HeadOnlyTarget(FrozenTarget):
     def cache_identity(self) -> dict:
         """feature_cache.target_identity of the whole target, from the checkpoint files (vllm_features)."""
         if self._cache_identity is None:
-            from dspark.targets.checkpoint import checkpoint_identity
-
             self._cache_identity = checkpoint_identity(self.checkpoint.folder, self.layer_ids, self.embed_weight.dtype,
                                                        name_or_path=str(self.model.config._name_or_path))
         return self._cache_identity

