@@ -179,20 +179,20 @@ def _query_chunk() -> int:
 
 
 def attention_work(anchors: torch.Tensor, block_len: int, context_len: int, window: int | None, heads: int,
-                   packed: bool = True) -> tuple[int, bool]:
+                   packed: bool = True, rule: str = "block") -> tuple[int, bool]:
     """(query, key) pairs masked_attention scores per query head for one layer, and whether its backward
     recomputes them. anchors [B, A]. Packed (PackedBlockMask, the torch reference): blocks in groups of
     query_chunk // block_len; a group scores its c*K queries against one context span (min lo .. max hi over the
     group and the batch), or each block's own window gathered when the window is shorter than that span, plus
-    each block's own K keys. Dense mask: every query against all S + A*K keys."""
+    each block's own K keys; the context bounds are the mask's own (PackedBlockMask.context_bounds, `rule` its window
+    rule: a rule "query" block reaches W - 1 keys back, not W). Dense mask: every query against all S + A*K keys."""
     from dspark.ops import attention
 
     b, a = anchors.shape
     k = int(block_len)
     if not packed:
         return b * a * k * (context_len + a * k), False
-    hi = anchors.long().clamp(0, context_len)  # [B, A]
-    lo = torch.zeros_like(hi) if window is None else (anchors.long() - window).clamp(min=0)
+    lo, hi = attention.PackedBlockMask(anchors, k, context_len, window, rule).context_bounds()  # [B, A] each
     per = max(1, _query_chunk() // k)
     pairs = 0
     for i in range(0, a, per):
@@ -227,7 +227,8 @@ def step_shapes(module, batch: dict[str, torch.Tensor]) -> StepShapes:
     loss_rows = int(blocks.eval_mask.sum())
     vd, vt = module.lm_head_vocab()
     pairs, recompute = attention_work(batch["anchors"], lb, s, cfg.sliding_window, int(cfg.num_attention_heads),
-                                      packed=bool(getattr(module, "packed_attention_mask", True)))
+                                      packed=bool(getattr(module, "packed_attention_mask", True)),
+                                      rule=cfg.window_rule)
     conf_head = optional(module.draft, "confidence_head") is not None
     return StepShapes(
         context_rows=b * s, block_rows=b * a * lb, pred_rows=b * a * g, loss_rows=loss_rows,
