@@ -4,7 +4,7 @@ gradient clipping, AdamW step, at DeepSpec's DSpark configuration.
 Built with the project's own builders, so it measures what train.py runs:
   target : a tiny random Qwen3ForCausalLM (hidden 128, 4 layers, 4 heads / 2 KV heads, head_dim 32,
            intermediate 256, vocabulary V) wrapped in dspark's FrozenTarget, taps [0, 1, 2, 3]
-  draft  : dspark.models.registry.build_draft of a `dspark_dense` group (1 layer, block 7, anchor layout,
+  draft  : dspark.factory.build_draft of a `dspark_dense` group (1 layer, block 7, anchor layout,
            vanilla Markov head rank 64, confidence head, full context)
   module : dspark.training.modules.MODULES["block"].from_config(train group of configs/config.yaml, lr 6e-4)
   step   : optimizer.zero_grad; [autocast bf16] loss = module.training_step(batch); loss.backward();
@@ -81,7 +81,7 @@ def build(case: dict):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     sys.path.insert(0, str(REPO))
-    from dspark.models import registry
+    from dspark import factory
     from dspark.schema import TrainKeys, typed
     from dspark.targets.hf_target import FrozenTarget
     from dspark.training.blocks import sample_anchors
@@ -100,7 +100,7 @@ def build(case: dict):
     group = {"kind": "dspark_dense", "num_layers": 1, "block_size": 7, "mask_token_id": V - 1,
              "target_layer_ids": list(range(case["layers"])), "markov_rank": 64, "markov_head_type": "vanilla",
              "sliding_window": case.get("window"), "layout": "anchor", "init_from_target": False, "arch": {}}
-    draft = registry.build_draft(group, target)
+    draft = factory.build_draft(group, target)
     train = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "config.yaml").train)
     train["lr"] = 6e-4  # DeepSpec
     train["fused_loss"] = case["variant"].startswith("fused") or case["variant"].startswith("dense-mask")

@@ -1,9 +1,11 @@
 """Builds the pieces training, eval and export share, each from the config sections it reads (checked by
-dspark.schema / dspark.preflight before any model loads): the target (the target section, the draft group and how the
-target loads), the draft (the draft group), the training rows (the data section). The training pieces (DataModule,
-LightningModule) are dspark.training.build's."""
+dspark.schema / dspark.preflight before any model loads): the target (the target section, the draft and how the target
+loads), the draft (a run's resolved Config, or a draft group eval / export read back), the training rows (the data
+section). The training pieces (DataModule, LightningModule) are dspark.training.build's."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 from functools import partial
 from itertools import islice
@@ -15,7 +17,7 @@ import torch
 from dspark.data.feature_cache_build import WHOLE_TARGET, TargetLoading, tap_layers
 from dspark.errors import ConfigError  # noqa: F401  (re-exported for callers that catch it from here)
 from dspark.models import registry
-from dspark.schema import DataKeys, TargetKeys
+from dspark.schema import DataKeys, DraftStartKeys, TargetKeys, plain
 from dspark.targets.head_only import HeadOnlyTarget, HeadOnlyUnsupported, load_head_only_target
 from dspark.targets.hf_target import FrozenTarget, load_hf_target
 from dspark.targets.source import target_folder
@@ -23,17 +25,23 @@ from dspark.targets.source import target_folder
 log = logging.getLogger("dspark.factory")
 
 
-def build_target(target: TargetKeys, draft_group: Mapping[str, Any],
-                 loading: TargetLoading = WHOLE_TARGET) -> FrozenTarget:
-    """The frozen target of the target section, capturing the layers the draft group reads (`target_layer_ids`; MTP
-    drafts read none). `loading` (feature_cache_build.target_loading: whether training runs the target's layers)
-    may make it head-only (embedding, LM head, final norm: dspark.targets.head_only, plus the target modules
-    draft.init_from_target copies when the draft family names them); a checkpoint head_only cannot map exactly
-    loads whole, logged."""
-    layer_ids = tap_layers(draft_group)
+def _group(draft) -> dict | None:
+    """A draft group (Hydra's DictConfig or a mapping: eval's draft_config.json, export's config, a test's cfg.draft) as
+    plain values; None for a resolved family Config (a run's `run.draft`)."""
+    return None if dataclasses.is_dataclass(draft) else plain(draft)
+
+
+def build_target(target: TargetKeys, draft, loading: TargetLoading = WHOLE_TARGET) -> FrozenTarget:
+    """The frozen target of the target section, capturing the layers the draft reads (`target_layer_ids`; MTP drafts
+    read none). `draft`: the run's resolved Config (run.draft) or a draft group. `loading`
+    (feature_cache_build.target_loading: whether training runs the target's layers) may make it head-only (embedding,
+    LM head, final norm: dspark.targets.head_only, plus the target modules draft.init_from_target copies when the
+    draft family names them); a checkpoint head_only cannot map exactly loads whole, logged."""
+    group = _group(draft)
+    layer_ids = tap_layers(draft if group is None else group)
     folder, dtype, aux = target_folder(target), str(target.dtype), bool(layer_ids)
     if loading.head_only:
-        also = partial(registry.init_reads, draft_group) if loading.init_reads else None
+        also = partial(_init_reads, draft, group) if loading.init_reads else None
         try:
             frozen = load_head_only_target(folder, layer_ids, dtype, require_aux=aux, cache_identity=loading.identity,
                                            also=also)
@@ -43,6 +51,16 @@ def build_target(target: TargetKeys, draft_group: Mapping[str, Any],
             log.info("%s (%s): %s", loading.why, loading.path, _head_only_line(frozen))
             return frozen
     return load_hf_target(folder, layer_ids, dtype, require_aux=aux)
+
+
+def _init_reads(config, group: dict | None, model: torch.nn.Module, tokenizer) -> list[str]:
+    """The target modules draft.init_from_target copies (registry.init_reads), read from the (meta-device) model;
+    a draft group is built into its config against that model's config first."""
+    if group is None:
+        return registry.init_reads(config, model)
+    if not group.get("init_from_target", False):
+        return []
+    return registry.init_reads(registry.build_config(group, model.config, tokenizer), model)
 
 
 def _head_only_line(target: HeadOnlyTarget) -> str:
@@ -55,19 +73,34 @@ def _head_only_line(target: HeadOnlyTarget) -> str:
             f"{', '.join(target.init_modules)}: {size})")
 
 
-def build_draft(group: Mapping[str, Any], target: FrozenTarget) -> torch.nn.Module:
-    """The draft of a draft group, built by its family against the target (dspark.models.registry.build_draft), in
-    its fresh initialisation (a new run's warm start, `draft.init_from`, is training.run's: a trained draft rebuilt by
-    eval or export never reads where its run started). The group as the draft resolved it (what draft_config.json
-    and a checkpoint hold) is `resolved_group(draft, group)`."""
-    draft = registry.build_draft(group, target)
+def build_draft(draft, target: FrozenTarget, start: DraftStartKeys | None = None) -> torch.nn.Module:
+    """The draft, built by its family against the loaded target (dspark.models.registry.build_draft), in its fresh
+    initialisation or started from the target's layers (draft.init_from_target). `draft`: a run's resolved Config
+    (run.draft, with `start` = run.draft_start), built as it is and never changed (a family that rewrote its config
+    while building is refused); or a draft group (eval / export rebuilding a trained draft from draft_config.json, a
+    test), built into its config against the target here. A new run's warm start from trained weights
+    (`draft.init_from`) is training.run's: a trained draft rebuilt by eval or export never reads where its run
+    started."""
+    group = _group(draft)
+    if group is None:
+        config, init = draft, (start or DraftStartKeys()).init_from_target
+        before = copy.deepcopy(config)
+    else:
+        config = registry.build_config(group, target.model.config, target.tokenizer)
+        registry.check_init_from_target(group)
+        init = bool(group.get("init_from_target", False))
+    built = registry.build_draft(config, target, init_from_target=init)
+    if group is None and built.config != before:
+        raise RuntimeError(f"{type(built).__name__} changed its config while building ({before} -> {built.config}): "
+                           "a run's draft config is final when the run starts (dspark.draft_resolve)")
     if isinstance(target, HeadOnlyTarget):
         target.release_init_modules()  # copied into the draft: training reads only the head
-    return draft
+    return built
 
 
 def resolved_group(draft: torch.nn.Module, group: Mapping[str, Any]) -> dict[str, Any]:
     """The draft group as the built draft resolved it (the target's sizes under arch, the mask id, ...)."""
+    group = plain(group)
     return registry.resolved_group(draft.config, str(group["kind"]), group)
 
 

@@ -3,18 +3,15 @@ a bad value fails in about a second with one line naming the key, not after the 
 
 First the schema (dspark.schema: every key known, typed, in range), then the rules between keys and against the
 target's config.json: anchors vs sequence length, drafts per step vs sequence length, the data file, the feature
-cache vs the objective, the trainer settings the run depends on, the draft group against the target."""
+cache vs the objective, the trainer settings the run depends on. The draft group is resolved against the target
+(dspark.draft_resolve) when the schema builds the run config, before these rules read it."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from typing import NamedTuple
-
 from dspark import schema
-from dspark.errors import ConfigError, require
-from dspark.models import registry
+from dspark.errors import require
 from dspark.models.contract import optional
-from dspark.targets.source import target_folder
 
 
 def command_line_overrides() -> list[str]:
@@ -58,11 +55,9 @@ def check_trainer(run: schema.RunConfig) -> None:
 
 
 def check_data(run: schema.RunConfig) -> None:
-    data, draft = run.data, run.draft
-    fam = registry.family(str(draft["kind"]))
-    depth_key = fam.config.DRAFTS_KEY
-    depth = draft.get(depth_key)
-    require(isinstance(depth, int) and depth >= 1, f"draft.{depth_key}", f"must be an int >= 1, got {depth!r}")
+    data, fam = run.data, run.draft_family
+    depth_key = fam.drafts_key  # an int >= 1 (dspark.schema.check_draft_keys)
+    depth = int(getattr(run.draft, depth_key))
     require(data.max_length > depth + 1, "data.max_length",
             f"{data.max_length} is too short for draft.{depth_key} {depth}")
     if data.source != "sharegpt":
@@ -98,71 +93,19 @@ def check_data(run: schema.RunConfig) -> None:
 def check_warm_start(run: schema.RunConfig) -> None:
     """draft.init_from names a folder when a new run starts from it (a resumed run restores its checkpoint and never
     reads it: dspark.training.run)."""
-    source = run.draft.get("init_from")
+    source = run.draft_start.init_from
     if source and run.resume in (None, "", False):
         require(Path(str(source)).expanduser().is_dir(), "draft.init_from",
                 f"{source!r} is not a folder (a trained RUN/draft, or a serving export of a draft of the same target)")
 
 
-def _target_hf_config(target: schema.TargetKeys):
-    """The target's HF config from its local folder (no weights), or None when the target is not a local
-    folder (a Hub id: the loader decides)."""
-    folder = target_folder(target)
-    if not Path(folder).is_dir():
-        local = folder.startswith(("/", ".", "~")) or Path(folder).exists()
-        require(not local, "target.path", f"{folder!r} is not a folder")
-        from dspark.targets.hf_target import resolve_target_source
-
-        try:  # a Hub id: refused now when HF_HUB_OFFLINE is set and the cache lacks it
-            resolve_target_source(folder)
-        except FileNotFoundError as e:
-            raise ConfigError(str(e)) from e
-        return None  # the loader resolves it
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"target.path: {folder!r} holds no readable config.json ({e})") from e
-
-
-def _tokenizer(target: schema.TargetKeys):
-    """The target folder's tokenizer (no weights): a null draft.mask_token_id is its <|mask|> token."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(target_folder(target), local_files_only=True)
-    except (OSError, ValueError):
-        return None
-
-
-def check_draft(target: schema.TargetKeys, group: dict) -> dict | None:
-    """The draft group built into its family's config against the target's config.json (dspark.models.registry):
-    taps inside the target, hidden size, mask token, the family's own rules. -> the resolved draft group (as
-    draft/draft_config.json and the checkpoints hold it), None for a target this check cannot read (a Hub id)."""
-    registry.check_init_from_target(group)
-    hf_config = _target_hf_config(target)
-    if hf_config is None:
-        return None
-    tokenizer = _tokenizer(target) if group.get("mask_token_id", 0) is None else None
-    config = registry.build_config(group, hf_config, tokenizer)
-    return registry.resolved_group(config, str(group["kind"]), group)
-
-
-class CheckedRun(NamedTuple):
-    """A checked training config: the typed run config, and its draft group resolved against the target (None when
-    the target's config.json cannot be read here: a Hub id)."""
-
-    run: schema.RunConfig
-    resolved_draft: dict | None
-
-
-def check_training_config(cfg, overrides: list[str] | None = None) -> CheckedRun:
-    """Raises ConfigError naming the first bad key; loads no model weights. `cfg`: Hydra's DictConfig (or its plain
-    values); the schema types it once (dspark.schema.run_config) and the rules between keys read the typed sections."""
+def check_training_config(cfg, overrides: list[str] | None = None) -> schema.RunConfig:
+    """The final run config (dspark.schema.RunConfig: every key checked, the draft group resolved against the
+    target's config.json, dspark.draft_resolve), after the rules between keys; raises ConfigError naming the first bad
+    key; loads no model weights. `cfg`: Hydra's DictConfig (or its plain values)."""
     run = schema.run_config(cfg, command_line_overrides() if overrides is None else overrides)
     check_train(run)
     check_trainer(run)
     check_data(run)
     check_warm_start(run)
-    return CheckedRun(run, check_draft(run.target, run.draft))
+    return run

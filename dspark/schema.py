@@ -21,6 +21,7 @@ Cross-field checks (anchors vs sequence length, taps vs target depth, ...) live 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import inspect
@@ -341,6 +342,10 @@ def check_draft_keys(draft: Mapping[str, Any]) -> None:
     for key in arch:
         if key not in fields:
             raise unknown_key_error("draft.arch", str(key), fields - set(fam.group_keys))
+    depth_key = fam.drafts_key  # drafts per verify step: data.max_length is checked against it (dspark.preflight)
+    depth = draft.get(depth_key)
+    if not (isinstance(depth, int) and not isinstance(depth, bool) and depth >= 1):
+        raise ConfigError(f"draft.{depth_key}: must be an int >= 1, got {depth!r}")
     for key in ("init_from_target", "init_from_any_target"):
         if not isinstance(draft.get(key, False), bool):
             raise ConfigError(f"draft.{key}: must be bool, got {draft[key]!r}")
@@ -409,43 +414,99 @@ def eval_config(cfg, schema: type = EvalKeys):
     return cfg if isinstance(cfg, schema) else typed(schema, check_eval_keys(cfg, schema))
 
 
+@dataclass(frozen=True)
+class DraftStartKeys:
+    """The draft group's keys that are not its family's Config: where a new run's draft starts (its fresh
+    initialisation, the target's layers, or a trained draft's weights)."""
+
+    init_from_target: bool = field(default=False, metadata={"doc": "start the draft from the target's layers"})
+    init_from: Optional[str] = field(default=None, metadata={
+        "doc": "a trained draft folder (RUN/draft or a serving export) a new run starts from (dspark.warm_start)"})
+    init_from_any_target: bool = field(default=False, metadata={
+        "doc": "init_from a draft trained against another target (draft/target.json), with a warning"})
+
+    @classmethod
+    def of_group(cls, group: Mapping[str, Any]) -> "DraftStartKeys":
+        """The warm-start keys of a (checked) draft group, defaults where it leaves them out."""
+        return cls(**{f.name: group[f.name] for f in dataclasses.fields(cls) if group.get(f.name) is not None})
+
+
 @dataclass(kw_only=True)
 class RunConfig(RunKeys):
-    """train.py's config as one typed object, built once after every key is checked (`run_config`); each piece reads
-    its own section by attribute: `target` (TargetKeys), `data` (DataKeys), `train` (TrainKeys, the keys every
-    objective shares). Typed by their owners: `draft` (the family's group: its Config types it,
-    registry.build_config), `objective` (the train.* keys the objectives own: the draft's objective types its own,
-    dspark.objective_keys), `trainer` (lightning's Trainer arguments), `callbacks` / `logger` ({_target_: ...} nodes)."""
+    """train.py's config as one typed object, built once after every key is checked and the draft group is resolved
+    against the target (`run_config`); each piece reads its own section by attribute: `target` (TargetKeys), `data`
+    (DataKeys), `train` (TrainKeys, the keys every objective shares), `draft` (the family's Config, every size
+    resolved against the target's config.json: what the draft is built from, dspark.draft_resolve) and
+    `draft_start` (DraftStartKeys: draft.init_from_target / init_from / init_from_any_target). Typed by their owners:
+    `objective` (the train.* keys the objectives own: the draft's objective types its own, dspark.objective_keys),
+    `trainer` (lightning's Trainer arguments), `callbacks` / `logger` ({_target_: ...} nodes). The draft section
+    becomes the draft group (a dict) only where it is saved: `values()`, `draft_group()`."""
 
     target: TargetKeys
     data: DataKeys
     train: TrainKeys
     objective: dict[str, Any]
-    draft: dict[str, Any]
+    draft: Any
+    draft_start: DraftStartKeys
     trainer: dict[str, Any]
     callbacks: Optional[dict[str, Any]]
     logger: Optional[dict[str, Any]]
 
+    @property
+    def draft_family(self):
+        """The draft's family record (dspark.models.registry.Family): kind, objective, ..."""
+        from dspark.models import registry
+
+        return registry.family_of_config(self.draft)
+
+    @property
+    def copies_target(self) -> str | None:
+        """The draft's kind when draft.init_from_target starts it from the target's layers (what the target's loading
+        must then read: dspark.data.feature_cache_build.target_loading), else None."""
+        return self.draft_family.kind if self.draft_start.init_from_target else None
+
+    def draft_group(self) -> dict[str, Any]:
+        """The draft section as a draft group, every size resolved (draft/draft_config.json, hyper_parameters):
+        kind, the family's group keys, the warm-start keys, every other Config field under `arch`."""
+        from dspark.models import registry
+
+        kind = self.draft_family.kind
+        group = registry.resolved_group(self.draft, kind, {"kind": kind})
+        arch = group.pop("arch")
+        return {**group, **dataclasses.asdict(self.draft_start), "arch": arch}
+
     def values(self) -> dict:
-        """The plain config again (train.* whole), as checkpoints' hyper_parameters and the loggers hold it."""
-        out = dataclasses.asdict(self)
+        """The plain config again (train.* whole, the draft group resolved), as checkpoints' hyper_parameters, the
+        loggers and a feature stream's producer hold it."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "draft":
+                out["draft"] = self.draft_group()
+            elif f.name != "draft_start":
+                out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
         out["train"] = {**out["train"], **out.pop("objective")}
         return out
 
 
 def run_config(cfg, overrides: Iterable[str] = ()) -> RunConfig:
     """The typed config of train.py (RunConfig) from Hydra's DictConfig (or its plain values), every key checked
-    (`overrides`: the command line's, as check_run_keys takes them); a RunConfig is returned as it is."""
+    (`overrides`: the command line's, as check_run_keys takes them) and the draft group resolved against the target's
+    config.json (dspark.draft_resolve.resolve_draft: no weights load); a RunConfig is returned as it is. This is
+    where a run's config becomes final: nothing changes it afterwards."""
+    from dspark.draft_resolve import resolve_draft
+
     if isinstance(cfg, RunConfig):
         return cfg
     values = check_run_keys(cfg, overrides)
     train = values["train"]
+    target = typed(TargetKeys, values["target"])
     return RunConfig(
         **{k: values[k] for k in keys_of(RunKeys)},
-        target=typed(TargetKeys, values["target"]), data=typed(DataKeys, values["data"]), train=typed(TrainKeys, train),
+        target=target, data=typed(DataKeys, values["data"]), train=typed(TrainKeys, train),
         objective={k: v for k, v in train.items() if k not in keys_of(TrainKeys)},
-        draft=values["draft"], trainer=values["trainer"], callbacks=values.get("callbacks"),
-        logger=values.get("logger"))
+        draft=resolve_draft(target, values["draft"]), draft_start=DraftStartKeys.of_group(values["draft"]),
+        trainer=values["trainer"], callbacks=values.get("callbacks"), logger=values.get("logger"))
 
 
 def describe(schema: type, prefix: str) -> list[tuple[str, str]]:

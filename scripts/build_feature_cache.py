@@ -23,7 +23,6 @@ def main(argv: list[str]) -> int:
     from dspark.errors import UserError
     from dspark.factory import build_dataset
     from dspark.preflight import check_training_config
-    from dspark.schema import run_config
     from dspark.training.cache_plan import feature_cache_plan
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -31,8 +30,7 @@ def main(argv: list[str]) -> int:
     with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
         cfg = compose(config_name="config", overrides=argv)
     try:
-        check_training_config(cfg)
-        run = run_config(cfg)
+        run = check_training_config(cfg)  # the final run config (dspark.schema.RunConfig)
         path = build_feature_cache_offline(feature_cache_plan(run), run.data, build_dataset)
     except (UserError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -202,8 +202,10 @@ def test_the_package_metadata_builds_without_a_license_deprecation(tmp_path):
 @pytest.mark.parametrize("experiment", ["dspark_v4", "hyv4_mtp"])
 def test_the_typed_run_config_holds_every_key_as_the_dictconfig_did(experiment):
     """schema.run_config: the typed sections read like the yaml (target / data / train typed, the objective's keys
-    apart and typed by the draft's objective), and `values()` gives back exactly the plain config the DictConfig
-    resolves to: what checkpoints' hyper_parameters held before, so that an older run resumes against it."""
+    apart and typed by the draft's objective, the draft as its family's Config resolved against the target plus the
+    warm-start keys), and `values()` gives back exactly the plain config the DictConfig resolves to with the draft
+    group resolved (what checkpoints' hyper_parameters held before, so that an older run resumes against it); built
+    from those values again, it is the same run config."""
     import dataclasses
 
     from omegaconf import OmegaConf
@@ -217,13 +219,24 @@ def test_the_typed_run_config_holds_every_key_as_the_dictconfig_did(experiment):
     assert isinstance(run.target, schema.TargetKeys) and isinstance(run.data, schema.DataKeys)
     assert isinstance(run.train, schema.TrainKeys) and isinstance(run.data.feature_cache_layout, schema.CacheLayoutKeys)
     assert run.train.lr == 0.002 and run.data.feature_cache_layout.encoding == "fp8_e4m3"
-    assert run.target.kind == cfg.target.kind and run.draft["kind"] == cfg.draft.kind
+    assert run.target.kind == cfg.target.kind and run.draft_family.kind == cfg.draft.kind
+    assert isinstance(run.draft, registry.family(cfg.draft.kind).config)
+    assert run.draft_start == schema.DraftStartKeys(init_from_target=cfg.draft.init_from_target)
     assert set(run.objective) == set(cfg.train) - set(schema.keys_of(schema.TrainKeys))
-    keys_cls = MODULES[registry.family(run.draft["kind"]).objective].KEYS
+    keys_cls = MODULES[run.draft_family.objective].KEYS
     keys = schema.typed(keys_cls, run.objective)
     assert dataclasses.asdict(keys) == {k: OmegaConf.to_container(cfg.train, resolve=True)[k]
                                         for k in schema.keys_of(keys_cls)}
-    assert run.values() == OmegaConf.to_container(cfg, resolve=True)
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    group = plain.pop("draft")
+    values = run.values()
+    resolved = values.pop("draft")
+    assert values == plain
+    assert all(resolved[k] == v for k, v in group.items() if k != "arch" and v is not None)  # nulls resolved
+    assert set(resolved) == {"kind", *registry.family(group["kind"]).group_keys, *schema.keys_of(schema.DraftStartKeys),
+                             "arch"}
+    again = schema.run_config(run.values())
+    assert again == run and again.values() == run.values()  # the saved form round-trips
     assert schema.run_config(run) is run  # built once, then passed on as it is
 
 

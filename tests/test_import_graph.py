@@ -37,6 +37,30 @@ def test_models_import_nothing_from_training_or_evaluation():
     assert not edges, f"dspark/models/ imports from the layers above it: {edges}"
 
 
+CONFIG_LIBRARIES = ("omegaconf", "hydra")  # Hydra's DictConfig is made plain above dspark/models/ (dspark.schema.plain)
+
+
+def config_library_imports(folder: Path) -> list[tuple[str, str]]:
+    """(file, module) for every import of a config library (OmegaConf, Hydra) under `folder`."""
+    return sorted((str(path.relative_to(folder.parent)), module) for path in folder.rglob("*.py")
+                  for module in imported_modules(path, "dspark.models")
+                  if module.split(".")[0] in CONFIG_LIBRARIES)
+
+
+def test_models_know_nothing_of_omegaconf():
+    """dspark/models/ takes plain values (a draft group is a dict, a run's draft its family's Config): a DictConfig
+    is converted above it, in dspark.schema / dspark.draft_resolve / dspark.factory (issue 49, item 1)."""
+    found = config_library_imports(PACKAGE / "models")
+    assert not found, f"dspark/models/ imports a config library: {found}"
+
+
+def test_the_config_library_check_sees_an_import(tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "probe.py").write_text("def g(x):\n    from omegaconf import OmegaConf\n    return x\n")
+    assert config_library_imports(tmp_path / "models") == [("models/probe.py", "omegaconf"),
+                                                           ("models/probe.py", "omegaconf.OmegaConf")]
+
+
 def test_the_check_sees_function_local_and_relative_imports(tmp_path):
     f = tmp_path / "probe.py"
     f.write_text("def g():\n    from dspark.evaluation.speculative import score\n    from ..training import blocks\n")
@@ -110,7 +134,7 @@ FLOORS = (  # lowest first; a module belongs to the floor of its longest matchin
                 "dspark.plotting")),
     ("families", ("dspark.models",)),
     ("targets", ("dspark.targets",)),
-    ("data, config", ("dspark.data", "dspark.schema", "dspark.objective_keys")),
+    ("data, config", ("dspark.data", "dspark.schema", "dspark.objective_keys", "dspark.draft_resolve")),
     # the client side of the vLLM worker (a process in vLLM's own venv) and the feature producer built on it: chosen
     # by the layer that plans a run's feature cache (dspark.training.cache_plan), never imported by data/
     ("vLLM client", ("dspark.serving.engine", "dspark.serving.vllm_target_view", "dspark.serving.vllm_features")),

@@ -56,9 +56,11 @@ def cache_dir_for_key(plan: FeatureCachePlan, key: str) -> Path:
     return default_cache_dir() / "features" / key
 
 
-def tap_layers(draft_group: Mapping[str, Any]) -> list[int]:
-    """The target layers a draft group reads (`target_layer_ids`; none for MTP drafts)."""
-    return [int(i) for i in (draft_group.get("target_layer_ids") or [])]
+def tap_layers(draft) -> list[int]:
+    """The target layers a draft reads (`target_layer_ids` of its resolved config or of a draft group; none for MTP
+    drafts)."""
+    ids = draft.get("target_layer_ids") if isinstance(draft, Mapping) else getattr(draft, "target_layer_ids", None)
+    return [int(i) for i in (ids or [])]
 
 
 def rows_before_target(data: DataKeys, target_path: str, dataset_builder):
@@ -120,12 +122,12 @@ class TargetLoading:
 WHOLE_TARGET = TargetLoading(head_only=False, identity=None, why="", path=None)
 
 
-def target_loading(plan: FeatureCachePlan | None, draft_group: Mapping[str, Any], dataset,
-                   rows=None) -> TargetLoading:
+def target_loading(plan: FeatureCachePlan | None, copies_target: str | None, dataset, rows=None) -> TargetLoading:
     """Whether training needs the target's decoder layers. It does not with a feature cache complete for this target
     and these rows (`dataset`, rows_before_target; a hit: cache_status) or with data.feature_stream (a child
     process computes the features): the target then loads head-only, plus the target modules draft.init_from_target
-    copies when the draft family (`draft_group`) names them (registry.init_reads_named). It does without a cache
+    copies when the draft family names them (registry.init_reads_named; `copies_target`: the draft's kind with
+    draft.init_from_target set, else None). It does without a cache
     (`plan` None), on a miss (this process computes the features), with no dataset, and with draft.init_from_target
     of a family that does not name what its copy reads (logged). A stream whose cache identity cannot be computed
     from the checkpoint is refused (ConfigError). `rows`: a short run's cached rows (cache_status)."""
@@ -139,8 +141,8 @@ def target_loading(plan: FeatureCachePlan | None, draft_group: Mapping[str, Any]
     if status is None or not (status.hit or streamed):
         return WHOLE_TARGET
     why = "feature stream (a child process computes the features)" if streamed else "feature cache complete"
-    init = bool(draft_group.get("init_from_target", False))
-    if init and not registry.init_reads_named(str(draft_group["kind"])):
+    init = copies_target is not None
+    if init and not registry.init_reads_named(copies_target):
         log.info("%s, but draft.init_from_target copies target layers: the whole target loads", why)
         return TargetLoading(head_only=False, identity=status.identity, why=why, path=status.path)
     return TargetLoading(head_only=True, identity=status.identity, why=why, path=status.path, init_reads=init)

@@ -153,11 +153,23 @@ def family_of(draft: torch.nn.Module) -> Family:
     return family(kind)
 
 
+def family_of_config(config: Any) -> Family:
+    """The family whose Config `config` is (a resolved draft config: a run's `run.draft`)."""
+    found = [f for f in families().values() if type(config) is f.config]
+    if len(found) != 1:
+        raise ValueError(f"{type(config).__name__} is the config of {len(found)} registered draft families "
+                         f"({', '.join(f.kind for f in found) or 'none'}), not one")
+    return found[0]
+
+
 # ---- draft group <-> config ----------------------------------------------------------------------------
 def _plain(group: Any) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(group, resolve=True) if OmegaConf.is_config(group) else dict(group)
+    """A draft group as given: a plain dict (a Hydra DictConfig is made plain above this package: dspark.schema.plain,
+    dspark.factory); a copy, so nothing here changes the caller's."""
+    if not isinstance(group, dict):
+        raise TypeError(f"a draft group here is a plain dict (dspark.schema.plain converts Hydra's DictConfig), got "
+                        f"{type(group).__name__}")
+    return dict(group)
 
 
 def config_values(group: Mapping[str, Any]) -> dict[str, Any]:
@@ -248,14 +260,13 @@ def build_config(group: Mapping[str, Any], hf_config, tokenizer=None):
         raise ConfigError(f"draft: {e}") from e
 
 
-def build_draft(group: Mapping[str, Any], target) -> torch.nn.Module:
-    """The draft of a draft group, built against a loaded FrozenTarget: its config (build_config), the draft,
-    its start from the target's layers (`init_from_target`), the target's embedding / LM head attached."""
-    group = _plain(group)
-    fam = family(str(group.get("kind")))
-    draft = fam.draft(build_config(group, target.model.config, target.tokenizer))
-    check_init_from_target(group)
-    if group.get("init_from_target", False):
+def build_draft(config: Any, target, *, init_from_target: bool = False) -> torch.nn.Module:
+    """The draft of a resolved config (build_config), built against a loaded FrozenTarget: the draft, its start from
+    the target's layers (`init_from_target`, the draft group's key), the target's embedding / LM head attached."""
+    fam = family_of_config(config)
+    draft = fam.draft(config)
+    if init_from_target:
+        _check_starts_from_target(fam)
         try:
             draft.init_from_target(target.model)
         except ValueError as e:
@@ -270,8 +281,12 @@ def check_init_from_target(group: Mapping[str, Any]) -> None:
     """ConfigError now (before any model loads) when draft.init_from_target is set for a family whose draft cannot
     start from the target's layers."""
     group = _plain(group)
-    fam = family(str(group.get("kind")))
-    if group.get("init_from_target", False) and optional(fam.draft, "init_from_target") is None:
+    if group.get("init_from_target", False):
+        _check_starts_from_target(family(str(group.get("kind"))))
+
+
+def _check_starts_from_target(fam: Family) -> None:
+    if optional(fam.draft, "init_from_target") is None:
         starts = sorted(k for k in kinds() if optional(family(k).draft, "init_from_target") is not None)
         raise ConfigError(f"draft.init_from_target: not implemented for {fam.kind} (families that have it: "
                           f"{', '.join(starts)})")
@@ -283,17 +298,14 @@ def init_reads_named(kind: str) -> bool:
     return callable(optional(family(kind).draft, "init_reads"))
 
 
-def init_reads(group: Mapping[str, Any], target_model: torch.nn.Module, tokenizer) -> list[str]:
-    """The names of `target_model`'s modules that the draft of `group` reads in init_from_target (the model may be on
-    the meta device: only its structure is read); [] without draft.init_from_target. ConfigError when the family does
-    not name them (init_reads_named)."""
-    group = _plain(group)
-    if not group.get("init_from_target", False):
-        return []
-    fam = family(str(group.get("kind")))
+def init_reads(config: Any, target_model: torch.nn.Module) -> list[str]:
+    """The names of `target_model`'s modules that init_from_target of the draft of the resolved `config` reads (the
+    model may be on the meta device: only its structure is read). ConfigError when the family does not name them
+    (init_reads_named)."""
+    fam = family_of_config(config)
     if not init_reads_named(fam.kind):
         raise ConfigError(f"draft.init_from_target: {fam.kind} does not name the target modules it copies")
-    return list(fam.draft.init_reads(build_config(group, target_model.config, tokenizer), target_model))
+    return list(fam.draft.init_reads(config, target_model))
 
 
 def vllm_options(config) -> dict:
@@ -322,5 +334,5 @@ def config_from_group(group: Mapping[str, Any]):
                          "needs its target (dspark.factory.build_draft)") from e
 
 
-__all__ = ["Family", "FamilyContractError", "register", "register_family", "temporary_family", "families", "kinds", "family", "family_of", "config_values", "resolved_group",
+__all__ = ["Family", "FamilyContractError", "register", "register_family", "temporary_family", "families", "kinds", "family", "family_of", "family_of_config", "config_values", "resolved_group",
            "build_config", "build_draft", "config_from_group", "tokenizer_mask_id"]

@@ -8,7 +8,6 @@ from dspark.data import feature_stream
 from dspark.data.cache_plan import FeatureCachePlan, cache_wanted, stream_wanted
 from dspark.data.feature_cache_build import prepare_feature_cache
 from dspark.data.held_out import held_out_count
-from dspark.models import registry
 from dspark.ops.backend import set_ops_backend
 from dspark.schema import RunConfig, run_config, typed
 from dspark.targets.hf_target import FrozenTarget
@@ -51,13 +50,13 @@ def build_datamodule(run: RunConfig, tokenizer, dataset=None, target: FrozenTarg
 
 def build_module(run: RunConfig, draft, target: FrozenTarget):
     """The LightningModule of the draft family's objective (dspark.training.modules.MODULES), from that objective's
-    train.* keys (its KEYS, typed here) and the shared optimisation keys; the run config, with the draft group as
-    the draft resolved it, is its hyper_parameters."""
+    train.* keys (its KEYS, typed here) and the shared optimisation keys; the run config's plain values (the draft
+    section as its resolved draft group) are its hyper_parameters."""
     run = run_config(run)
     set_ops_backend(run.ops_backend)
-    module_cls = MODULES[registry.family(str(run.draft["kind"])).objective]
+    module_cls = MODULES[run.draft_family.objective]
     optim = OptimConfig.from_keys(run.train, run.trainer["max_steps"])
     module = module_cls.from_config(typed(module_cls.KEYS, run.objective), draft, target, optim)
     # the resolved run config: in every checkpoint (hyper_parameters) and every logger (hparams.yaml, W&B config)
-    module.save_hyperparameters({**run.values(), "draft": factory.resolved_group(draft, run.draft)})
+    module.save_hyperparameters(run.values())
     return module

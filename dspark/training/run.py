@@ -206,7 +206,8 @@ def target_record(target: TargetKeys, fingerprint: str | None) -> dict:
 def export_draft(draft: torch.nn.Module, group, target: TargetKeys, out_dir: Path,
                  fingerprint: str | None = None) -> None:
     """A complete, sealed draft/ folder in one call (what a finished run leaves behind): the draft of the draft group
-    `group`, trained against the target of the target section `target`."""
+    `group` (its warm-start keys are recorded; the sizes are the draft's), trained against the target of the target
+    section `target`."""
     draft_dir.write_weights_and_config(draft, factory.resolved_group(draft, group), out_dir)
     draft_dir.seal(out_dir, target_record(target, fingerprint))
 
@@ -314,13 +315,13 @@ def run_training(cfg, callbacks: tuple[Callback, ...] = ()) -> dict:
     draft is written right after fit, before anything that could still fail (target fingerprint, metrics), and
     `resume=last` on a finished run only redoes those end-of-run steps. `cfg`: Hydra's DictConfig, checked
     (dspark.preflight) and typed (dspark.schema.RunConfig) here, once; everything below reads the typed sections."""
-    run, resolved_draft = check_training_config(cfg)
+    run = check_training_config(cfg)  # final: nothing below changes it (the held-out count aside: choose_held_out)
     run_dir = Path(run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with claim_run_dir(run_dir):
         ckpt_path = resolve_resume(run.resume, run_dir)
         if ckpt_path is not None:
-            plan, then = check_resumed_config(run, resolved_draft, Path(ckpt_path), run_dir)
+            plan, then = check_resumed_config(run, Path(ckpt_path), run_dir)
             if is_launcher_process():  # once per job, not once per rank
                 print_and_log(plan)
             if run.data.val_examples == "auto":  # a resumed run keeps its own held-out split
@@ -330,18 +331,16 @@ def run_training(cfg, callbacks: tuple[Callback, ...] = ()) -> dict:
         return _train(run, run_dir, ckpt_path, callbacks)
 
 
-def check_resumed_config(run: RunConfig, resolved_draft: dict | None, ckpt: Path, run_dir: Path) -> tuple[str, dict]:
-    """The run config, its draft group resolved against the target (None: a target whose config.json preflight could
-    not read), against the checkpoint's, before any model loads (dspark.training.resume) -> (the one line that says
+def check_resumed_config(run: RunConfig, ckpt: Path, run_dir: Path) -> tuple[str, dict]:
+    """The run config (its draft group resolved against the target, as checkpoints hold it) against the
+    checkpoint's, before any model loads (dspark.training.resume) -> (the one line that says
     how far the resumed run goes, the checkpoint's run config). A refused config names the command this run was last
     started with (run_dir/resume.json), when it has one: a resume that forgot the experiment or an override is one
     line."""
     then, step = checkpoint_config(ckpt)
-    now = {**run.values(), "draft": resolved_draft or run.draft}
+    now = run.values()
     if now["data"].get("val_examples") == "auto":  # auto keeps the run's own split (choose_held_out)
         now["data"] = {**now["data"], "val_examples": (then.get("data") or {}).get("val_examples", "auto")}
-    if resolved_draft is None and isinstance(then.get("draft"), dict):  # a Hub target: sizes unknown here
-        now["draft"] = {**then["draft"], **{k: v for k, v in now["draft"].items() if k != "arch" and v is not None}}
     try:
         compare_on_resume(now, then)
     except ResumeRefused as e:
@@ -382,13 +381,13 @@ def _train(run: RunConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> d
     if tiny and is_launcher_process():
         print_and_log(tiny)
     plan = feature_cache_plan(run)  # data.feature_cache: decided once, read by the target's loading and the build
+    start = run.draft_start
     target = factory.build_target(run.target, run.draft,
-                                  target_loading(plan, run.draft, dataset, cached_rows(run, dataset)))
-    draft = factory.build_draft(run.draft, target)
-    if run.draft.get("init_from") and ckpt_path is None:  # a warm start (a resumed run restores its checkpoint)
-        init_from(draft, str(run.draft["init_from"]), target,  # a draft of another target: refused unless asked
-                  any_target=bool(run.draft.get("init_from_any_target", False)))
-    run.draft = factory.resolved_group(draft, run.draft)  # draft_config.json, hyper_parameters, a stream's producer
+                                  target_loading(plan, run.copies_target, dataset, cached_rows(run, dataset)))
+    draft = factory.build_draft(run.draft, target, start)
+    if start.init_from and ckpt_path is None:  # a warm start (a resumed run restores its checkpoint)
+        init_from(draft, str(start.init_from), target,  # a draft of another target: refused unless asked
+                  any_target=start.init_from_any_target)
     datamodule = build_datamodule(run, target.tokenizer, dataset=dataset, target=target, plan=plan)
     install_draft_vocab(draft, datamodule.train_rows, target.tokenizer)  # draft.arch.draft_vocab_size
     with producer_scope(datamodule.features):  # data.feature_stream: its producer finishes (or stops on an error)
@@ -432,7 +431,7 @@ def _fit(run: RunConfig, run_dir: Path, ckpt_path: str | None, callbacks, target
     out = run_dir / draft_dir.DRAFT_DIR
     full = gathered_draft_state(draft, trainer.is_global_zero)  # FSDP2 / ZeRO-3 shards (a collective: every rank)
     if trainer.is_global_zero:  # the trained weights first: nothing below can lose them
-        draft_dir.write_weights_and_config(draft, run.draft, out, state=full)
+        draft_dir.write_weights_and_config(draft, run.draft_group(), out, state=full)
     validated_last = trainer.global_step * trainer.accumulate_grad_batches % trainer.val_check_batch == 0
     if not validated_last or not getattr(module, "last_val_metrics", None):
         trainer.validate(module, datamodule=datamodule, verbose=False)

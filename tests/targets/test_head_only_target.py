@@ -204,8 +204,8 @@ def test_unmappable_checkpoint_is_refused_naming_the_entry(tied_llama, tmp_path)
 
 @pytest.mark.parametrize("case", ["init_from_target", "unmappable"])
 def test_build_target_loads_whole_when_head_only_does_not_do(case, tied_llama, tmp_path, monkeypatch):
-    """A hit with draft.init_from_target of a family that does not name the target modules its copy reads (the
-    default dspark_v4 group) or a checkpoint head_only refuses: the whole target loads."""
+    """A hit with draft.init_from_target of a family that does not name the target modules its copy reads
+    (dspark_v4) or a checkpoint head_only refuses: the whole target loads."""
     import dspark.data.feature_cache_build as fcb
     from dspark.training.cache_plan import feature_cache_plan
 
@@ -222,9 +222,11 @@ def test_build_target_loads_whole_when_head_only_does_not_do(case, tied_llama, t
     else:
         monkeypatch.setattr(factory, "load_head_only_target", lambda *a, **k: pytest.fail("loaded head-only"))
     monkeypatch.setattr(fcb, "cache_status", lambda plan, rows: fcb.CacheStatus(tmp_path, None, True))
-    cfg = compose(["target=hf", f"target.path={folder}", "target.dtype=float32", "data.feature_cache=auto",
-                   "draft.target_layer_ids=[1]", f"draft.init_from_target={case == 'init_from_target'}"])
-    target = factory.build_target(cfg.target, cfg.draft, fcb.target_loading(feature_cache_plan(run_config(cfg)), cfg.draft, [{"input_ids": [1, 2]}]))
+    cfg = compose(["experiment=dflash2_tiny", "target=hf", f"target.path={folder}", "target.dtype=float32",
+                   "data.feature_cache=auto", "draft.target_layer_ids=[1]"])  # a draft of this dense target
+    copies = "dspark_v4" if case == "init_from_target" else None  # a family that does not name what its copy reads
+    loading = fcb.target_loading(feature_cache_plan(run_config(cfg)), copies, [{"input_ids": [1, 2]}])
+    target = factory.build_target(cfg.target, cfg.draft, loading)
     assert target == "whole" if case == "unmappable" else type(target) is FrozenTarget
 
 
@@ -250,7 +252,7 @@ def test_init_from_target_on_a_hit_reads_only_what_it_copies(experiment, dtype, 
     cfg = compose(overrides + ["data.feature_cache=auto"])
     with caplog.at_level(logging.INFO, logger="dspark.factory"):
         partial = factory.build_target(cfg.target, cfg.draft,
-                                       fcb.target_loading(feature_cache_plan(run_config(cfg)), cfg.draft, [{"input_ids": [1, 2]}]))
+                                       fcb.target_loading(feature_cache_plan(run := run_config(cfg)), run.copies_target, [{"input_ids": [1, 2]}]))
     assert isinstance(partial, HeadOnlyTarget) and list(partial.init_modules) == copied
     assert f"final norm, {', '.join(copied)}: " in caplog.text
     sizes = stored_sizes(Path(partial.checkpoint.folder))

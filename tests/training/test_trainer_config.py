@@ -35,7 +35,7 @@ def test_trainer_keys_override_as_lightning_users_type_them(tmp_path):
                   "trainer.gradient_clip_val=0.5", "trainer.log_every_n_steps=3", "trainer.limit_val_batches=2")
     assert (tr.max_steps, tr.accumulate_grad_batches, tr.val_check_interval) == (5, 2, 4)
     assert (tr.gradient_clip_val, tr.log_every_n_steps, tr.limit_val_batches) == (0.5, 3, 2)
-    assert check_training_config(compose(["trainer.max_steps=5"]), []).run.trainer["max_steps"] == 5
+    assert check_training_config(compose(["trainer.max_steps=5"]), []).trainer["max_steps"] == 5
     for preset in ("gpu", "ddp", "deepspeed_zero2"):  # every preset keeps every key
         assert compose([f"trainer={preset}", "trainer.max_steps=5"]).trainer.max_steps == 5
 
