@@ -9,6 +9,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from dspark import schema
+from dspark.errors import UserError
+from dspark.schema import unknown_key_error
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 EXAMPLES = {
@@ -40,8 +44,6 @@ def _groups() -> dict[str, list[str]]:
 
 
 def help_text(config_name: str, prog: str) -> str:
-    from dspark import schema
-
     lines = [f"usage: python {prog} [group=option ...] [key=value ...]", ""]
     if config_name == "config":
         lines += ["Trains a draft head against a frozen target (Hydra config: configs/config.yaml).", "",
@@ -78,8 +80,6 @@ def _nearest_for(bad: str, config_name: str, overrides: list[str]) -> str:
     from hydra import compose
     from omegaconf import OmegaConf
 
-    from dspark.schema import unknown_key_error
-
     rest = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != bad]
     try:
         node = compose(config_name, overrides=rest)
@@ -104,8 +104,6 @@ def precheck(config_name: str, prog: str, check: Callable, argv: list[str] | Non
         return
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-
-    from dspark.errors import UserError
 
     overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra.")]
     GlobalHydra.instance().clear()

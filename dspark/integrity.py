@@ -14,6 +14,7 @@ one you trust (e.g. an artifact written by an older dspark).
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import sys
@@ -170,8 +171,6 @@ def unlisted_files(folder: Path) -> list[str]:
 
 # ---- CLI ---------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m dspark.integrity",
                                  description="check or record the checksums of a dspark file or folder")
     ap.add_argument("action", choices=("check", "seal"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -99,8 +100,6 @@ def remove_stale_tmp(folder: Path, older_than_s: float | None = None) -> list[Pa
     Only call it where no other process is writing (e.g. a run directory under its lock), or with `older_than_s`:
     then only files last modified that many seconds ago or earlier go (an atomic write takes far less: a file that old
     is no write in progress)."""
-    import time
-
     folder = Path(folder)
     if not folder.is_dir():
         return []

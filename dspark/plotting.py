@@ -2,6 +2,7 @@
 backend (no display needed). `save_png` writes a figure whole or not at all."""
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from dspark.io import atomic_write_bytes
@@ -22,8 +23,6 @@ def pyplot():
 def save_png(fig, path: Path, dpi: int = 120) -> Path:
     """The figure as a PNG at `path`, rendered in memory and written atomically (dspark.io): a process killed while
     saving leaves the previous file or none, never a 0-byte or half-written PNG."""
-    import io
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     atomic_write_bytes(Path(path), buf.getvalue())

@@ -28,8 +28,20 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train.py
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from dspark.errors import ConfigError  # noqa: E402
+from dspark.console import quiet_console  # noqa: E402
+from dspark.errors import ConfigError, one_line_errors  # noqa: E402
+from dspark.evaluation import run_eval as ev  # noqa: E402
+from dspark.evaluation.run_eval import target_given  # noqa: E402
+from dspark.evaluation.speculative import plain_generate, speculative_generate_batch  # noqa: E402
+from dspark.export.__main__ import main as export_main  # noqa: E402
+from dspark.export.adapter import adapter_for_folder, primary_adapter  # noqa: E402
+from dspark.io import atomic_write_json  # noqa: E402
 from dspark.schema import ServeCheckKeys, eval_config  # noqa: E402
+from dspark.serving import engine as vllm_engine  # noqa: E402 (VLLMWorker, vllm_python: per call, tests swap them)
+from dspark.serving.audit import describe, judge  # noqa: E402
+from dspark.serving.engine import VLLMWorkerError  # noqa: E402
+from dspark.serving.parity import Request, VLLMRun, compare, format_table, request_order  # noqa: E402
+from dspark.targets.source import target_folder  # noqa: E402
 
 log = logging.getLogger("dspark.serve_check")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -78,8 +90,6 @@ def no_parity_reason(summary: dict) -> str | None:
 def served_as(export_dir: Path) -> tuple[str, bool]:
     """(vLLM's speculative method, merged) of an exported folder, from its format's adapter
     (dspark.export.adapter): the method its draft config names, and whether vLLM reads the draft from a target copy."""
-    from dspark.export.adapter import adapter_for_folder
-
     path = Path(export_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"export: {path} not found: `export` must be a folder written by `python -m dspark.export`")
@@ -94,10 +104,6 @@ def served_as(export_dir: Path) -> tuple[str, bool]:
 def export_run(cfg: ServeCheckKeys, run_dir: Path, kind: str, target_dir: str, out: Path) -> Path:
     """The run's draft exported in float32 through the export CLI, as a user would: dense drafts as a draft
     folder; DeepSeek-V4 DSpark and MTP drafts merged into a copy of the target (how vLLM loads them)."""
-    from dspark.export.__main__ import main as export_main
-
-    from dspark.export.adapter import primary_adapter
-
     adapter = primary_adapter(kind)
     fmt = adapter.cli
     args = [fmt, "--run-dir", str(run_dir), "--target", str(cfg.target.kind), "--out", str(out), "--dtype", "float32"]
@@ -114,10 +120,6 @@ def export_run(cfg: ServeCheckKeys, run_dir: Path, kind: str, target_dir: str, o
 def project_decode(cfg: ServeCheckKeys, target, draft, draft_group, convs: list[list[str]]):
     """eval.py's decoding of one benchmark's conversations -> (parity.Request list in vLLM order, eval.py's
     report, gamma, eos ids)."""
-    from dspark.evaluation import run_eval as ev
-    from dspark.evaluation.speculative import plain_generate, speculative_generate_batch
-    from dspark.serving.parity import Request, request_order
-
     dcfg = draft.config
     g = int(cfg.num_drafts) if cfg.num_drafts is not None else int(dcfg.block_size)  # MTP: block_size = num_steps
     temperature, eos, max_new = float(cfg.temperature), ev.eos_ids(cfg, target), int(cfg.max_new_tokens)
@@ -149,15 +151,9 @@ def project_decode(cfg: ServeCheckKeys, target, draft, draft_group, convs: list[
 def run_serve_check(cfg: DictConfig | ServeCheckKeys, target_from_run: bool = False) -> dict:
     """Both engines on every benchmark; writes and returns the report (module docstring). target_from_run: against
     the target the run recorded (draft/target.json), as eval.py does when the command line names no target."""
-    from dspark.evaluation import run_eval as ev
-    from dspark.io import atomic_write_json
-    from dspark.serving.engine import vllm_python
-    from dspark.serving.parity import compare
-    from dspark.targets.source import target_folder
-
     cfg = eval_config(cfg, ServeCheckKeys)  # the typed config, every key checked
     ev._validate(cfg)
-    vllm_python(cfg.vllm_python)  # fail before any decoding when vLLM is missing
+    vllm_engine.vllm_python(cfg.vllm_python)  # fail before any decoding when vLLM is missing
     source = ev.draft_source(cfg)
     if target_from_run:
         cfg = ev.with_run_target(cfg, source[2])
@@ -223,8 +219,6 @@ def run_serve_check(cfg: DictConfig | ServeCheckKeys, target_from_run: bool = Fa
 
 def _check_note(draft_group) -> str | None:
     """What a passing check does and does not establish for this draft kind (its adapter says)."""
-    from dspark.export.adapter import primary_adapter
-
     return primary_adapter(str(draft_group.kind)).check_note(draft_group)
 
 
@@ -232,14 +226,10 @@ def serve_with_vllm(cfg: ServeCheckKeys, decoded: dict, *, vllm_target: str, vll
                     method: str, gamma: int, eos: list[int], max_len: int, export_dir: Path, out_dir: Path) -> dict:
     """Load audit, then the draft served (and, at T=0, the plain target) on every benchmark's prompt ids.
     A refusal by vLLM (load or serve) is recorded, not raised: it is the result of the check."""
-    from dspark.serving.audit import describe, judge
-    from dspark.serving.engine import VLLMWorker, VLLMWorkerError
-    from dspark.serving.parity import VLLMRun
-
     temperature = float(cfg.temperature)
     out = {"runs": {name: {} for name in decoded}, "engine": {}, "serve_error": None, "serve_error_log": None,
            "versions": None}
-    with VLLMWorker(cfg.vllm_python, log_path=out_dir / "vllm_worker.log") as w:
+    with vllm_engine.VLLMWorker(cfg.vllm_python, log_path=out_dir / "vllm_worker.log") as w:
         try:  # vLLM's own draft class and load_weights on the export, before serving it
             out["load"] = judge(w.load_check(target=vllm_target, draft=vllm_draft, method=method,
                                              num_speculative_tokens=gamma, max_model_len=max_len,
@@ -282,9 +272,6 @@ def serve_with_vllm(cfg: ServeCheckKeys, decoded: dict, *, vllm_target: str, vll
 
 
 def print_summary(summary: dict, path: Path, temperature: float, gamma: int) -> None:
-    from dspark.serving.audit import describe
-    from dspark.serving.parity import format_table
-
     served = {n: r for n, r in summary["benchmarks"].items() if r.get("vllm") is not None}
     if served:
         print(format_table(served))
@@ -310,10 +297,6 @@ def print_summary(summary: dict, path: Path, temperature: float, gamma: int) -> 
 @hydra.main(config_path=str(CONFIGS), config_name="serve_check", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
-
-    from dspark.console import quiet_console
-    from dspark.errors import one_line_errors
-    from dspark.evaluation.run_eval import target_given
 
     quiet_console()
     with one_line_errors("serve_check"):  # the run's own target unless the command line names one (as eval.py)

@@ -34,7 +34,9 @@ from dspark.evaluation.verify import NOT_REPRODUCED, REJECTION_SAMPLE_METHODS
 from dspark.evaluation.speculative import Decoded, Timing, acceptance_counter, plain_generate, \
     speculative_generate_batch
 from dspark.integrity import check_file
+from dspark.models import registry
 from dspark.models.contract import optional
+from dspark.models.registry import vllm_options
 from dspark.schema import EvalKeys, TargetKeys, check_section, eval_config, typed
 from dspark.io import atomic_write_json, remove_stale_tmp, unwritable
 from dspark.targets.health import degenerate_warning, output_health
@@ -137,8 +139,6 @@ def _load_draft_group(path: Path) -> DictConfig:
     node = OmegaConf.load(str(path))
     if "kind" not in node and "draft" in node:
         node = node.draft
-    from dspark.models import registry
-
     require("kind" in node and str(node.kind) in registry.kinds()
             and registry.family(str(node.kind)).drafts_key in node, "draft_config", f"{str(path)!r} holds no draft group")
     return node
@@ -339,8 +339,6 @@ def check_target_fits(cfg: EvalKeys, draft_group: DictConfig, run_dir: Path) -> 
     hf = _hf_config(chosen)
     if hf is None:
         return
-    from dspark.models import registry
-
     try:
         registry.build_config(OmegaConf.to_container(draft_group, resolve=True), hf)
     except (AttributeError, KeyError, TypeError, factory.ConfigError) as e:
@@ -394,9 +392,6 @@ VLLM_SETTINGS_KEYS = ("method", "num_speculative_tokens", "draft_sample_method",
 def vllm_settings(draft, g: int, draft_sample_method: str) -> dict:
     """The vLLM 0.33.0 speculative_config these numbers correspond to (same drafts, same acceptance rule): the family's
     vllm_method, its own options (vllm_options) and its note on vLLM's default num_speculative_tokens."""
-    from dspark.models.contract import optional
-    from dspark.models.registry import vllm_options
-
     out = {"method": draft.config.vllm_method, "num_speculative_tokens": g,
            "draft_sample_method": draft_sample_method, **vllm_options(draft.config)}
     out["note"] = optional(draft.config, "VLLM_TOKENS_NOTE")

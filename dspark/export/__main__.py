@@ -14,16 +14,21 @@ import json
 import sys
 from pathlib import Path
 
-from dspark.errors import UserError
+from dspark import factory
+from dspark.errors import ConfigError, UserError, one_line_errors
+from dspark.export.adapter import cli_commands, cli_kinds, primary_adapter
+from dspark.export.sts import SGLANG_FLAG, export_sts
+from dspark.export.verify import main_verify
+from dspark.models import registry
+from dspark.targets.source import target_folder
+from dspark.training import draft_dir as run_draft
+from dspark.training.draft_dir import CONFIG_FILE, DRAFT_DIR, TARGET_FILE
 
 
 def _load_run_draft(run_dir: Path, target_kind: str, target_path: str | None):
     """Target + draft built by dspark.factory from RUN/draft/draft_config.json, with the trained weights."""
     import torch
     from omegaconf import OmegaConf
-
-    from dspark import factory
-    from dspark.training import draft_dir as run_draft
 
     draft_dir = run_dir / run_draft.DRAFT_DIR
     if not (draft_dir / run_draft.CONFIG_FILE).is_file():
@@ -47,9 +52,6 @@ def _load_run_draft(run_dir: Path, target_kind: str, target_path: str | None):
 def check_run_dir(run_dir: Path) -> None:
     """ConfigError (one line) unless RUN holds a trained draft: a folder that does not exist, or one without draft/
     (a run stopped before its end writes none)."""
-    from dspark.errors import ConfigError
-    from dspark.training.draft_dir import CONFIG_FILE, DRAFT_DIR
-
     if not run_dir.is_dir():
         raise ConfigError(f"--run-dir: {run_dir} does not exist (a training run folder, runs/<experiment>/<stamp>)")
     if not (run_dir / DRAFT_DIR / CONFIG_FILE).is_file():
@@ -61,8 +63,6 @@ def check_run_dir(run_dir: Path) -> None:
 
 def _recorded_target(run_dir: Path) -> tuple[str, str | None] | None:
     """(kind, path) of the target the run was trained against (RUN/draft/target.json), None for older runs."""
-    from dspark.training.draft_dir import DRAFT_DIR, TARGET_FILE
-
     path = run_dir / DRAFT_DIR / TARGET_FILE
     if not path.is_file():
         return None
@@ -77,15 +77,11 @@ def resolve_target(args: argparse.Namespace) -> tuple[str, str | None]:
     recorded = _recorded_target(args.run_dir)
     if recorded is not None:
         return recorded[0], args.target_path or recorded[1]
-    from dspark.export.adapter import cli_commands
-
     return cli_commands()[args.cmd].cli_default_target or _default_target(args.run_dir), args.target_path
 
 
 def _default_target(run_dir: Path) -> str:
     path = run_dir / "draft" / "draft_config.json"
-    from dspark.models import registry
-
     kind = json.loads(path.read_text()).get("kind") if path.is_file() else None
     default = registry.families()[kind].default_target if kind in registry.kinds() else None
     if default is None:
@@ -95,8 +91,6 @@ def _default_target(run_dir: Path) -> str:
 
 def _target_checkpoint(kind: str, path: str | None) -> str | None:
     """The local folder of the run's target (what --merge-into takes), None when it is not one here."""
-    from dspark.targets.source import target_folder
-
     try:
         folder = target_folder({"kind": kind, "path": path})
     except Exception:  # noqa: BLE001 (only a hint: the next step then names the placeholder)
@@ -110,20 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("verify", help="check an exported folder against its config (exit 1 with a list)")
     v.add_argument("path")
-    from dspark.export.adapter import cli_commands
-
     commands = cli_commands()  # one subcommand per serving format family (its adapter in dspark/export/)
     for name, adapter in commands.items():
         adapter.add_cli_parser(sub, name)  # the options every export shares, then the format's own
     args = ap.parse_args(argv)
 
-    from dspark.export.verify import main_verify
-
     if args.cmd == "verify":
         return main_verify(args.path)
-    from dspark.errors import one_line_errors
-    from dspark.export.adapter import cli_kinds, primary_adapter
-
     adapter = commands[args.cmd]
     with one_line_errors("python -m dspark.export"):
         adapter.check_out(args)  # before any model loads
@@ -140,8 +127,6 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:  # a refused export (vLLM's rules, sizes): its message, exit 1
             raise SystemExit(str(err)) from None
     print(f"wrote {args.out}")
-    from dspark.export.sts import SGLANG_FLAG, export_sts
-
     sts_path, sts_line = export_sts(args.run_dir, args.out, draft)  # a confidence head: SGLang's STS file, or how to
     if sts_line:  # get one (eval.py's calibration)
         print(sts_line)

@@ -15,6 +15,7 @@ from typing import Iterator
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 
+from dspark import integrity  # write_manifest per call: tests/export/test_export_folder.py stops an export there
 from dspark.errors import UserError
 from dspark.io import (TMP_SUFFIX, _umask, atomic_write_json, fsync_dir, remove_stale_tmp,
                        save_safetensors_atomic, unwritable)
@@ -118,8 +119,6 @@ def sealed(export_fn):
 
     @functools.wraps(export_fn)
     def wrapper(*args, overwrite: bool = False, **kwargs):
-        from dspark.integrity import write_manifest
-
         bound = sig.bind(*args, **kwargs)
         out_dir = Path(bound.arguments["out_dir"])
         source = bound.arguments.get("target_dir")
@@ -135,7 +134,7 @@ def sealed(export_fn):
             os.chmod(staged, 0o777 & ~_umask())  # mkdtemp makes 0700: a serving process must read the folder
             bound.arguments["out_dir"] = staged
             export_fn(*bound.args, **bound.kwargs)
-            write_manifest(staged)
+            integrity.write_manifest(staged)
             _publish(staged, out_dir)
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
@@ -148,9 +147,7 @@ def sealed(export_fn):
 def check_if_sealed(folder: Path) -> None:
     """Importers: a folder with a dspark manifest must match it (a folder without one, e.g. a released
     checkpoint, is read as is)."""
-    from dspark.integrity import check_manifest
-
-    check_manifest(Path(folder), required=False, hint="re-export it from the run's draft/", since="export")
+    integrity.check_manifest(Path(folder), required=False, hint="re-export it from the run's draft/", since="export")
 
 
 def write_serving_config(out_dir: Path, name: str, config: dict, not_served: list[str] | None = None) -> dict:
@@ -238,9 +235,6 @@ def merge_shard_into_copy(target_dir: Path, out_dir: Path, tensors: dict[str, to
     target already holds under draft names (`is_draft_name(name)`, e.g. its own MTP layers) are removed from
     the copy: their shards are rewritten without them, the originals stay untouched. config.json, the index,
     `shard` and the `skip` files are not copied (the caller writes its config)."""
-    import os
-    import shutil
-
     from safetensors import safe_open
     from safetensors.torch import load_file
 

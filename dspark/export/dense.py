@@ -37,6 +37,7 @@ rules vLLM 0.33.0 applies. Facts checked against the vLLM 0.33.0 wheel (docs/CON
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import ClassVar
 from pathlib import Path
@@ -50,6 +51,7 @@ from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, S
 from dspark.export.dflash_rules import (block_causal, draft_markov_problems, markov_expected, markov_lines,
                                         precedence_lines, sorted_lines)
 from dspark.export.marker import Marker, vllm_arch_marker
+from dspark.export.vocab import build_vocab_mapping, count_tokens, count_tokens_jsonl, reduce_dense_vocab
 from dspark.models.contract import optional
 from dspark.models.dspark_dense import DSparkDenseConfig, DSparkDenseDraft
 
@@ -401,8 +403,6 @@ def _reduced_from_cli(draft: DSparkDenseDraft, args, tokenizer) -> DSparkDenseDr
     v = draft.config.vocab_size
     if args.draft_vocab_size >= v:
         return draft
-    from dspark.export.vocab import build_vocab_mapping, count_tokens, count_tokens_jsonl, reduce_dense_vocab
-
     if args.vocab_counts.is_dir():
         from datasets import load_from_disk
 
@@ -519,8 +519,6 @@ class SpeculatorsAdapter(DenseAdapter):
 def variant_config_from_config(c: dict, cls: type, **own):
     """A variant family's draft config from its folder's config: the dense fields (dense_config_from_config) + its
     own keys."""
-    import dataclasses
-
     base = dense_config_from_config({**c, "markov_rank": 0})
     return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, **own).validate()
 

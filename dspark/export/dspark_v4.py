@@ -20,6 +20,8 @@ norms, hc_* and attn_sink stay unquantised. Import dequantises any such set back
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -28,6 +30,7 @@ import torch
 from dspark.export import quant as q
 from dspark.export._io import (DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config,
                               write_tensors)
+from dspark.export._io import merge_shard_into_copy
 from dspark.export.adapter import (SAFETENSORS_DTYPES, Expected, ServingAdapter, add_not_for_vllm,
                                    dtype_name, refuse_unservable, serving_adapter)
 from dspark.export.dflash_rules import (block_causal, draft_markov_problems, markov_expected, markov_lines,
@@ -236,8 +239,6 @@ def quant_report(draft: DSparkV4Draft, folder, import_into=None) -> dict:
     """Re-import `folder` into a fresh copy of `draft` (with `import_into(folder, draft)`, default import_v4_sidecar;
     a family built on V4 passes its own) and compare base logits with the original (max |diff|, relative to
     max |logit|, top-1 agreement); merges it into folder/quant_report.json."""
-    import json
-
     folder = Path(folder)
     back = type(draft)(draft.config)
     with torch.no_grad():
@@ -285,8 +286,6 @@ def import_v4_sidecar(folder, draft: DSparkV4Draft) -> DSparkV4Draft:
 
 def _block_size(folder: Path) -> int:
     """weight_block_size of the folder's quantization_config (square blocks), 128 when absent."""
-    import json
-
     for fname in (CONFIG_NAME, "config.json"):
         if (folder / fname).is_file():
             qc = json.loads((folder / fname).read_text()).get("quantization_config") or {}
@@ -323,10 +322,6 @@ def merge_v4_into_target(draft: DSparkV4Draft, target_dir, out_dir, dtype: torch
     scales (silently wrong) and an FP8 draft in a BF16 checkpoint fails on its `.scale` tensors. `quant`
     must therefore match the target's quantization_config / expert_dtype (None for an unquantised target).
     """
-    import json
-
-    from dspark.export._io import merge_shard_into_copy
-
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     if out_dir.resolve() == target_dir.resolve():
         raise ValueError("merge_v4_into_target: out_dir must differ from target_dir (the target stays untouched)")
@@ -405,8 +400,6 @@ def _config_from_target_json(c: dict, **draft_keys) -> DSparkV4Config:
 
 def _check_merge_arch(config: dict, draft: DSparkV4Draft, target_dir: Path) -> None:
     """vLLM builds the draft layers from the TARGET config: every layer size of the draft must be the target's."""
-    import dataclasses
-
     cfg = draft.config
     own = {f.name for f in dataclasses.fields(cfg)} - set(_NOT_ARCH)
     # rope_theta / topk_method / norm_topk_prob are NOT passed: vLLM takes them from the target config

@@ -26,6 +26,7 @@ from dspark.export import dspark_v4 as v4
 from dspark.export import quant as q
 from dspark.export._io import (DEFAULT_MAX_SHARD_BYTES, iter_tensors, load_into, sealed, write_serving_config,
                               write_tensors)
+from dspark.export._io import merge_shard_into_copy
 from dspark.export.adapter import (NOT_FOR_VLLM, SAFETENSORS_DTYPES, Expected, ServingAdapter, refuse_unservable,
                                    serving_adapter)
 from dspark.export.dflash_rules import block_causal, markov_expected, markov_lines, precedence_lines, sorted_lines
@@ -186,8 +187,6 @@ def merge_v41_into_target(draft: DSparkV41Draft, target_dir, out_dir, dtype: tor
     model_type is not deepseek_v41 (vLLM would build the V4 draft), a target config under which vLLM would serve the
     draft differently (v41_config_problems on the merged config, the keys vLLM reads first, other layer sizes or
     quantisation), and an unservable draft unless `for_vllm` is False."""
-    from dspark.export._io import merge_shard_into_copy
-
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     if out_dir.resolve() == target_dir.resolve():
         raise ValueError("merge_v41_into_target: out_dir must differ from target_dir (the target stays untouched)")

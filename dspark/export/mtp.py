@@ -16,7 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from dspark.export._io import DEFAULT_MAX_SHARD_BYTES, check_if_sealed, load_into, sealed, write_tensors
+from dspark.export._io import (DEFAULT_MAX_SHARD_BYTES, INDEX_NAME, SINGLE_NAME, check_if_sealed, load_into,
+                              merge_shard_into_copy, sealed, write_tensors)
 from dspark.export.adapter import SAFETENSORS_DTYPES, ServingAdapter, adapters, dtype_name
 from dspark.export.marker import Marker
 from dspark.io import atomic_write_json
@@ -202,8 +203,6 @@ def merge_mtp_into_target(draft, target_dir, out_dir, dtype: torch.dtype = torch
     written too, so the verifier and import_mtp read the folder. The target config must yield the draft's own
     sizes (vLLM builds the MTP layers from it); quantised targets are refused.
     """
-    from dspark.export._io import merge_shard_into_copy
-
     adapter = mtp_adapter(draft)
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     if out_dir.resolve() == target_dir.resolve():
@@ -222,8 +221,6 @@ def merge_mtp_into_target(draft, target_dir, out_dir, dtype: torch.dtype = torch
 def _read_tensors(folder: Path, keep) -> dict[str, torch.Tensor]:
     """{name: tensor} for the names `keep(name)` accepts, reading only the shards that hold them."""
     from safetensors import safe_open
-
-    from dspark.export._io import INDEX_NAME, SINGLE_NAME
 
     index = folder / INDEX_NAME
     if index.is_file():

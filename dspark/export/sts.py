@@ -46,7 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from dspark.errors import UserError
+from dspark.integrity import MANIFEST_NAME, digest_file
+from dspark.io import atomic_write_bytes, atomic_write_json
 from dspark.models.contract import optional
+from dspark.training.draft_dir import DRAFT_DIR, WEIGHTS_FILE
 
 STS_FILE = "dspark_sts.json"  # SGLang takes any path; this name sits in the export folder
 SGLANG_FLAG = "--speculative-dspark-confidence-sts-path"
@@ -107,8 +110,6 @@ def sts_json(calibration: dict, block_size: int | None = None) -> str:
 
 def write_sts(path: Path, calibration: dict, block_size: int | None = None) -> Path:
     """Writes `calibration` (the five keys) to `path` atomically, after `validate_sts`."""
-    from dspark.io import atomic_write_bytes
-
     atomic_write_bytes(Path(path), sts_json(calibration, block_size).encode())
     return Path(path)
 
@@ -135,8 +136,6 @@ def sts_from_confidence_report(report: dict, dataset: str = "") -> dict:
 
 def _of_run_draft(report: dict) -> bool:
     """Whether the report evaluated the run's final draft (draft/model.safetensors), not a training checkpoint."""
-    from dspark.training.draft_dir import DRAFT_DIR, WEIGHTS_FILE
-
     w = report.get("draft_weights")
     return w is None or Path(str(w)).parts[-2:] == (DRAFT_DIR, WEIGHTS_FILE)
 
@@ -184,9 +183,6 @@ def eval_calibration(run_dir: Path, block_size: int) -> tuple[dict, Path] | str:
 def _add_to_manifest(folder: Path, name: str) -> None:
     """Lists one more file in the folder's checksum manifest (dspark.integrity), hashing that file only (a merged
     target checkpoint is not re-hashed); a folder without a manifest is left without one."""
-    from dspark.integrity import MANIFEST_NAME, digest_file
-    from dspark.io import atomic_write_json
-
     path = Path(folder) / MANIFEST_NAME
     if not path.is_file():
         return

@@ -15,8 +15,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dspark.errors import IntegrityError
+from dspark.export._io import stale_staging
 from dspark.export.adapter import NOT_FOR_VLLM, adapter_for_folder
 from dspark.export.dflash_rules import missing_confidence_lines
+from dspark.export.mtp import CONFIG_NAME, mtp_formats
+from dspark.integrity import MANIFEST_NAME, check_manifest, unlisted_files
+from dspark.io import TMP_SUFFIX
 
 _SIZES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "I64": 8, "BOOL": 1}
 
@@ -78,8 +83,6 @@ def verify_folder(path) -> Report:
 
 
 def _missing_folder(folder: Path) -> str:
-    from dspark.export._io import stale_staging
-
     staged = stale_staging(folder)
     if staged:
         return (f"{folder}: no such folder; {staged[0].name} beside it is an unfinished export (its process is gone, "
@@ -92,9 +95,6 @@ def _integrity_problems(folder: Path) -> list[str]:
     folder without one is an unfinished export (killed before it was sealed) or one dspark did not write (by hand, an
     older dspark, a released checkpoint): never OK on its layout alone; `python -m dspark.integrity seal` records the
     checksums of one the user trusts."""
-    from dspark.errors import IntegrityError
-    from dspark.integrity import MANIFEST_NAME, check_manifest, unlisted_files
-
     try:
         if not check_manifest(folder, required=False, hint="re-export it", since="export"):
             return [f"integrity: no {MANIFEST_NAME}: an unfinished export (killed before it was sealed) or a folder "
@@ -107,16 +107,12 @@ def _integrity_problems(folder: Path) -> list[str]:
 
 def _stale_tmp_notes(folder: Path) -> list[str]:
     """Temp files of interrupted atomic writes (dspark.io) inside the folder: vLLM reads none of them."""
-    from dspark.io import TMP_SUFFIX
-
     return [f"{p.relative_to(folder)}: temp file of an interrupted write (not part of the export, vLLM does not read "
             "it); delete it" for p in sorted(folder.rglob(f".*{TMP_SUFFIX}")) if p.is_file()]
 
 
 def _unknown(folder: Path) -> Report:
     """A folder no adapter claims: say what it holds instead."""
-    from dspark.export.mtp import CONFIG_NAME, mtp_formats
-
     if (folder / CONFIG_NAME).is_file():
         fmt = json.loads((folder / CONFIG_NAME).read_text()).get("dspark_format")
         return Report(str(fmt), problems=[f"{CONFIG_NAME}: dspark_format {fmt!r} is not one of {mtp_formats()}"])

@@ -4,7 +4,9 @@ embedding / LM head held outside the module tree."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -56,9 +58,6 @@ class DraftConfig:
 def raw_config_json(hf_config: Any) -> dict | None:
     """The config.json of the folder `hf_config` was loaded from, as written (before transformers fills in its
     defaults), or None (a config built in memory, or a Hub id)."""
-    import json
-    from pathlib import Path
-
     path = Path(str(getattr(hf_config, "_name_or_path", "") or "")) / "config.json"
     return json.loads(path.read_text()) if path.is_file() else None
 

@@ -24,6 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dspark.serving import engine  # VLLMWorker looked up per call: tests substitute it
+from dspark.serving.audit import describe, judge
+from dspark.serving.engine import VLLMUnavailable, VLLMWorkerError
+
 
 def config_view(folder: Path, drop_keys: list[str], into: Path, set_keys: dict | None = None) -> Path:
     """A folder of symlinks to `folder`'s files with a config.json lacking `drop_keys` and with `set_keys`
@@ -41,9 +45,6 @@ def config_view(folder: Path, drop_keys: list[str], into: Path, set_keys: dict |
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dspark.serving.audit import describe, judge
-    from dspark.serving.engine import VLLMUnavailable, VLLMWorker, VLLMWorkerError
-
     ap = argparse.ArgumentParser(prog="python -m dspark.serving.load_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, type=Path, help="target folder (or a target copy with the draft merged)")
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             sets = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.set_config)}
             target = config_view(args.target, args.drop_config_key, Path(tmp) / "t", sets) \
                 if args.drop_config_key or sets else args.target
-            with VLLMWorker(args.vllm_python) as w:
+            with engine.VLLMWorker(args.vllm_python) as w:
                 audit = w.load_check(target=str(target), draft=None if args.draft is None else str(args.draft),
                                      method=args.method, num_speculative_tokens=args.num_speculative_tokens,
                                      per_tensor=not args.no_per_tensor and (args.draft is not None or bool(args.only)),

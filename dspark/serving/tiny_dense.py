@@ -12,9 +12,16 @@ two small eval.py-style benchmark files.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
+
+from dspark.data.hf_generator import HFGenerator
+from dspark.data.regenerate import regenerate
+from dspark.data.sharegpt import iter_sharegpt
+from dspark.targets.tiny_v4 import TINY_V4_DIR
+from dspark.training.run import run_training
 
 LAYERS = [0, 2]  # target layers the drafts read (of 4; shifted by one they stay in range)
 MASK_ID = 4  # <|mask|> of the tiny V4 tokenizer
@@ -24,12 +31,8 @@ def build_random_tiny_llama(path: Path, seed: int = 0) -> Path:
     """A seeded random 4-layer Llama (hidden 64, head_dim 32: vLLM's CPU attention needs >= 32), vocabulary 2048,
     with the shipped tiny V4 tokenizer and ChatML template, saved as an HF folder; the same bytes on every machine.
     Near-uniform next-token distribution: for the serving checks only, never a target to measure a draft against."""
-    import shutil
-
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
-
-    from dspark.targets.tiny_v4 import TINY_V4_DIR
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -54,10 +57,6 @@ def build_random_tiny_llama(path: Path, seed: int = 0) -> Path:
 def regenerate_answers(target: Path, out: Path, limit: int = 160, max_new_tokens: int = 48) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dspark.data.hf_generator import HFGenerator
-    from dspark.data.regenerate import regenerate
-    from dspark.data.sharegpt import iter_sharegpt
-
     def first_turns():
         for rec in iter_sharegpt(english_only=True):
             msgs = [m for m in rec["messages"] if m["role"] == "user"][:1]
@@ -76,8 +75,6 @@ def train_dense_run(target: Path, data: Path, run_dir: Path, *, experiment: str,
     (configs/experiment: dflash_smollm2, dspark_smollm2, ...) with the tiny target's settings; `extra`: more train.py
     overrides (after these), e.g. the draft's own sizes."""
     from hydra import compose, initialize_config_dir
-
-    from dspark.training.run import run_training
 
     configs = Path(__file__).resolve().parents[2] / "configs"
     overrides = [

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from dspark.targets.tiny_v4 import TINY_V4_DIR
+
 TAPS = [1, 2, 3]  # as the tiny DSpark V4 draft's (configs/draft/dspark_v4_tiny.yaml): the last layer included
 
 
@@ -28,8 +30,6 @@ def build_v4_dims_target(out, *, hidden_size: int = 1024, num_attention_heads: i
                          moe_intermediate_size: int = 128, seed: int = 0) -> Path:
     """A seeded random 4-layer DeepSeek-V4 (bf16, transformers' format, as the tiny target) in `out`."""
     from transformers import AutoTokenizer, DeepseekV4Config, DeepseekV4ForCausalLM
-
-    from dspark.targets.tiny_v4 import TINY_V4_DIR
 
     out = Path(out)
     if (out / "config.json").is_file():

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from dspark.data.generator import Completion, GenerationError, GeneratorUnavailable, SamplingParams, prompt_seed
 from dspark.data.hf_generator import NON_THINKING, decode_answer, render_chat, stop_token_ids
+from dspark.serving import engine  # VLLMWorker looked up per call: tests substitute it
+from dspark.serving.engine import VLLMWorkerError
 
 
 class VLLMGenerator:
@@ -26,8 +28,6 @@ class VLLMGenerator:
                  kv_cache_gib: int = 2, chat_template_kwargs: dict | None = None, log_path=None,
                  threads: int | None = None, engine_kwargs: dict | None = None):
         from transformers import AutoTokenizer, GenerationConfig
-
-        from dspark.serving.engine import VLLMWorker
 
         self.target = str(target)
         self.tokenizer = AutoTokenizer.from_pretrained(self.target)
@@ -42,7 +42,7 @@ class VLLMGenerator:
         self.stop_ids = stop_token_ids(eos, self.tokenizer)
         self.max_model_len = int(max_model_len)
         self.name = f"vllm:{Path(self.target).name}"
-        self.worker = VLLMWorker(python, log_path=log_path, threads=threads)
+        self.worker = engine.VLLMWorker(python, log_path=log_path, threads=threads)
         info = self.worker.init(target=self.target, dtype=dtype, max_model_len=self.max_model_len,
                                 kv_cache_gib=kv_cache_gib, tensor_parallel_size=tensor_parallel_size,
                                 engine_kwargs=engine_kwargs)
@@ -53,8 +53,6 @@ class VLLMGenerator:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def generate(self, batch: Sequence[Sequence[dict]], sampling: SamplingParams | None = None) -> list[Completion]:
-        from dspark.serving.engine import VLLMWorkerError
-
         sampling = sampling or self.sampling
         if not batch:
             return []

@@ -10,7 +10,10 @@ norm) that the official V4 MTP consumes; it costs nothing when not asked for.
 """
 from __future__ import annotations
 
+import hashlib
+import inspect
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -42,8 +45,6 @@ def _cache_kwarg(base: nn.Module) -> str:
     """The name under which the decoder takes its KV cache: `cache` (transformers >= 5.24) or `past_key_values`
     (earlier). A name the forward does not declare would land in **kwargs and be ignored: every cached forward
     would then silently start from an empty cache."""
-    import inspect
-
     params = inspect.signature(base.forward).parameters
     for name in ("cache", "past_key_values"):
         if name in params:
@@ -129,8 +130,6 @@ class FrozenTarget:
         and so does a float16 load of a bf16-stored checkpoint (float16 holds every bf16 value from its smallest
         normal, 2^-14, up: smaller ones count as zero). `legacy_fingerprint`: the older, dtype-dependent scheme, for
         records written before."""
-        import hashlib
-
         h = hashlib.sha256()
         for name, p in sorted(self.model.state_dict().items()):
             h.update(f"{name}|{tuple(p.shape)}|".encode())
@@ -149,8 +148,6 @@ class FrozenTarget:
         in that dtype (default: as they are); exact for a dtype no finer than the loaded one's values (a float32 load
         reproduces a bfloat16 or float16 load's record; a bfloat16 load a float32 one's only for bf16-stored
         weights)."""
-        import hashlib
-
         h = hashlib.sha256()
         for name, p in sorted(self.model.state_dict().items()):
             as_dtype = dtype if dtype is not None and p.is_floating_point() else p.dtype
@@ -220,8 +217,6 @@ def resolve_target_source(path: str) -> str:
     """target.path -> what from_pretrained loads: a local folder as is, else a Hub id (org/name) resolved through
     the Hugging Face cache (HF_HOME / HF_HUB_CACHE; with HF_HUB_OFFLINE=1 nothing is downloaded). Neither a folder
     nor a usable id: FileNotFoundError naming target.path, before anything loads."""
-    from pathlib import Path
-
     from huggingface_hub import constants, try_to_load_from_cache
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 

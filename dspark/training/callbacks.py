@@ -3,12 +3,15 @@ steps, the last step's train metrics and lr logged whatever log_every_n_steps sa
 one print per Lightning log line under Hydra."""
 from __future__ import annotations
 
+import copy
 import logging
 import resource
 import time
 
 import torch
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelSummary, RichProgressBar, TQDMProgressBar
+
+from dspark.training import flops
 
 
 class Throughput(Callback):
@@ -41,8 +44,6 @@ class Throughput(Callback):
         self.t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        from dspark.training import flops
-
         self.n += 1
         if self.n <= self.skip or self.t0 is None:
             return
@@ -70,11 +71,7 @@ class Throughput(Callback):
         """FlopCounterMode over one more training step (forward and the parameters' gradients) on the last timed batch,
         with a copy of the draft (the target's shared weights not copied) and the random state forked: the run's own
         draft, its .grad and the random streams are untouched."""
-        import copy
-
         from torch.utils.flop_counter import FlopCounterMode
-
-        from dspark.training import flops
 
         batch, draft = self.sample, pl_module.draft
         shared = [t for t in (getattr(pl_module.target, "embed_weight", None),
@@ -109,8 +106,6 @@ class Throughput(Callback):
 
     def measure_peak(self, trainer, pl_module) -> dict:
         """The GEMM peak (dspark.training.flops.gemm_peak) at the draft's LM-head shape and the trainer's precision."""
-        from dspark.training import flops
-
         cfg = pl_module.draft.config
         vocab = int(getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size)
         return flops.gemm_peak(int(cfg.hidden_size), vocab, flops.precision_dtype(trainer.precision),

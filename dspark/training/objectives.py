@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dspark.ops.fused_loss import DEFAULT_CHUNK_ROWS, lm_loss
+
 
 @dataclass(frozen=True)
 class LossWeights:
@@ -100,8 +102,6 @@ def draft_losses(
     teacher per position is agree_count / agree_total; parts switched off (weight 0 or inputs None) are absent.
     "ce" and "l1" are reported detached; "loss" carries the gradient of every part.
     """
-    from dspark.ops.fused_loss import DEFAULT_CHUNK_ROWS, lm_loss
-
     w = position_weights(eval_mask, decay_gamma)  # [N, g]
     denom = (w.sum() if normalizer is None else normalizer).clamp_min(1e-8)
     shape = eval_mask.shape

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from dspark.errors import ConfigError
+from dspark.training.schedule import CHECKPOINT_KEY
 
 log = logging.getLogger("dspark.resume")
 
@@ -69,8 +70,6 @@ def checkpoint_config(path: Path) -> tuple[dict, int]:
 def checkpoint_schedule(path: Path) -> dict:
     """The parts of a checkpoint its lr schedule is read from (dspark.training.schedule.saved_schedule): its schedule
     record and run config; memory-mapped: the tensors are not read."""
-    from dspark.training.schedule import CHECKPOINT_KEY
-
     if Path(path).is_dir():
         path = Path(path) / SHARDED_META
     ckpt = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)

@@ -26,6 +26,8 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch import nn
 
+from dspark.integrity import MANIFEST_NAME, write_manifest
+
 
 class FSDP2Strategy(ModelParallelStrategy):
     """ModelParallelStrategy with every rank in the data-parallel dimension (tensor_parallel_size 1): FSDP2 over
@@ -133,8 +135,6 @@ def gathered_draft_state(draft: nn.Module, is_global_zero: bool) -> dict[str, to
 def seal_sharded_checkpoint(folder: Path) -> None:
     """The completion record of a sharded checkpoint folder: every file in it (the hidden .metadata of
     torch.distributed.checkpoint included) with its sha256 (dspark.integrity's manifest), written last."""
-    from dspark.integrity import MANIFEST_NAME, write_manifest
-
     names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
     write_manifest(folder, names)
 
