@@ -40,6 +40,10 @@ from dataclasses import dataclass
 import torch
 
 from dspark.models.contract import optional
+from dspark.ops import attention
+from dspark.ops.attention import masked_attention
+from dspark.training.block_module import BlockDraftModule
+from dspark.training.blocks import build_blocks
 
 PARTS = ("lm_head_loss", "draft_layers", "context", "attention", "optimizer")
 
@@ -173,8 +177,6 @@ def step_flops(d: DraftDims, s: StepShapes, optimizer_steps: float = 1.0) -> dic
 # ---- shapes of a batch --------------------------------------------------------------------------------------
 def _query_chunk() -> int:
     """The query chunk masked_attention groups packed blocks by (its default: the dense drafts pass none)."""
-    from dspark.ops.attention import masked_attention
-
     return int(inspect.signature(masked_attention).parameters["query_chunk"].default)
 
 
@@ -186,8 +188,6 @@ def attention_work(anchors: torch.Tensor, block_len: int, context_len: int, wind
     group and the batch), or each block's own window gathered when the window is shorter than that span, plus
     each block's own K keys; the context bounds are the mask's own (PackedBlockMask.context_bounds, `rule` its window
     rule: a rule "query" block reaches W - 1 keys back, not W). Dense mask: every query against all S + A*K keys."""
-    from dspark.ops import attention
-
     b, a = anchors.shape
     k = int(block_len)
     if not packed:
@@ -210,8 +210,6 @@ def is_dense_block_module(module) -> bool:
     """Whether step_shapes can count this LightningModule's step: a BlockDraftModule training a draft whose config
     class declares FLOPS_COUNTED itself (the dense block draft's layers). Not inherited: a family built on that config
     with layers of its own (DFlash2, XPress) is counted by replay until its own class says otherwise."""
-    from dspark.training.block_module import BlockDraftModule
-
     config = getattr(module.draft, "config", None)
     return isinstance(module, BlockDraftModule) and bool(vars(type(config)).get("FLOPS_COUNTED", False))
 
@@ -269,8 +267,6 @@ def step_loss_tokens(module, batch: dict[str, torch.Tensor]) -> int:
 
 def _step_blocks(module, batch: dict[str, torch.Tensor]):
     """The blocks a block objective's training step builds from `batch` (dspark.training.blocks.build_blocks)."""
-    from dspark.training.blocks import build_blocks
-
     cfg = module.draft.config
     return build_blocks(batch["input_ids"], batch["loss_mask"], batch["anchors"], batch["keep"], int(cfg.block_size),
                         cfg.mask_token_id, cfg.layout)
