@@ -25,6 +25,11 @@ from pathlib import Path
 import torch
 
 from dspark.errors import ConfigError
+from dspark.export._io import iter_tensors
+from dspark.export.adapter import adapter_for_folder, primary_adapter
+from dspark.models.registry import family_of
+from dspark.pretrained import load_draft
+from dspark.training.draft_dir import CONFIG_FILE, TARGET_FILE, WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
 NOT_COPIED = ("d2t", "t2d")  # the vocabulary mapping comes from the run's own data
@@ -45,16 +50,9 @@ class WarmStart:
 
 def source_tensors(folder: Path) -> tuple[str, dict[str, torch.Tensor]]:
     """(what the folder holds, its tensors under the draft module's own names)."""
-    from dspark.training.draft_dir import CONFIG_FILE, WEIGHTS_FILE
-
     if (folder / CONFIG_FILE).is_file() and (folder / WEIGHTS_FILE).is_file():
-        from dspark.pretrained import load_draft
-
         draft, _ = load_draft(folder)
         return f"{type(draft).family_kind} draft", {k: v for k, v in draft.state_dict().items()}
-    from dspark.export._io import iter_tensors
-    from dspark.export.adapter import adapter_for_folder
-
     found = adapter_for_folder(folder)
     if found is None:
         raise ConfigError(f"draft.init_from: {folder} is neither a trained draft folder (RUN/draft: {CONFIG_FILE} + "
@@ -85,8 +83,6 @@ def check_source_target(folder: Path, target, any_target: bool = False) -> None:
     """ConfigError unless FOLDER's draft was trained against `target` (the run's FrozenTarget: its fingerprint is the
     one FOLDER's draft/target.json records); with `any_target` a warning instead. Nothing to compare (no record, no
     fingerprint, no target): nothing checked."""
-    from dspark.training.draft_dir import TARGET_FILE
-
     record = Path(folder) / TARGET_FILE
     rec = json.loads(record.read_text()) if record.is_file() else {}
     theirs = rec.get("fingerprint")
@@ -104,9 +100,6 @@ def check_source_target(folder: Path, target, any_target: bool = False) -> None:
 def init_from(draft: torch.nn.Module, folder: str, target=None, any_target: bool = False) -> WarmStart:
     """Start `draft` from FOLDER (module docstring); ConfigError naming draft.init_from when it cannot.
     target: the run's target (its `fingerprint()` is compared with FOLDER's draft/target.json; None: not checked)."""
-    from dspark.export.adapter import primary_adapter
-    from dspark.models.registry import family_of
-
     path = Path(folder).expanduser()
     if not path.is_dir():
         raise ConfigError(f"draft.init_from: {folder!r} is not a folder")

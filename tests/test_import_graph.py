@@ -139,17 +139,16 @@ FLOORS = (  # lowest first; a module belongs to the floor of its longest matchin
     # by the layer that plans a run's feature cache (dspark.training.cache_plan), never imported by data/
     ("vLLM client", ("dspark.serving.engine", "dspark.serving.vllm_target_view", "dspark.serving.vllm_features")),
     ("shared pieces", ("dspark.factory", "dspark.preflight", "dspark.cli")),
-    ("the work", ("dspark.training", "dspark.evaluation", "dspark.export")),
+    # pretrained: a run's draft folder saved / loaded; warm_start: draft.init_from, which a run calls at its start
+    ("the work", ("dspark.training", "dspark.evaluation", "dspark.export", "dspark.pretrained", "dspark.warm_start")),
     ("a run", ("dspark.training.run", "dspark.training.build", "dspark.evaluation.run_eval",
                "dspark.export.__main__")),
-    ("serving", ("dspark.serving", "dspark.pretrained", "dspark.warm_start")),
+    ("serving", ("dspark.serving",)),
     ("entry points", ("dspark.serve_check", "dspark.produce_features")),
 )
 # The imports that still run up a floor, each one side of a two-way dependency (issue 49, item 3). The list only
 # shrinks: a new upward import fails below, and so does an entry here that no longer exists.
-KNOWN_UPWARD = {
-    ("dspark.training.run", "dspark.warm_start"),  # a run's draft.init_from reads a trained draft (pretrained)
-}
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 
 def floor_of(module: str) -> int | None:
@@ -212,9 +211,6 @@ DEFERRED_DSPARK = {
     "dspark/schema.py": dict.fromkeys(("dspark.draft_resolve", "dspark.models"), ITEM_1),
     "dspark/training/module.py": dict.fromkeys(("dspark.targets.health", "dspark.training.resume",
                                                 "dspark.training.sharding"), ITEM_1),
-    # then dspark/warm_start.py moves to its floor (KNOWN_UPWARD)
-    "dspark/warm_start.py": dict.fromkeys(("dspark.export._io", "dspark.export.adapter", "dspark.models.registry",
-                                           "dspark.pretrained", "dspark.training.draft_dir"), ITEM_1),
 }
 # Imports of required or standard-library packages still made inside a function (file, package): they predate this
 # check; the list only shrinks, like KNOWN_UPWARD (move one to its file's top, then drop it here).
