@@ -14,7 +14,10 @@ from typing import Any, Mapping
 
 import torch
 
+from dspark.data.dataset import cached_chat_dataset
 from dspark.data.feature_cache_build import WHOLE_TARGET, TargetLoading, tap_layers
+from dspark.data.jsonl import iter_jsonl_records
+from dspark.data.sharegpt import iter_sharegpt
 from dspark.errors import ConfigError  # noqa: F401  (re-exported for callers that catch it from here)
 from dspark.models import registry
 from dspark.schema import DataKeys, DraftStartKeys, TargetKeys, plain
@@ -109,18 +112,12 @@ def load_records(data: DataKeys):
     are skipped and counted unless data.strict, which refuses the file at the first bad line, naming it."""
     limit = None if data.limit is None else int(data.limit)
     if data.source == "sharegpt":
-        from dspark.data.sharegpt import iter_sharegpt
-
         return lambda: iter_sharegpt(data.path, limit=limit, english_only=bool(data.english_only))
-    from dspark.data.jsonl import iter_jsonl_records
-
     return lambda: islice(iter_jsonl_records(str(data.path), strict=bool(data.strict)), limit)
 
 
 def build_dataset(data: DataKeys, tokenizer):
     """The tokenized chat rows of the data section (cached by its source, limit and length settings)."""
-    from dspark.data.dataset import cached_chat_dataset
-
     source = f"{data.source}:{data.path}:{data.limit}:en={data.english_only}:strict={data.strict}"
     if data.path is not None and Path(str(data.path)).is_file():  # a changed file is a new cache entry
         st = Path(str(data.path)).stat()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dspark import schema
+from dspark.data.jsonl import iter_jsonl_records, require_usable_records
 from dspark.errors import require
 from dspark.models.contract import optional
 
@@ -68,8 +69,6 @@ def check_data(run: schema.RunConfig) -> None:
                     "data.path=data/regenerated/smollm2_sharegpt_5k.jsonl; or regenerate your own with "
                     "scripts/regenerate.py (README, 'A real target')")
         require(data.path is not None and Path(data.path).is_file(), "data.path", f"{data.path!r} is not a file{hint}")
-        from dspark.data.jsonl import iter_jsonl_records, require_usable_records
-
         require_usable_records(data.path, strict=data.strict)  # 0 usable lines: refused now
         if data.strict:  # refuse a malformed line now, naming it, not after the target has loaded
             from itertools import islice

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
+from dspark.export._io import load_into
 from dspark.models import registry
 from dspark.training import draft_dir
 from dspark.training.draft_dir import CONFIG_FILE, TARGET_FILE, WEIGHTS_FILE
@@ -44,8 +45,6 @@ def load_draft(folder: str | Path, device: str | torch.device = "cpu") -> tuple[
     """from_pretrained: (draft with its trained weights, target.json) from a sealed draft folder, without the
     target and without Hydra. Weights are loaded strictly (names and shapes)."""
     from safetensors.torch import load_file
-
-    from dspark.export._io import load_into
 
     folder = Path(folder)
     for name in (CONFIG_FILE, WEIGHTS_FILE):

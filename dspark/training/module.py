@@ -13,10 +13,13 @@ import torch
 import torch.distributed as dist
 
 from dspark.models.contract import optional
+from dspark.targets.health import distribution_health
 from dspark.targets.hf_target import FrozenTarget, TargetFeatures
+from dspark.training.resume import rewrite_optimizer_state
 from dspark.training.schedule import CHECKPOINT_KEY as LR_SCHEDULE_KEY
 from dspark.training.schedule import LrSchedule, resumed_schedule
 from dspark.training.schedule import warmup_cosine  # noqa: F401 (re-exported: its callers import it from here)
+from dspark.training.sharding import shard_draft
 
 
 @dataclass
@@ -158,8 +161,6 @@ class DraftLightningModule(L.LightningModule):
         mesh = self.device_mesh
         if mesh is None or self.__dict__.get("_runner") is not None:
             return
-        from dspark.training.sharding import shard_draft
-
         self.__dict__["_runner"] = shard_draft(self.draft, mesh["data_parallel"])  # not a submodule either
 
     def _run(self, fn):
@@ -185,8 +186,6 @@ class DraftLightningModule(L.LightningModule):
     def measure_target(self, batch: dict[str, torch.Tensor], max_positions: int = 128) -> dict | None:
         """The target's next-token distribution at up to `max_positions` held-out loss positions of `batch` (is it
         near-uniform, or one repeated token? dspark.targets.health); None when the batch has no loss position."""
-        from dspark.targets.health import distribution_health
-
         final = self.features(batch).final  # [B, S, H]
         predicts = (batch["loss_mask"] * batch["attention_mask"])[:, 1:].bool()  # position t predicts token t+1
         rows = final[:, :-1][predicts][:max_positions]  # [N, H]
@@ -281,8 +280,6 @@ class DraftLightningModule(L.LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        from dspark.training.resume import rewrite_optimizer_state
-
         o = self.optim  # this run's values (dspark.training.resume refused any change not in resume_override)
         # another trainer.max_steps continues the decay from the resume step (dspark.training.schedule)
         o.schedule = resumed_schedule(checkpoint, int(checkpoint.get("global_step") or 0), o.max_steps,
