@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from dspark.cpu import resolve_target_dtype
+from dspark.draft_resolve import resolve_draft
 from dspark.errors import ConfigError
+from dspark.models import registry
 from dspark.objective_keys import OBJECTIVE_KEYS
 from dspark.targets.source import TARGET_KINDS  # the kinds live with their folders
 
@@ -326,8 +328,6 @@ def check_trainer_keys(trainer: Mapping[str, Any]) -> None:
 
 def check_draft_keys(draft: Mapping[str, Any]) -> None:
     """draft.*: kind, init_from_target, arch + the family's GROUP_KEYS; arch keys are the family Config's fields."""
-    from dspark.models import registry
-
     if not isinstance(draft, Mapping) or "kind" not in draft:
         raise ConfigError("draft: needs a kind (choose a group: draft=dspark_v4_tiny, ...)")
     fam = registry.family(str(draft["kind"]))
@@ -360,8 +360,6 @@ def objective_keys(objective: str) -> type:
 def check_run_keys(cfg, overrides: Iterable[str] = ()) -> dict:
     """Every key of a train.py config: known, typed and in range; returns the resolved plain config. `overrides`:
     the command line's (Hydra's task overrides): setting a key only another objective reads is refused."""
-    from dspark.models import registry
-
     values = plain(cfg)
     top = set(keys_of(RunKeys)) | set(RUN_GROUPS)
     for key in values:
@@ -455,8 +453,6 @@ class RunConfig(RunKeys):
     @property
     def draft_family(self):
         """The draft's family record (dspark.models.registry.Family): kind, objective, ..."""
-        from dspark.models import registry
-
         return registry.family_of_config(self.draft)
 
     @property
@@ -468,8 +464,6 @@ class RunConfig(RunKeys):
     def draft_group(self) -> dict[str, Any]:
         """The draft section as a draft group, every size resolved (draft/draft_config.json, hyper_parameters):
         kind, the family's group keys, the warm-start keys, every other Config field under `arch`."""
-        from dspark.models import registry
-
         kind = self.draft_family.kind
         group = registry.resolved_group(self.draft, kind, {"kind": kind})
         arch = group.pop("arch")
@@ -494,8 +488,6 @@ def run_config(cfg, overrides: Iterable[str] = ()) -> RunConfig:
     (`overrides`: the command line's, as check_run_keys takes them) and the draft group resolved against the target's
     config.json (dspark.draft_resolve.resolve_draft: no weights load); a RunConfig is returned as it is. This is
     where a run's config becomes final: nothing changes it afterwards."""
-    from dspark.draft_resolve import resolve_draft
-
     if isinstance(cfg, RunConfig):
         return cfg
     values = check_run_keys(cfg, overrides)

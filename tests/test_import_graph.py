@@ -203,10 +203,7 @@ OPTIONAL_DEPENDENCIES = {
 }
 # dspark modules still imported inside a function, each with why (the goal is none): file -> {module: reason}.
 # The list only shrinks: an entry that no longer exists fails below.
-ITEM_1 = "left to issue 49 item 1's files (being made typed now): move after it lands"
 DEFERRED_DSPARK = {
-    "dspark/models/registry.py": dict.fromkeys(("dspark.models", "dspark.models.common"), ITEM_1),
-    "dspark/schema.py": dict.fromkeys(("dspark.draft_resolve", "dspark.models.registry"), ITEM_1),
     # `python -m dspark.export --help` / `verify` / a refused --run-dir: 2.3 s, not 5 s. Both pull what only an export
     # from a run needs: the factory's data stack (data.feature_cache_build) and, through dspark/targets/__init__.py's
     # V4.1 registration, transformers' DeepSeek-V4 classes (the layering fix: register V4.1 where a target loads)

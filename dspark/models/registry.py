@@ -37,7 +37,9 @@ from typing import Any
 
 import torch
 
+import dspark.models as models_package  # the package whose modules _discover imports (each registers its family)
 from dspark.errors import ConfigError
+from dspark.models.common import FieldError, config_from_dict
 from dspark.models.contract import FamilyContractError, check_family, optional
 
 NOT_CONFIG_KEYS = ("kind", "init_from_target", "init_from", "init_from_any_target", "arch")  # draft-group keys that are not config fields
@@ -121,10 +123,8 @@ def _discover() -> None:
     global _discovered
     if _discovered:
         return
-    import dspark.models as package
-
-    for info in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{package.__name__}.{info.name}")
+    for info in pkgutil.iter_modules(models_package.__path__):
+        importlib.import_module(f"{models_package.__name__}.{info.name}")
     _discovered = True
 
 
@@ -221,8 +221,6 @@ def build_config(group: Mapping[str, Any], hf_config, tokenizer=None):
     """The validated draft config of a draft group against the target's HF config (no weights needed): the checks
     every family shares (the draft reads the target's layers and shares its embedding / LM head), then the family's
     own (Config.from_target_config). Errors are ConfigError naming the draft-group key."""
-    from dspark.models.common import FieldError
-
     group = _plain(group)
     fam = family(str(group.get("kind")))
     values = config_values(group)
@@ -316,8 +314,6 @@ def vllm_options(config) -> dict:
 
 def config_from_group(group: Mapping[str, Any]):
     """A resolved draft group (draft_config.json) -> its family's config object, from the group alone (no target)."""
-    from dspark.models.common import config_from_dict
-
     group = _plain(group)
     kind = str(group.get("kind"))
     fam = family(kind)
