@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from dspark.errors import ConfigError, require
 from dspark.models import registry
+from dspark.targets import register_v41
 from dspark.targets.hf_target import resolve_target_source
 from dspark.targets.source import target_folder
 
@@ -40,6 +41,7 @@ def target_hf_config(target):
     """The target's HF config (config.json only, no weights)."""
     from transformers import AutoConfig
 
+    register_v41()
     source, local = target_source(target)
     try:
         return AutoConfig.from_pretrained(source, local_files_only=local)
@@ -52,6 +54,7 @@ def target_tokenizer(target):
     (registry.tokenizer_mask_id then says so)."""
     from transformers import AutoTokenizer
 
+    register_v41()
     source, local = target_source(target)
     try:
         return AutoTokenizer.from_pretrained(source, local_files_only=local)

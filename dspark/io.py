@@ -1,6 +1,7 @@
 """Crash-safe file writes: write to a temp file in the same folder, fsync, rename over the target, fsync the
 folder. Files keep the user's umask (a serving process or a teammate can read them); a crash leaves at most a
-`.<name>.*.tmp` file, which `remove_stale_tmp` clears on the next start."""
+`.<name>.*.tmp` file, which `remove_stale_tmp` clears on the next start. And where dspark keeps its caches
+(default_cache_dir)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,13 @@ import time
 from pathlib import Path
 
 import torch
+
+
+def default_cache_dir() -> Path:
+    """``$DSPARK_CACHE`` if set, else ``~/.cache/dspark`` (the tokenized rows, the feature caches)."""
+    env = os.environ.get("DSPARK_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "dspark"
+
 
 TMP_SUFFIX = ".tmp"
 

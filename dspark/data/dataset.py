@@ -24,6 +24,7 @@ import datasets
 
 from dspark.data.chat import ChatTemplateError, render_with_loss_mask
 from dspark.errors import ConfigError
+from dspark.io import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -90,12 +91,6 @@ def build_chat_dataset(
         }
     )
     return datasets.Dataset.from_dict(columns, features=features)
-
-
-def default_cache_dir() -> Path:
-    """``$DSPARK_CACHE`` if set, else ``~/.cache/dspark``."""
-    env = os.environ.get("DSPARK_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "dspark"
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

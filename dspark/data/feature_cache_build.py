@@ -18,12 +18,12 @@ from typing import Any
 
 from dspark.data import feature_stream as fs
 from dspark.data.cache_plan import FeatureCachePlan
-from dspark.data.dataset import default_cache_dir
 from dspark.data.feature_cache import (META_NAME, PROGRESS_NAME, SHARD_SIZE, FeatureCache, RowSubsetCache,
                                        build_feature_cache, cache_key, dataset_fingerprint, row_tokens,
                                        target_identity)
 from dspark.data.held_out import held_out_count
 from dspark.errors import ConfigError
+from dspark.io import default_cache_dir
 from dspark.models import registry
 from dspark.schema import DataKeys
 from dspark.targets.checkpoint import checkpoint_identity

@@ -39,6 +39,7 @@ from dspark.models.contract import optional
 from dspark.models.registry import vllm_options
 from dspark.schema import EvalKeys, TargetKeys, check_section, eval_config, typed
 from dspark.io import atomic_write_json, remove_stale_tmp, unwritable
+from dspark.targets import register_v41
 from dspark.targets.health import degenerate_warning, output_health
 from dspark.targets.hf_target import FrozenTarget
 from dspark.targets.source import shipped_without_work
@@ -351,6 +352,7 @@ def _hf_config(config_json: dict):
     """A transformers config object from a config.json dict; None for a model_type transformers does not know."""
     from transformers import CONFIG_MAPPING, PretrainedConfig
 
+    register_v41()
     model_type = config_json.get("model_type")
     if model_type is None:
         return PretrainedConfig.from_dict(config_json)

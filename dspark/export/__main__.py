@@ -14,11 +14,13 @@ import json
 import sys
 from pathlib import Path
 
+from dspark import factory
 from dspark.errors import ConfigError, UserError, one_line_errors
 from dspark.export.adapter import cli_commands, cli_kinds, primary_adapter
 from dspark.export.sts import SGLANG_FLAG, export_sts
 from dspark.export.verify import main_verify
 from dspark.models import registry
+from dspark.targets.source import target_folder
 from dspark.training import draft_dir as run_draft
 from dspark.training.draft_dir import CONFIG_FILE, DRAFT_DIR, TARGET_FILE
 
@@ -27,8 +29,6 @@ def _load_run_draft(run_dir: Path, target_kind: str, target_path: str | None):
     """Target + draft built by dspark.factory from RUN/draft/draft_config.json, with the trained weights."""
     import torch
     from omegaconf import OmegaConf
-
-    from dspark import factory
 
     draft_dir = run_dir / run_draft.DRAFT_DIR
     if not (draft_dir / run_draft.CONFIG_FILE).is_file():
@@ -91,8 +91,6 @@ def _default_target(run_dir: Path) -> str:
 
 def _target_checkpoint(kind: str, path: str | None) -> str | None:
     """The local folder of the run's target (what --merge-into takes), None when it is not one here."""
-    from dspark.targets.source import target_folder
-
     try:
         folder = target_folder({"kind": kind, "path": path})
     except Exception:  # noqa: BLE001 (only a hint: the next step then names the placeholder)

@@ -20,6 +20,7 @@ import torch
 from dspark.data.hf_generator import HFGenerator
 from dspark.data.regenerate import regenerate
 from dspark.data.sharegpt import iter_sharegpt
+from dspark.targets import register_v41
 from dspark.targets.tiny_v4 import TINY_V4_DIR
 from dspark.training.run import run_training
 
@@ -56,6 +57,8 @@ def build_random_tiny_llama(path: Path, seed: int = 0) -> Path:
 
 def regenerate_answers(target: Path, out: Path, limit: int = 160, max_new_tokens: int = 48) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    register_v41()
 
     def first_turns():
         for rec in iter_sharegpt(english_only=True):

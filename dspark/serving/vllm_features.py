@@ -46,6 +46,7 @@ import torch
 from dspark.data.feature_cache import CacheLayout, _rows_input_ids, write_feature_cache
 from dspark.serving.engine import VLLMWorker
 from dspark.serving.vllm_target_view import make_vllm_view, needs_vllm_view
+from dspark.targets import register_v41
 from dspark.targets.checkpoint import CheckpointReader, checkpoint_identity, meta_model
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,7 @@ def build_feature_cache_vllm(target_dir, layer_ids: list[int], rows, out_dir, *,
     `allow_unverified` (unsupported_reason)."""
     from transformers import AutoConfig
 
+    register_v41()
     target_dir = Path(target_dir)
     cfg = AutoConfig.from_pretrained(str(target_dir))
     reason = unsupported_reason(cfg, target_dtype=target_dtype, allow_unverified=allow_unverified)

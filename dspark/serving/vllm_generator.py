@@ -18,6 +18,7 @@ from dspark.data.generator import Completion, GenerationError, GeneratorUnavaila
 from dspark.data.hf_generator import NON_THINKING, decode_answer, render_chat, stop_token_ids
 from dspark.serving import engine  # VLLMWorker looked up per call: tests substitute it
 from dspark.serving.engine import VLLMWorkerError
+from dspark.targets import register_v41
 
 
 class VLLMGenerator:
@@ -29,6 +30,7 @@ class VLLMGenerator:
                  threads: int | None = None, engine_kwargs: dict | None = None):
         from transformers import AutoTokenizer, GenerationConfig
 
+        register_v41()
         self.target = str(target)
         self.tokenizer = AutoTokenizer.from_pretrained(self.target)
         if not getattr(self.tokenizer, "chat_template", None):

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from dspark.targets import register_v41
+
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -37,6 +39,7 @@ def load_causal_lm(path: Path, dtype: torch.dtype, device: str | torch.device):
     """(model, tokenizer) from a checked asset folder, offline, in eval mode with grads off."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 (heavy import)
 
+    register_v41()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.to(device).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from dspark.targets import register_v41
+
 # config keys that do not change what a target computes (left out of its config hash)
 VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache")
 
@@ -109,6 +111,7 @@ class CheckpointReader:
 def meta_model(folder, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    register_v41()
     cfg = AutoConfig.from_pretrained(str(folder))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)

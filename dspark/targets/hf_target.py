@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dspark.ops.lm_head import lm_head_logits, vllm_head_fp32
+from dspark.targets import register_v41
 
 
 @dataclass
@@ -240,6 +241,7 @@ def load_hf_target(path: str, layer_ids: list[int], dtype: str = "float32", *, r
     from transformers import AutoModelForCausalLM
 
     source = resolve_target_source(str(path))
+    register_v41()
     torch_dtype = getattr(torch, dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
@@ -252,6 +254,7 @@ def load_target_tokenizer(source: str):
     """The target's tokenizer from a resolved source (resolve_target_source): what every target loader hands out."""
     from transformers import AutoTokenizer
 
+    register_v41()  # a tokenizer without its class reads config.json's model_type
     try:
         return AutoTokenizer.from_pretrained(source)
     except OSError as e:

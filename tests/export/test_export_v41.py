@@ -172,8 +172,10 @@ def test_quantised_sidecar_scales_and_import(tmp_path, quant):
 def _tiny_target_draft(seed=0):
     from transformers import AutoConfig
 
+    from dspark.targets import register_v41
     from dspark.targets.tiny_v41 import TINY_V41_DIR
 
+    register_v41()
     hf = AutoConfig.from_pretrained(TINY_V41_DIR)
     cfg = DSparkV41Config.from_target_config(hf, num_layers=3, block_size=4, mask_token_id=4,
                                              target_layer_ids=[1, 2, 3], markov_rank=8)

@@ -153,8 +153,10 @@ def _target_configs(tmp_path) -> dict:
     DeepSeek-V4 / V4.1 / HY V4 folders and a Llama (SmolLM2's architecture: the tiny dense target)."""
     from transformers import AutoConfig
 
+    from dspark.targets import register_v41
     from dspark.targets.tiny_llama import build_tiny_llama
 
+    register_v41()  # tiny_v41's model_type
     assets = REPO / "dspark" / "assets"
     folders = {name: assets / name for name in ("tiny_v4", "tiny_v41", "tiny_hy_v4")}
     folders["tiny_llama"] = build_tiny_llama(tmp_path / "llama")
