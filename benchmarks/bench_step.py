@@ -82,6 +82,7 @@ def build(case: dict):
 
     sys.path.insert(0, str(REPO))
     from dspark import factory
+    from dspark.models import registry
     from dspark.schema import TrainKeys, typed
     from dspark.targets.hf_target import FrozenTarget
     from dspark.training.blocks import sample_anchors

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import torch
 
+from dspark.data.dataset import cached_chat_dataset
 from dspark.data.feature_cache_build import WHOLE_TARGET, TargetLoading, tap_layers
 from dspark.data.jsonl import iter_jsonl_records
 from dspark.data.sharegpt import iter_sharegpt
@@ -117,8 +118,6 @@ def load_records(data: DataKeys):
 
 def build_dataset(data: DataKeys, tokenizer):
     """The tokenized chat rows of the data section (cached by its source, limit and length settings)."""
-    from dspark.data.dataset import cached_chat_dataset  # (the datasets package: DEFERRED_DSPARK)
-
     source = f"{data.source}:{data.path}:{data.limit}:en={data.english_only}:strict={data.strict}"
     if data.path is not None and Path(str(data.path)).is_file():  # a changed file is a new cache entry
         st = Path(str(data.path)).stat()

@@ -204,9 +204,6 @@ OPTIONAL_DEPENDENCIES = {
 # dspark modules still imported inside a function, each with why (the goal is none): file -> {module: reason}.
 # The list only shrinks: an entry that no longer exists fails below.
 DEFERRED_DSPARK = {
-    # the datasets package (0.6 s) where rows are tokenized, not in `python -m dspark.export --help`, which imports the
-    # factory (for a run's draft): nothing else the factory imports needs datasets
-    "dspark/factory.py": {"dspark.data.dataset": "import time of the export CLI (datasets, 0.6 s)"},
     # the V4.1 registration itself: it loads transformers' DeepSeek-V4 classes (2 s), so it runs where a target or its
     # config.json loads (register_v41()), not when dspark.targets is imported (`python -m dspark.export --help`: 2.3 s)
     "dspark/targets/__init__.py": {"dspark.targets.v41": "the V4.1 registration, called where a target loads"},

@@ -220,7 +220,7 @@ def test_dense_round_trip_identical_logits(tmp_path, markov_rank, arch):
 
 # ---- real size on the meta device --------------------------------------------------------------------
 def test_flash_export_plan_on_meta(tmp_path):
-    values = draft_fields(OmegaConf.load(REPO / "configs" / "draft" / "dspark_v4_flash.yaml"))
+    values = draft_fields(OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "draft" / "dspark_v4_flash.yaml"), resolve=True))
     with torch.device("meta"):
         draft = DSparkV4Draft(DSparkV4Config.from_dict(values).validate())
     plan = v4_export_plan(draft)
@@ -249,7 +249,7 @@ def test_flash_plan_matches_the_independent_verifier_rules():
     from dspark.export.dspark_v4 import v4_config_json
     from dspark.export.dspark_v4 import v4_expected as _v4_expected, v4_optional as _v4_optional
 
-    values = draft_fields(OmegaConf.load(REPO / "configs" / "draft" / "dspark_v4_flash.yaml"))
+    values = draft_fields(OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "draft" / "dspark_v4_flash.yaml"), resolve=True))
     cfg = DSparkV4Config.from_dict(values).validate()
     with torch.device("meta"):
         draft = DSparkV4Draft(cfg)

@@ -259,7 +259,7 @@ def test_v4_config_from_a_sidecar(tmp_path):
 # ---- real size on the meta device --------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["fp8", "fp4"])
 def test_flash_quantised_plan_on_meta_matches_the_verifier(mode):
-    cfg = DSparkV4Config.from_dict(draft_fields(OmegaConf.load(REPO / "configs" / "draft" / "dspark_v4_flash.yaml")))
+    cfg = DSparkV4Config.from_dict(draft_fields(OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "draft" / "dspark_v4_flash.yaml"), resolve=True)))
     with torch.device("meta"):
         draft = DSparkV4Draft(cfg.validate())
     plan = v4_export_plan(draft, quant=mode)

@@ -14,7 +14,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "draft"
 
 def _values(name: str) -> dict:
     """The draft group YAML as DSparkV4Config keyword arguments (draft keys + arch), as train.py reads it."""
-    return draft_fields(OmegaConf.load(CONFIGS / f"{name}.yaml"))
+    return draft_fields(OmegaConf.to_container(OmegaConf.load(CONFIGS / f"{name}.yaml"), resolve=True))
 
 
 def _load(name: str) -> DSparkV4Config:
