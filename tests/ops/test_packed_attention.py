@@ -99,10 +99,11 @@ def test_a_wrong_rule_is_caught(monkeypatch):
     assert not torch.equal(_seen_keys(pm), naive_mask(ANCHORS, K, S, 4))
 
 
-@pytest.mark.parametrize("window", [None, 4])
-def test_flex_takes_the_rule(window):
-    """The CUDA backend (flex_attention, eager on CPU) with the rule as its mask_mod gives the reference's numbers."""
-    pm = PackedBlockMask(ANCHORS, K, S, window)
+@pytest.mark.parametrize("window,rule", [(None, "block"), (4, "block"), (4, "query"), (3, "query")])
+def test_flex_takes_the_rule(window, rule):
+    """The CUDA backend (flex_attention, eager on CPU) with the rule as its mask_mod gives the reference's numbers,
+    under both window rules (DeepSeek-V4's per-block one and vLLM's per-query one)."""
+    pm = PackedBlockMask(ANCHORS, K, S, window, rule)
     _, t, length = pm.shape
     q, k, v, sink = (x.detach() for x in _qkv(4, 2, t, length))
     ref = masked_attention(q, k, v, pm.dense(), 0.35, sink, backend="reference")

@@ -86,15 +86,6 @@ def test_packed_query_rule_equals_dense_values_and_gradients(window, query_chunk
         torch.testing.assert_close(a, b, atol=TOL, rtol=TOL)
 
 
-def test_flex_takes_the_query_rule():
-    pm = PackedBlockMask(ANCHORS, K, S, 3, "query")
-    _, t, length = pm.shape
-    q, k, v, sink = (x.detach() for x in _qkv(4, 2, t, length))
-    ref = masked_attention(q, k, v, pm.dense(), 0.35, sink, backend="reference")
-    flex = masked_attention(q, k, v, pm, 0.35, sink, backend="flex")
-    torch.testing.assert_close(flex, ref, atol=TOL, rtol=TOL)
-
-
 def test_context_start_and_bad_rules():
     assert [context_start(6, 3, "block"), context_start(6, 3, "query"), context_start(1, 3, "query"),
             context_start(6, None, "query")] == [3, 4, 0, 0]
