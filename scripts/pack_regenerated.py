@@ -7,6 +7,8 @@ benchmarks/data/<name>.jsonl.gz with a sha256 manifest, and unpack it back to re
     python scripts/pack_regenerated.py check                                   # every packed file vs the manifest
     # a run in progress: append-only shards <name>.partNNNN.jsonl.gz, each holding the lines added since the last
     python scripts/pack_regenerated.py shard data/regenerated/smollm2_30k_sharegpt.jsonl [--min-lines 500]
+    # a second process's range (scripts/regenerate.py --skip K --out PART) appended to the main output, once both end
+    python scripts/pack_regenerated.py merge data/regenerated/smollm2_30k_sharegpt.jsonl PART.jsonl
 
 Packing takes the complete lines only (a run may be appending while it packs: a partial last line is left out)
 and checks that each parses as a JSON object with an "id". The gzip files carry no timestamp, so packing the same
@@ -26,6 +28,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without install
+
+from dspark.data.regenerate import OutputBusy, writing_alone  # noqa: E402
 PACK_DIR = REPO / "benchmarks" / "data"
 DATA_DIR = REPO / "data" / "regenerated"
 MANIFEST = "manifest.json"
@@ -134,6 +139,47 @@ def shard(path: Path, pack_dir: Path = PACK_DIR, min_lines: int = 1) -> list[dic
     return written
 
 
+def _ids(data: bytes) -> dict[str, bytes]:
+    return {json.loads(line)["id"]: line for line in data.split(b"\n") if line.strip()}
+
+
+def _whole_lines(path: Path) -> bytes:
+    """complete_lines of a file that must not end in a torn line (appending after one would corrupt the next)."""
+    if not path.exists():
+        return b""
+    data = complete_lines(path)
+    if len(data) != path.stat().st_size:
+        raise ValueError(f"{path} ends in a torn line (a killed run): rerun its regeneration once to repair it")
+    return data
+
+
+def merge(main: Path, part: Path) -> tuple[int, int]:
+    """Append to ``main`` (and its failure sidecar) the records of ``part`` it lacks: the output of a second process
+    that regenerated a later range of the same source (scripts/regenerate.py --skip), with the same settings. Neither
+    may be in use by a regeneration; a record in both must be the same line. Appending keeps ``main``'s packed shards
+    valid; merging again appends nothing. Returns (records, failures) appended."""
+    main, part = Path(main), Path(part)
+    with writing_alone(main), writing_alone(part):
+        have = _ids(_whole_lines(main))
+        new = []
+        for rid, line in _ids(_whole_lines(part)).items():
+            if rid not in have:
+                new.append(line)
+            elif have[rid] != line:
+                raise ValueError(f"{part}: record {rid!r} differs from {main}'s: not the same source and settings")
+        side_main, side_part = (p.with_name(p.name + SIDECAR) for p in (main, part))
+        failed = _ids(_whole_lines(side_main))
+        taken = set(have) | {json.loads(line)["id"] for line in new} | set(failed)
+        new_failed = [line for rid, line in _ids(_whole_lines(side_part)).items() if rid not in taken]
+        for path, lines in ((main, new), (side_main, new_failed)):
+            if lines:
+                with open(path, "ab") as f:
+                    f.write(b"".join(line + b"\n" for line in lines))
+                    f.flush()
+                    os.fsync(f.fileno())
+    return len(new), len(new_failed)
+
+
 def _verified_text(pack_dir: Path, name: str, entry: dict) -> bytes:
     blob = (pack_dir / name).read_bytes()
     if _sha256(blob) != entry["sha256"]:
@@ -192,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     sh.add_argument("--min-lines", type=int, default=1, help="pack only when at least this many lines are new")
     for q in (p, u, c, sh):
         q.add_argument("--pack-dir", type=Path, default=PACK_DIR)
+    m = sub.add_parser("merge", help="append a second process's records (regenerate.py --skip) to the main output")
+    m.add_argument("main", type=Path)
+    m.add_argument("part", type=Path)
     args = ap.parse_args(argv)
     try:
         if args.cmd == "pack":
@@ -209,10 +258,13 @@ def main(argv: list[str] | None = None) -> int:
             for name in args.names:
                 for dest in unpack(name, args.pack_dir, args.data_dir, args.force):
                     print(f"{dest}: {_lines(dest.read_bytes())} lines")
+        elif args.cmd == "merge":
+            records, failures = merge(args.main, args.part)
+            print(f"{args.main}: {records} records and {failures} failures appended from {args.part}")
         else:
             for name, lines in check(args.pack_dir).items():
                 print(f"{name}: ok, {lines} lines")
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, OutputBusy) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -204,8 +204,9 @@ OPTIONAL_DEPENDENCIES = {
 # dspark modules still imported inside a function, each with why (the goal is none): file -> {module: reason}.
 # The list only shrinks: an entry that no longer exists fails below.
 DEFERRED_DSPARK = {
-    # the V4.1 registration itself: it loads transformers' DeepSeek-V4 classes (2 s), so it runs where a target or its
-    # config.json loads (register_v41()), not when dspark.targets is imported (`python -m dspark.export --help`: 2.3 s)
+    # the V4.1 registration itself: it loads transformers' modeling stack, so it runs where a target or its config.json
+    # loads (register_v41()), not when preflight imports dspark.targets (made top-level, a failing command line took
+    # 10.0 s instead of 3.6 s: docs/design.md, "Issue 27 record")
     "dspark/targets/__init__.py": {"dspark.targets.v41": "the V4.1 registration, called where a target loads"},
 }
 # Imports of required or standard-library packages still made inside a function (file, package): they predate this

@@ -46,6 +46,7 @@ instead of marking every remaining record failed. Rerun to resume.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -459,6 +460,29 @@ def _new_jobs(records: Iterable[dict], state: ResumeState, stats: RegenStats, li
         yield _Job.start(rid, record)
 
 
+class OutputBusy(RuntimeError):
+    """Another regeneration is writing the same output (two writers would duplicate records)."""
+
+
+@contextlib.contextmanager
+def writing_alone(out_path: Path) -> Iterator[None]:
+    """An exclusive lock on ``<out_path>.lock`` while a regeneration writes ``out_path`` (released when the process
+    ends, however it ends); OutputBusy at once when another process holds it."""
+    with open(out_path.with_name(out_path.name + ".lock"), "a+", encoding="utf-8") as lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            raise OutputBusy(f"{out_path}: {holder} is regenerating into it; wait for it to finish, or stop it (a "
+                             "rerun resumes), or choose another --out") from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()}")
+        lock.flush()
+        yield
+
+
 def regenerate(records: Iterable[dict], generator: Generator, out_path: str | os.PathLike, *,
                batch_size: int = 8, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0, limit: int | None = None, retry_failed: bool = False,
@@ -486,12 +510,20 @@ def regenerate(records: Iterable[dict], generator: Generator, out_path: str | os
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     failed_path = failed_path_for(out_path)
+    with writing_alone(out_path):
+        return _regenerate(records, generator, out_path, failed_path, sampling, batch_size, limit, retry_failed,
+                           Progress(limit, progress_every, clock))
+
+
+def _regenerate(records: Iterable[dict], generator: Generator, out_path: Path, failed_path: Path,
+                sampling: SamplingParams, batch_size: int, limit: int | None, retry_failed: bool,
+                progress: Progress) -> RegenStats:
     state = ResumeState.load(out_path, failed_path)
     name = getattr(generator, "name", type(generator).__name__)
 
     with open(out_path, "a", encoding="utf-8") as out, open(failed_path, "a", encoding="utf-8") as failed:
         run = _Run(generator, sampling, _Sink(out, failed, name, {"generator": name, "sampling": asdict(sampling)}),
-                   state, Progress(limit, progress_every, clock))
+                   state, progress)
         stats = run.stats
         try:
             jobs = _new_jobs(records, state, stats, limit, retry_failed)

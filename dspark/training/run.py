@@ -6,6 +6,7 @@ import logging
 import os
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import lightning as L
@@ -315,7 +316,7 @@ def run_training(cfg, callbacks: tuple[Callback, ...] = ()) -> dict:
     draft is written right after fit, before anything that could still fail (target fingerprint, metrics), and
     `resume=last` on a finished run only redoes those end-of-run steps. `cfg`: Hydra's DictConfig, checked
     (dspark.preflight) and typed (dspark.schema.RunConfig) here, once; everything below reads the typed sections."""
-    run = check_training_config(cfg)  # final: nothing below changes it (the held-out count aside: choose_held_out)
+    run = check_training_config(cfg)  # never changed below: the held-out count makes a new RunConfig (with_held_out)
     run_dir = Path(run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with claim_run_dir(run_dir):
@@ -325,7 +326,7 @@ def run_training(cfg, callbacks: tuple[Callback, ...] = ()) -> dict:
             if is_launcher_process():  # once per job, not once per rank
                 print_and_log(plan)
             if run.data.val_examples == "auto":  # a resumed run keeps its own held-out split
-                run.data.val_examples = (then.get("data") or {}).get("val_examples", "auto")
+                run = with_held_out(run, (then.get("data") or {}).get("val_examples", "auto"))
         if is_launcher_process():
             atomic_write_json(run_dir / RESUME_RECORD, {"resume": resume_command(run.experiment_name, run_dir)})
         return _train(run, run_dir, ckpt_path, callbacks)
@@ -376,7 +377,7 @@ def _train(run: RunConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> d
     # the rows come first (tokenizer only): the held-out split is checked against them before any model loads, and
     # with data.feature_cache a complete cache (a hit) loads only the target's head
     dataset = rows_before_target(run.data, target_folder(run.target), factory.build_dataset)
-    run.data.val_examples = choose_held_out(run.data.val_examples, len(dataset))
+    run = with_held_out(run, choose_held_out(run.data.val_examples, len(dataset)))  # saved in every checkpoint
     tiny = tiny_data_warning(run, len(dataset) - run.data.val_examples, run.data.val_examples)
     if tiny and is_launcher_process():
         print_and_log(tiny)
@@ -392,6 +393,11 @@ def _train(run: RunConfig, run_dir: Path, ckpt_path: str | None, callbacks) -> d
     install_draft_vocab(draft, datamodule.train_rows, target.tokenizer)  # draft.arch.draft_vocab_size
     with producer_scope(datamodule.features):  # data.feature_stream: its producer finishes (or stops on an error)
         return _fit(run, run_dir, ckpt_path, callbacks, target, draft, datamodule, t0)
+
+
+def with_held_out(run: RunConfig, val_examples: int | str) -> RunConfig:
+    """A copy of `run` holding out `val_examples` conversations (`run` itself unchanged)."""
+    return replace(run, data=replace(run.data, val_examples=val_examples))
 
 
 def choose_held_out(val_examples: int | str, n: int) -> int:

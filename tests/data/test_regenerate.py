@@ -24,7 +24,7 @@ from dspark.data.generator import (
 )
 from dspark.data.hf_generator import HFGenerator
 from dspark.data.openai_generator import OpenAIChatGenerator
-from dspark.data.regenerate import failed_path_for, plan_record, read_jsonl_state, regenerate
+from dspark.data.regenerate import OutputBusy, failed_path_for, plan_record, read_jsonl_state, regenerate
 
 # --------------------------------------------------------------------------------------------
 # Fakes and helpers
@@ -139,6 +139,30 @@ def test_crash_then_resume_gives_each_id_exactly_once(tmp_path):
     again = regenerate(records, EchoGenerator(), out, batch_size=3)
     assert (again.done, again.failed, again.skipped, again.total) == (0, 0, 10, 10)
     assert len(read_lines(out)) == 10
+
+
+def test_a_second_regeneration_into_the_same_output_is_refused_while_the_first_writes(tmp_path):
+    """Two writers of one output would both take the records not yet in it: the second is refused at once, naming the
+    first's pid; once the first is done (or dead: the lock is the kernel's) the output is free again."""
+    import os
+
+    records = make_records(4, turns=1)
+    out = tmp_path / "regen.jsonl"
+    refusals = []
+
+    class SecondWriter(EchoGenerator):
+        def generate(self, batch, sampling=None):
+            if not refusals:  # while the first regeneration holds the output
+                with pytest.raises(OutputBusy, match=f"pid {os.getpid()} is regenerating into it") as refused:
+                    regenerate(records, EchoGenerator(), out, batch_size=2)
+                refusals.append(refused.value)
+            return super().generate(batch, sampling)
+
+    stats = regenerate(records, SecondWriter(), out, batch_size=2)
+    assert len(refusals) == 1 and stats.done == 4
+    assert [r["id"] for r in read_lines(out)] == [f"r{i}" for i in range(4)]  # each once
+    again = regenerate(records, EchoGenerator(), out, batch_size=2)  # free again
+    assert (again.done, again.skipped) == (0, 4)
 
 
 def test_crash_mid_file_then_resume_equals_an_uninterrupted_run(tmp_path):

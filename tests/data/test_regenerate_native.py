@@ -113,6 +113,29 @@ def test_a_killed_run_resumes_to_the_records_of_an_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.slow
+def test_two_processes_on_two_ranges_merged_equal_one_run(tmp_path):
+    """--skip: a second process regenerates records K..N-1 into its own output; merged into the first's (records
+    0..K-1), the result is line for line what one process writes (per-record seeds), and merging again adds nothing."""
+    n, k = 12, 5
+    src = _prompt_file(tmp_path, n)
+    whole, first, second = tmp_path / "whole.jsonl", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    for cmd in (_cmd(src, whole, n), _cmd(src, first, k), _cmd(src, second, n) + ["--skip", str(k)]):
+        subprocess.run(cmd, env=_env(), check=True, capture_output=True)
+    assert set(_by_id(second)) | set(_by_id(second.with_name(second.name + ".failed.jsonl"))) == \
+        {f"r{i}" for i in range(k, n)}
+    merge = [sys.executable, str(REPO / "scripts" / "pack_regenerated.py"), "merge", str(first), str(second)]
+    subprocess.run(merge, env=_env(), check=True, capture_output=True)
+    assert sorted(first.read_text().splitlines()) == sorted(whole.read_text().splitlines())
+    side = lambda p: sorted(p.with_name(p.name + ".failed.jsonl").read_text().splitlines())  # noqa: E731
+    assert side(first) == side(whole)
+    again = subprocess.run(merge, env=_env(), check=True, capture_output=True, text=True)
+    assert "0 records and 0 failures appended" in again.stdout
+    bad = subprocess.run(_cmd(src, tmp_path / "x.jsonl", 3) + ["--skip", "3"], env=_env(), capture_output=True,
+                         text=True)
+    assert bad.returncode != 0 and "--skip 3 needs a --limit above it" in bad.stderr
+
+
+@pytest.mark.slow
 def test_ctrl_c_ends_in_one_line_saying_what_was_kept(tmp_path):
     n = 300
     src = _prompt_file(tmp_path, n)

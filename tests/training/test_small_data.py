@@ -99,3 +99,21 @@ def test_a_small_dataset_trains_with_a_fitted_split_and_an_explicit_misfit_is_on
     assert "data.val_examples=auto: 3 of 39 usable conversations held out for validation" in ok.stdout
     saved = json.loads((tmp_path / "ok" / "metrics.json").read_text())
     assert saved["global_step"] == 2 and "val/tau_prob" in saved["final"]
+
+
+def test_the_held_out_count_is_a_new_run_config_and_the_checked_one_is_never_changed(tmp_path, monkeypatch):
+    """auto becomes a count once the rows are known: the checkpoints save the count, the RunConfig preflight built is
+    left as it was (also on a resume, which takes the checkpoint's count)."""
+    from dspark.training import run as run_module
+    from dspark.training.resume import checkpoint_config
+
+    checked = []
+    original = run_module.check_training_config
+    monkeypatch.setattr(run_module, "check_training_config", lambda cfg: checked.append(original(cfg)) or checked[-1])
+    tiny = [o for o in TINY_RUN if not o.startswith(("data.val_examples", "trainer.max_steps"))]
+    for resume in ([], ["resume=last", "resume_override=[trainer.max_steps]", "trainer.max_steps=3"]):
+        run_module.run_training(compose(tiny + [f"run_dir={tmp_path / 'run'}", "trainer.max_steps=2", *resume]))
+    assert [c.data.val_examples for c in checked] == ["auto", "auto"]
+    saved, step = checkpoint_config(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    n = 160 - saved["data"]["val_examples"]  # data.limit=160 records, a tenth of the usable ones held out
+    assert step == 3 and isinstance(saved["data"]["val_examples"], int) and 0 < saved["data"]["val_examples"] < n
