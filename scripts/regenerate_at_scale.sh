@@ -44,9 +44,10 @@ stage() {  # stage SOURCE LIMIT
 # ShareGPT holds 13,866 such conversations (after the prompt filter); reasoning-gym fills the set to 30,000. The
 # stages reach the 15,000 of the data-size curve early (scripts/mix_regenerated.py --rg-share 27/50: 6,900 ShareGPT +
 # 8,100 reasoning-gym), then the whole set (13,800 + 16,200 at the same share); reasoning-gym (~93 conversations/min
-# on one core, ShareGPT's multi-turn ~34) goes first so the count grows fastest.
+# on one core, ShareGPT's multi-turn ~34) goes first so the count grows fastest; the last 800 reasoning-gym problems
+# took the set past 30,000 while ShareGPT's last ranges were still running (session 5).
 for spec in sharegpt:2000 reasoning-gym:2000 sharegpt:5000 reasoning-gym:5000 sharegpt:7000 reasoning-gym:8100 \
-            sharegpt:9000 reasoning-gym:16200 sharegpt:13866; do
+            sharegpt:9000 reasoning-gym:16200 sharegpt:13866 reasoning-gym:17000; do
   stage "${spec%%:*}" "${spec##*:}"
 done
 echo "[$(date +%FT%T)] all stages done: $(settled "$SHAREGPT_OUT") sharegpt, $(settled "$RG_OUT") reasoning-gym records"
