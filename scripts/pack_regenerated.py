@@ -161,17 +161,17 @@ def merge(main: Path, part: Path) -> tuple[int, int]:
     main, part = Path(main), Path(part)
     with writing_alone(main), writing_alone(part):
         have = _ids(_whole_lines(main))
-        new = []
+        new = {}
         for rid, line in _ids(_whole_lines(part)).items():
             if rid not in have:
-                new.append(line)
+                new[rid] = line
             elif have[rid] != line:
                 raise ValueError(f"{part}: record {rid!r} differs from {main}'s: not the same source and settings")
         side_main, side_part = (p.with_name(p.name + SIDECAR) for p in (main, part))
         failed = _ids(_whole_lines(side_main))
-        taken = set(have) | {json.loads(line)["id"] for line in new} | set(failed)
+        taken = have.keys() | new.keys() | failed.keys()
         new_failed = [line for rid, line in _ids(_whole_lines(side_part)).items() if rid not in taken]
-        for path, lines in ((main, new), (side_main, new_failed)):
+        for path, lines in ((main, list(new.values())), (side_main, new_failed)):
             if lines:
                 with open(path, "ab") as f:
                     f.write(b"".join(line + b"\n" for line in lines))

@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--strict", action="store_true", help="fail on a malformed .jsonl line instead of skipping it")
     src.add_argument("--limit", type=int, default=None, help="only the first N records of the source")
     src.add_argument("--skip", type=int, default=0,
-                     help="leave out the first K of those records (after the prompt filter): a second process on another "
-                          "core takes records K..N-1 into its own --out (scripts/pack_regenerated.py merge joins them)")
+                     help="leave out the first K of those records (after the prompt filter): a second process on "
+                          "another core takes records K..N-1 into its own --out (pack_regenerated.py merge joins them)")
     src.add_argument("--english-only", action="store_true", help="sharegpt: skip records that are not English")
     src.add_argument("--max-user-turns", type=int, default=None,
                      help="regenerate only the first N user turns of each record (default: all)")
@@ -250,12 +250,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: --skip {args.skip} needs a --limit above it (records skip..limit-1 are regenerated)")
     records = prompt_filter.apply(_records(args))  # a bad source stops here, before the model loads
     records = itertools.islice(records, args.skip, None)
+    limit = None if args.limit is None else args.limit - args.skip  # of the records after the skipped ones
     generator = _generator(args, sampling)
     per_call = args.batch_size or DEFAULT_ROWS.get(args.engine, 8)  # records per call (batch generators)
     try:
         stats = regenerate(records, generator, args.out, batch_size=per_call,
                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                           seed=args.seed, limit=None if args.limit is None else args.limit - args.skip, retry_failed=args.retry_failed,
+                           seed=args.seed, limit=limit, retry_failed=args.retry_failed,
                            progress_every=args.progress_every)
     except GeneratorUnavailable as exc:
         print(f"error: generator unavailable, run stopped (rerun to resume): {exc}", file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -144,8 +145,6 @@ def test_crash_then_resume_gives_each_id_exactly_once(tmp_path):
 def test_a_second_regeneration_into_the_same_output_is_refused_while_the_first_writes(tmp_path):
     """Two writers of one output would both take the records not yet in it: the second is refused at once, naming the
     first's pid; once the first is done (or dead: the lock is the kernel's) the output is free again."""
-    import os
-
     records = make_records(4, turns=1)
     out = tmp_path / "regen.jsonl"
     refusals = []
